@@ -1,0 +1,26 @@
+"""Advantages from rewards: pure tensor functions, ALGORITHMS.md §1.
+
+GRPO:      A_i = (r_i - μ) / (s + ε)     μ, s = mean and sample std (Bessel, G-1) of the group
+Dr. GRPO:  A_i =  r_i - μ                (scale = False)
+
+One value per completion; the loss broadcasts it over the completion's tokens.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:
+    """GRPO advantage, ALGORITHMS.md §1. rewards: (B, G) -> (B, G).
+
+    A group whose rewards are all equal gets A = 0 (never NaN). A group of one (G = 1) has no
+    spread to compare against, so its advantage is 0 as well.
+    """
+    mean = rewards.mean(dim=1, keepdim=True)                 # (B, 1)  μ
+    centered = rewards - mean                                # (B, G)  r_i - μ
+    if not scale:                                            # Dr. GRPO: no std division
+        return centered
+    if rewards.shape[1] < 2:                                 # sample std of one value is undefined
+        return centered
+    std = rewards.std(dim=1, keepdim=True)                   # (B, 1)  sample std (G-1)
+    return centered / (std + eps)

@@ -1,0 +1,112 @@
+"""Checkpoints: a Hugging Face model folder plus what an exact resume needs.
+
+<output_dir>/checkpoint-<step>/
+    config.json, generation_config.json, model.safetensors, tokenizer files   (from_pretrained)
+    optimizer.pt      full AdamW state (tensors, numbers, lists only)
+    trainer_state.pt  step, scheduler, sampler state, per-rank RNG states
+
+Written under `.tmp-checkpoint-<step>` and renamed when complete, so a crash mid-save never
+leaves a broken newest checkpoint. Loading uses safetensors and `torch.load(weights_only=True)`:
+nothing is unpickled beyond tensors and plain containers. Assumes output_dir is on a file system
+all ranks see (the usual shared disk of a multi-node job).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+from pspo import distributed
+from pspo.distributed import Dist
+
+_NAME = re.compile(r"checkpoint-(\d+)$")
+
+
+def checkpoint_path(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"checkpoint-{step}")
+
+
+def save_checkpoint(output_dir: str, step: int, policy: torch.nn.Module, tokenizer,
+                    optimizer: torch.optim.Optimizer, trainer_state: dict, dist_: Dist,
+                    keep: int = 0) -> str:
+    """Collective: every rank calls it. Returns the final checkpoint path."""
+    final = checkpoint_path(output_dir, step)
+    tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
+    model_state = distributed.full_model_state(policy)          # gathers on every rank
+    optim_state = distributed.full_optimizer_state(policy, optimizer)
+    if dist_.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        lm = policy.lm
+        if lm.config.tie_word_embeddings:                        # one tensor, stored once
+            model_state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model.safetensors"),
+                  metadata={"format": "pt"})
+        lm.config.save_pretrained(tmp)
+        lm.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
+    del model_state, optim_state
+    distributed.barrier()
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, os.path.join(tmp, f"rng-rank{dist_.rank}.pt"))
+    distributed.barrier()
+    if dist_.is_main:
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)                                   # atomic on one file system
+        _prune(output_dir, keep)
+    distributed.barrier()
+    return final
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints, oldest first (temporary folders are never listed)."""
+    found = []
+    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
+        m = _NAME.search(path)
+        if m and os.path.exists(os.path.join(path, "trainer_state.pt")):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def resolve_resume(resume: str, output_dir: str) -> str | None:
+    """train.resume: "" -> None; "auto" -> newest checkpoint in output_dir (or None); else a path."""
+    if resume == "":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1][1] if found else None
+    if not os.path.exists(os.path.join(resume, "trainer_state.pt")):
+        raise FileNotFoundError(f"train.resume: {resume!r} is not a checkpoint folder (no trainer_state.pt)")
+    return resume
+
+
+def load_trainer_state(path: str, rank: int) -> dict:
+    """The trainer state, with this rank's RNG states restored."""
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    rng_file = os.path.join(path, f"rng-rank{rank}.pt")
+    if os.path.exists(rng_file):                                 # absent when resuming on more ranks
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state
+
+
+def load_optimizer(path: str, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True, map_location="cpu")
+    distributed.load_full_optimizer_state(policy, optimizer, state)
+
+
+def _prune(output_dir: str, keep: int) -> None:
+    if keep <= 0:
+        return
+    for _, path in list_checkpoints(output_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,251 @@
+"""Typed configuration: dataclasses filled from YAML, then `--section.key=value` overrides.
+
+Precedence is CLI > YAML > the defaults below. Every field has one comment naming its symbol in
+ALGORITHMS.md (where it has one) and its unit. Validation runs once, right after loading, and a
+mistake is one `ConfigError` line naming the key (train.py turns it into exit code 2).
+A YAML file may start with `base: other.yaml` (relative to itself) to inherit from a preset.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line naming the key."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "builtin:tiny"  # hub id, local folder, or builtin:tiny (cached demo model)
+    trust_remote_code: bool = False     # run model code shipped with a checkpoint (off: safer)
+    bf16: bool = False                  # bf16 autocast for forward passes (GPU); log-probs stay fp32
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    logprob_chunk_tokens: int = 2048    # tokens per (chunk x vocab) logits block in the loss
+
+
+@dataclass
+class DataConfig:
+    train: str = "builtin:arithmetic"   # builtin:arithmetic, a .jsonl/.json/.parquet file, or hub name
+    train_split: str = "train"          # split of `train`
+    eval: str = "builtin:arithmetic"    # eval set, same forms as `train`; "" disables eval
+    eval_split: str = "test"            # split of `eval`
+    problem_field: str = "problem"      # column holding the question
+    answer_field: str = "answer"        # column holding the gold answer
+    system_prompt: str = ""             # system message of the chat template ("" = none)
+    max_eval_examples: int = 0          # 0 = the whole eval set
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"                  # generation engine: hf (transformers generate)
+    num_generations: int = 8            # G, completions per prompt
+    temperature: float = 1.0            # T; also divides the logits in the loss (§1)
+    top_p: float = 1.0                  # nucleus sampling mass
+    max_new_tokens: int = 16            # L_max, tokens per completion
+    batch_size: int = 512               # sequences per generate call on one rank
+
+
+@dataclass
+class RewardConfig:
+    accuracy: float = 1.0               # weight of the math-verify accuracy reward (§5)
+    format: float = 0.0                 # weight of the <think>..</think> format reward (§5)
+    cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
+    timeout_s: float = 5.0              # per-call limit of one reward function, seconds
+
+
+@dataclass
+class AlgoConfig:
+    scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
+    aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
+    beta: float = 0.04                  # β, weight of the k3 KL to the reference policy
+    eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
+    eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
+    num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
+    adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6                    # peak AdamW learning rate
+    weight_decay: float = 0.0           # AdamW decoupled weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    warmup_steps: int = 0               # linear warm-up, in optimizer steps
+    min_lr_ratio: float = 0.0           # cosine decays to lr * min_lr_ratio at the last step
+    max_grad_norm: float = 1.0          # global grad-norm clip (0 = off)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/demo"       # metrics.jsonl, TensorBoard events, checkpoints
+    seed: int = 0                       # seeds data order, sampling and init
+    max_steps: int = 100                # rollout steps
+    prompts_per_step: int = 64          # B, global prompts per step (split over ranks)
+    micro_batch_size: int = 64          # sequences per forward/backward on one rank
+    eval_steps: int = 0                 # evaluate every N steps (0 = only before/after)
+    save_steps: int = 0                 # checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
+    resume: str = ""                    # "" (fresh), "auto" (latest in output_dir), or a path
+    progress: bool = True               # tqdm bar on rank 0
+
+
+@dataclass
+class EvalConfig:
+    num_samples: int = 0                # k for mean@k sampled accuracy (0 = greedy only)
+    temperature: float = 0.6            # sampling temperature for mean@k
+    top_p: float = 0.95                 # nucleus mass for mean@k
+    batch_size: int = 256               # prompts per generate call
+    output: str = ""                    # eval.py writes its results here as JSON ("" = no file)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+ENGINES = ("hf",)
+AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")
+
+
+def _coerce(key: str, value: Any, typ: str) -> Any:
+    """Check/convert one value to the field's annotated type (YAML values and CLI strings)."""
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+    elif typ == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ == "str":
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {typ}, got {value!r}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections or not name:
+        raise ConfigError(f"{key}: unknown section, expected one of {', '.join(sections)}")
+    sub = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    if name not in fields:
+        raise ConfigError(f"{key}: unknown key, expected one of {', '.join(fields)}")
+    setattr(sub, name, _coerce(key, value, str(fields[name].type)))
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Read a YAML config, following `base:` links; later files override earlier ones."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"{path}: `base:` cycle")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    merged: dict[str, dict[str, Any]] = {}
+    base = raw.pop("base", None)
+    if base is not None:
+        merged = _read_yaml(os.path.join(os.path.dirname(path), str(base)), seen + (os.path.abspath(path),))
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section `{section}` must be a mapping of key: value")
+        merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def load_config(path: str | None, overrides: list[str] = (), world_size: int = 1) -> Config:
+    """Defaults <- YAML file (if any) <- `--section.key=value` overrides; then validate."""
+    cfg = Config()
+    if path:
+        for section, values in _read_yaml(path).items():
+            for name, value in values.items():
+                _set(cfg, f"{section}.{name}", value)
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"{item}: overrides look like --section.key=value")
+        key, _, value = item[2:].partition("=")
+        _set(cfg, key, value)
+    validate(cfg, world_size)
+    return cfg
+
+
+def _check(ok: bool, key: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Impossible values and combinations, each reported as one line naming the key."""
+    r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
+    _check(r.engine in ENGINES, "rollout.engine", " | ".join(ENGINES), r.engine)
+    _check(r.num_generations >= 2, "rollout.num_generations", "G >= 2 (a group needs two samples)", r.num_generations)
+    _check(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
+    _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
+    _check(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
+    _check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
+    _check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
+    _check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)
+    _check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
+    _check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
+    _check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
+    _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
+    _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)
+    _check(o.max_grad_norm >= 0, "optim.max_grad_norm", ">= 0", o.max_grad_norm)
+    _check(t.max_steps >= 1, "train.max_steps", ">= 1", t.max_steps)
+    _check(t.prompts_per_step >= world_size and t.prompts_per_step % world_size == 0,
+           "train.prompts_per_step", f"a multiple of the {world_size} ranks", t.prompts_per_step)
+    _check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
+    for key in ("eval_steps", "save_steps", "keep_checkpoints"):
+        _check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
+    weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine")}
+    _check(any(w != 0 for w in weights.values()), "reward", "at least one non-zero weight", weights)
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "> 0", cfg.reward.timeout_s)
+    _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
+    _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
+    _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
+    _check(cfg.data.max_eval_examples >= 0, "data.max_eval_examples", ">= 0", cfg.data.max_eval_examples)
+    _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config (every field, after overrides) as YAML."""
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

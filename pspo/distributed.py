@@ -1,0 +1,120 @@
+"""torch.distributed plumbing: process group, FSDP2 sharding, reductions, full-state gather.
+
+Launch with `torchrun --nproc_per_node=N train.py ...` (one or many nodes); a plain
+`python train.py` is a world of one. gloo on CPU, NCCL on GPU. Each rank generates and scores
+its own slice of prompts; a prompt's G completions stay on one rank, so group statistics need no
+communication, and only gradients (inside FSDP) and logged sums cross ranks.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """Join the torchrun process group if there is one; pick this rank's device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world_size, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shard(policy: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """FSDP2: `fully_shard` each decoder layer, then the root (the Policy wrapper).
+
+    Decoder layers are found by the model's own `_no_split_modules` class names, so any
+    transformers architecture works. A world of one is left unsharded (nothing to shard).
+    """
+    if world_size == 1:
+        return policy
+    layer_names = set(getattr(policy.lm, "_no_split_modules", None) or [])
+    layers = [m for m in policy.lm.modules() if type(m).__name__ in layer_names]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers ({sorted(layer_names)}) to shard in {type(policy.lm).__name__}")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(policy)
+    return policy
+
+
+def all_reduce_sum(x: Tensor) -> Tensor:
+    """Sum over ranks (in place on a copy); identity in a world of one."""
+    x = x.clone()
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def all_reduce_max(x: Tensor) -> Tensor:
+    x = x.clone()
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
+def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum a dict of per-rank scalars over ranks in one collective."""
+    keys = sorted(sums)
+    values = all_reduce_sum(torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64, device=device))
+    return dict(zip(keys, values.tolist()))
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(policy: torch.nn.Module) -> dict[str, Tensor]:
+    """The unsharded transformers state dict (keys without the `lm.` prefix), on CPU.
+
+    Every rank must call it (it gathers); only rank 0's copy is complete and meant to be used.
+    """
+    state = get_model_state_dict(policy, options=_FULL)
+    return {k.removeprefix("lm."): v for k, v in state.items()}
+
+
+def full_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return get_optimizer_state_dict(policy, optimizer, options=_FULL)
+
+
+def load_full_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    set_optimizer_state_dict(policy, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only, keeping `if rank == 0` out of the loop."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)

@@ -1,0 +1,138 @@
+"""Per-token log-probs and the clipped surrogate objective with a k3 KL term, ALGORITHMS.md §1.
+
+    ρ_it  = exp(logπ_θ(o_it) - logπ_old(o_it))          logits divided by the sampling temperature
+    pg_it = -min(ρ_it·Â_i, clip(ρ_it, 1-ε_low, 1+ε_high)·Â_i)
+    kl_it = exp(logπ_ref - logπ_θ) - (logπ_ref - logπ_θ) - 1      (k3)
+    ℓ_it  = pg_it + β·kl_it
+
+Aggregation is a per-sequence weight w_i computed from GLOBAL counts (every micro-batch and rank
+of the optimizer step), so the step loss Σ_i w_i Σ_t mask_it ℓ_it is a plain sum over sequences
+and splitting the batch into micro-batches or ranks cannot change the gradient:
+
+    grpo      : w_i = 1 / (N_seq · T_i)            (1/N_seq) Σ_i (1/T_i) Σ_t ℓ_it
+    token_mean: w_i = 1 / Σ_j T_j                  (BNPO / DAPO)
+    dr_grpo   : w_i = 1 / (N_seq · L_max)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor,
+                    temperature: float) -> tuple[Tensor, Tensor]:
+    """(n, H), (V, H), (n,) -> logp (n,) with grad, entropy (n,) detached; one (n x V) block."""
+    # Autocast off: a bf16 log_softmax over a 151k vocabulary loses the small log-probs that
+    # the ratio ρ is made of, so the head runs in float32 whatever the caller's autocast says.
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logp_all = torch.log_softmax(hidden.float() @ weight.float().T / temperature, dim=-1)  # (n, V)
+        logp = logp_all.gather(1, targets[:, None]).squeeze(1)                                 # (n,)
+    with torch.no_grad():                          # entropy is for logging: keep it out of the graph
+        entropy = -(logp_all.exp() * logp_all).sum(-1)                                         # (n,)
+    return logp, entropy
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                   chunk_tokens: int = 2048) -> tuple[Tensor, Tensor]:
+    """log softmax(h·Wᵀ / temperature)[target] per token, the logπ of ALGORITHMS.md §1.
+
+    hidden (N, T, H), weight (V, H) (the lm_head), targets (N, T) -> logp (N, T) float32 with
+    grad, entropy (N, T) float32 detached. The N·T tokens are processed chunk_tokens at a time
+    and each chunk is checkpointed, so at most one (chunk_tokens x V) logits block is alive in
+    forward and in backward (backward recomputes it): 8k tokens x a 151k vocabulary in float32
+    would otherwise keep 5 GB per micro-batch.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
+    N, T, H = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(N * T, H), targets.reshape(N * T)   # (N·T, H), (N·T,)
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, entropies = [], []
+    for start in range(0, N * T, chunk_tokens):
+        h = flat_hidden[start:start + chunk_tokens]                                  # (n, H)
+        t = flat_targets[start:start + chunk_tokens]                                 # (n,)
+        if needs_grad:
+            logp, entropy = checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False)
+        else:                                      # scoring π_old / π_ref: nothing to recompute
+            logp, entropy = _chunk_logprobs(h, weight, t, temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps).view(N, T), torch.cat(entropies).view(N, T)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 estimator of KL(π_θ || π_ref) per token, ALGORITHMS.md §1: exp(d) - d - 1, d = ref - logp.
+
+    Non-negative, zero where the two policies agree; any shape, elementwise.
+    """
+    d = ref_logp - logp                                                   # logπ_ref - logπ_θ
+    return torch.exp(d) - d - 1
+
+
+def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_low: float,
+                      eps_high: float) -> tuple[Tensor, Tensor]:
+    """pg_it = -min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), ALGORITHMS.md §1.
+
+    logp, old_logp (N, T); advantages (N,) one per completion, broadcast over its tokens.
+    Returns pg (N, T) and is_clipped (N, T) bool: where the clipped term is the strict minimum,
+    i.e. ρ > 1+ε_high with Â > 0 or ρ < 1-ε_low with Â < 0, the tokens whose gradient the clip
+    zeroes.
+    """
+    ratio = torch.exp(logp - old_logp)                                    # (N, T) ρ
+    adv = advantages[:, None]                                             # (N, 1)
+    unclipped = ratio * adv                                               # (N, T)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv         # (N, T)
+    pg = -torch.min(unclipped, clipped)                                   # (N, T)
+    return pg, clipped < unclipped
+
+
+def sequence_weights(mask: Tensor, aggregation: str, num_seqs: int, num_tokens: int,
+                     max_len: int) -> Tensor:
+    """Per-sequence multipliers w_i (N,) float32 realising an aggregation of ALGORITHMS.md §1.
+
+    mask (N, T) marks completion tokens (bool or float). num_seqs and num_tokens are GLOBAL
+    counts over every micro-batch and rank of the optimizer step; max_len is L_max. With them,
+    Σ over the step of w_i Σ_t mask_it ℓ_it equals the aggregation exactly, however the step is
+    split. A sequence with no tokens gets a finite weight (its token sum is 0 anyway).
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"algo.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+    lengths = mask.to(torch.float32).sum(1)                               # (N,) T_i
+    if aggregation == "grpo":
+        return 1.0 / (num_seqs * lengths.clamp(min=1))                    # 1/(N_seq·T_i)
+    if aggregation == "token_mean":
+        return torch.full_like(lengths, 1.0 / max(num_tokens, 1))         # 1/Σ_j T_j
+    return torch.full_like(lengths, 1.0 / (num_seqs * max_len))           # dr_grpo: 1/(N_seq·L_max)
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
+                mask: Tensor, seq_weights: Tensor, beta: float, eps_low: float,
+                eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = Σ_i w_i Σ_t mask_it ℓ_it, ℓ_it = pg_it + β·kl_it (ALGORITHMS.md §1), and stats.
+
+    logp, old_logp, ref_logp, mask (N, T); advantages, seq_weights (N,). The KL term enters the
+    loss only when beta != 0 and ref_logp is given. Summing the returned loss over micro-batches
+    and ranks gives the aggregated loss of the optimizer step.
+
+    stats are detached SUMS over these sequences, to be summed across micro-batches and ranks
+    and then divided by the caller: "pg_loss" (Σ_i w_i Σ_t mask·pg, weighted like the loss),
+    "kl" (Σ mask·kl, unweighted; 0 without ref_logp, logged even when beta == 0),
+    "clipped_tokens", "ratio" (Σ mask·ρ) and "tokens" (Σ mask).
+    """
+    mask = mask.to(logp.dtype)                                            # (N, T)
+    pg, is_clipped = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)  # (N, T)
+    kl = k3_kl(logp, ref_logp) if ref_logp is not None else None          # (N, T)
+    per_token = pg + beta * kl if (kl is not None and beta != 0) else pg  # (N, T) ℓ
+    loss = ((per_token * mask).sum(1) * seq_weights).sum()                # scalar
+    with torch.no_grad():
+        stats = {
+            "pg_loss": ((pg * mask).sum(1) * seq_weights).sum(),
+            "kl": (kl * mask).sum() if kl is not None else logp.new_zeros(()),
+            "clipped_tokens": (is_clipped * mask).sum(),
+            "ratio": (torch.exp(logp - old_logp) * mask).sum(),
+            "tokens": mask.sum(),
+        }
+    return loss, stats

@@ -1,0 +1,114 @@
+"""The policy and the frozen reference: loading, and per-token log-probs of completions.
+
+`Policy` wraps a transformers causal LM. Its forward returns log π(o_t | q, o_<t) for the
+completion tokens, from logits divided by the sampling temperature, in float32, one
+(tokens x vocab) block at a time (loss.token_logprobs). Generation also goes through
+`Policy.__call__` (generate=True): under FSDP2 the wrapper is the root module, and only work done
+inside the root's forward sees its gathered parameters (embeddings, final norm, lm_head).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from pspo.loss import token_logprobs
+from pspo.tiny import TINY_MODEL, ensure_tiny_model
+
+
+hf_logging.disable_progress_bar()          # per-file "Loading weights" bars would drown the training bar
+
+
+class ModelError(ValueError):
+    """The model path cannot be loaded; the message is one line."""
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """`builtin:tiny` -> the cached demo model (built on first use); anything else as given."""
+    return ensure_tiny_model() if name_or_path == TINY_MODEL else name_or_path
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Left-padding tokenizer (generation pads prompts on the left); pad falls back to eos."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model.name_or_path: cannot load a tokenizer from {path!r} ({_first_line(e)})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
+    """float32 master weights; bf16 is applied by autocast at compute time (model.bf16)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+class Policy(torch.nn.Module):
+    """A causal LM that scores completions (forward) and generates (forward(generate=True))."""
+
+    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = 2048, bf16: bool = False):
+        super().__init__()
+        self.lm, self.chunk_tokens, self.bf16 = lm, chunk_tokens, bf16
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int = 0,
+                temperature: float = 1.0, generate: bool = False, **generate_kwargs):
+        """input_ids/attention_mask (N, P+T): left-padded prompt then completion.
+
+        Returns (logp (N, T), entropy (N, T)) for the last T = num_completion_tokens positions.
+        """
+        if generate:
+            with self._autocast():
+                return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+        T = num_completion_tokens
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)   # skip left padding
+        with self._autocast():
+            hidden = self.lm.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                                        position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state
+        # hidden at position s predicts token s+1: the last T positions predict the completion.
+        weight = self.lm.get_output_embeddings().weight                       # (V, H)
+        return token_logprobs(hidden[:, -T:], weight, input_ids[:, -T:], temperature, self.chunk_tokens)
+
+    def _autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.lm.device.type, dtype=torch.bfloat16)
+
+
+def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bool,
+                 gradient_checkpointing: bool, trainable: bool = True) -> Policy:
+    """The trainable policy, or (trainable=False) a frozen reference in eval mode."""
+    lm = load_causal_lm(path, trust_remote_code)
+    if gradient_checkpointing and trainable:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.config.use_cache = not (gradient_checkpointing and trainable)
+    policy = Policy(lm, chunk_tokens, bf16)
+    if not trainable:
+        policy.eval().requires_grad_(False)
+    return policy
+
+
+def batch_inputs(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
+                 pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-padded prompts + completions -> input_ids, attention_mask (N, P+T).
+
+    prompt_ids has one entry per completion row. Completion padding is masked out; since it
+    sits after the real tokens, the causal mask already keeps it from affecting them.
+    """
+    width = max(len(p) for p in prompt_ids)
+    prompts = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    input_ids = torch.cat([prompts, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
+    return input_ids, attention_mask
+

@@ -1,0 +1,164 @@
+"""Rollout: generate G completions per prompt and return their tokens, masks and log-probs.
+
+The loop talks to an engine through one method, `generate(prompt_ids, n, ...) -> Rollout`, so
+the vLLM engine (a later issue) slots in beside `HFEngine` without touching train.py.
+
+Sampling is counter-based: completion j draws token t as argmax(z/T + g) over the top-p set,
+where z are the logits and g is Gumbel noise that is a pure function of (the completion's seed,
+t, token id). The Gumbel-max trick makes that an exact draw from softmax(z/T) renormalized on
+the nucleus, and because no shared RNG stream is consumed, a completion does not depend on
+which other prompts share its batch or its rank: a 2-process run generates exactly what a
+1-process run does. The log-probs returned are log softmax(z/T) of the sampled tokens (§1: the
+loss divides logits by the sampling temperature; top-p is not part of ρ).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit unsigned constant as the int64 torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MUL1, _MUL2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64 finalizer: a bijective 64-bit hash (int64 arithmetic wraps)."""
+    x = (x ^ _shr(x, 30)) * _MUL1
+    x = (x ^ _shr(x, 27)) * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def sequence_seeds(seed: int, step: int, prompt_keys: Tensor, n: int) -> Tensor:
+    """One int64 seed per completion: hash(seed, step, prompt key, sample index). (P,) -> (P*n,)"""
+    base = _mix(torch.tensor(seed, dtype=torch.int64) * _GOLDEN + step)
+    keys = _mix(base + prompt_keys.to(torch.int64) * _GOLDEN)              # (P,)
+    return _mix(keys[:, None] + torch.arange(1, n + 1) * _GOLDEN).reshape(-1)
+
+
+def gumbel_noise(seeds: Tensor, t: int, vocab: int) -> Tensor:
+    """Gumbel(0, 1) noise, (N,) seeds x position t -> (N, V) float32, deterministic."""
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    step = torch.tensor(t, dtype=torch.int64, device=seeds.device) * _GOLDEN   # wraps mod 2^64
+    h = _mix(_mix(seeds[:, None] + step) + idx[None, :] * _MUL1)           # (N, V)
+    u = (_shr(h, 40).float() + 0.5) * 2.0**-24                              # uniform in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+class _GumbelSampler(LogitsProcessor):
+    """Turns greedy decoding into seeded sampling and records log softmax(z/T) of each choice."""
+
+    def __init__(self, seeds: Tensor | None, prompt_len: int, temperature: float, top_p: float):
+        self.seeds, self.prompt_len, self.temperature, self.top_p = seeds, prompt_len, temperature, top_p
+        self.logprobs: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        z = scores.float() / self.temperature                               # (N, V) raw logits / T
+        logp = torch.log_softmax(z, dim=-1)
+        if self.seeds is not None:
+            if self.top_p < 1.0:
+                z = z.masked_fill(_outside_nucleus(logp, self.top_p), float("-inf"))
+            z = z + gumbel_noise(self.seeds, input_ids.shape[1] - self.prompt_len, z.shape[-1])
+        choice = z.argmax(dim=-1)                                           # what generate picks
+        self.logprobs.append(logp.gather(1, choice[:, None]).squeeze(1))
+        return z
+
+
+def _outside_nucleus(logp: Tensor, top_p: float) -> Tensor:
+    """True for tokens outside the smallest set whose probability reaches top_p. (N, V)"""
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()           # mass of better tokens
+    drop_sorted = mass_before >= top_p                                      # the top token is never dropped
+    return torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+
+
+@dataclass
+class Rollout:
+    """Completions of one generate call, in prompt-major order (prompt p, sample j -> row p*n+j)."""
+    completion_ids: Tensor   # (N, T) long, pad after the stop token
+    mask: Tensor             # (N, T) float, 1 on generated tokens up to and including the stop token
+    logprobs: Tensor         # (N, T) float32, log softmax(z/T) of each sampled token (0 on padding)
+    truncated: Tensor        # (N,) bool, hit max_new_tokens without a stop token
+    texts: list[str]         # decoded completions without special tokens
+    gen_time_s: float        # wall time spent generating
+
+
+class HFEngine:
+    """transformers `generate`, batched and left-padded, on the training model itself.
+
+    `model` is the `Policy` wrapper (model.py): generation goes through its __call__ so that,
+    under FSDP2, the root module's parameters are gathered; `synced` keeps ranks stepping
+    together (a rank that finishes early keeps running dummy forwards until all are done).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int, synced: bool = False):
+        self.model, self.tokenizer, self.batch_size, self.synced = model, tokenizer, batch_size, synced
+        eos = model.lm.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.stop_ids = sorted(set(eos) | {tokenizer.eos_token_id})
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: Tensor | None) -> Rollout:
+        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy."""
+        per_call = max(1, self.batch_size // n)
+        parts = []
+        start = time.perf_counter()
+        for i in range(0, len(prompt_ids), per_call):
+            chunk = prompt_ids[i:i + per_call]
+            chunk_seeds = None if seeds is None else seeds[i * n:(i + len(chunk)) * n]
+            parts.append(self._generate(chunk, n, temperature, top_p, max_new_tokens, chunk_seeds))
+        gen_time = time.perf_counter() - start
+        width = max(p[0].shape[1] for p in parts)
+        ids = torch.cat([_pad_right(p[0], width, self.pad_id) for p in parts])
+        logprobs = torch.cat([_pad_right(p[1], width, 0.0) for p in parts])
+        is_stop = torch.isin(ids, torch.tensor(self.stop_ids, device=ids.device))
+        before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0                  # up to the first stop
+        mask = before_stop & (torch.arange(width, device=ids.device) < _lengths(parts, width))
+        truncated = ~(is_stop & mask).any(1)
+        ids = ids.masked_fill(~mask, self.pad_id)
+        texts = self.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)],
+                                            skip_special_tokens=True)
+        return Rollout(ids.cpu(), mask.float().cpu(), (logprobs * mask).cpu(), truncated.cpu(), texts, gen_time)
+
+    def _generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds):
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+        input_ids, attention = input_ids.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
+        sampler = _GumbelSampler(None if seeds is None else seeds.to(device), width, temperature, top_p)
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
+                                  repetition_penalty=1.0, num_beams=1, return_dict_in_generate=True)
+        out = self.model(input_ids=input_ids, attention_mask=attention, generation_config=config,
+                         logits_processor=LogitsProcessorList([sampler]), synced_gpus=self.synced,
+                         generate=True)
+        completion = out.sequences[:, width:]                                   # (N, T')
+        logprobs = torch.stack(sampler.logprobs, 1) if sampler.logprobs else completion.float()
+        return completion, logprobs[:, :completion.shape[1]], completion.shape[1]
+
+
+def _pad_right(x: Tensor, width: int, value) -> Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+
+def _lengths(parts, width: int) -> Tensor:
+    """Columns actually generated in each part (a part may stop before `width`). (N, 1)"""
+    return torch.cat([torch.full((p[0].shape[0], 1), p[2]) for p in parts]).to(parts[0][0].device)

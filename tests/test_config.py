@@ -1,0 +1,84 @@
+"""Config: YAML + overrides with CLI > YAML > defaults, and one-line errors naming the key."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pspo.config import Config, ConfigError, load_config, save_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    path = write(tmp_path, "c.yaml", "optim:\n  lr: 3.0e-4\ntrain:\n  max_steps: 7\n")
+    cfg = load_config(path, ["--train.max_steps=9", "--algo.scale_rewards=false"])
+    assert cfg.optim.lr == 3e-4                  # YAML over default 1e-6
+    assert cfg.train.max_steps == 9              # CLI over YAML 7
+    assert cfg.algo.scale_rewards is False       # CLI over default True
+    assert cfg.rollout.num_generations == Config().rollout.num_generations  # default kept
+
+
+def test_base_inheritance_and_presets():
+    grpo = load_config(os.path.join(ROOT, "configs/grpo.yaml"))
+    dr = load_config(os.path.join(ROOT, "configs/dr_grpo.yaml"))
+    assert (grpo.algo.scale_rewards, grpo.algo.aggregation) == (True, "grpo")
+    assert (dr.algo.scale_rewards, dr.algo.aggregation, dr.algo.beta) == (False, "dr_grpo", 0.0)
+    assert dr.rollout.max_new_tokens == grpo.rollout.max_new_tokens          # inherited
+    for name in ("grpo", "dr_grpo"):
+        gpu = load_config(os.path.join(ROOT, f"configs/qwen2.5-math-1.5b/{name}.yaml"))
+        assert gpu.rollout.num_generations == 6 and gpu.optim.lr == 1e-6 and gpu.rollout.max_new_tokens == 3584
+
+
+@pytest.mark.parametrize("yaml_text, overrides, message", [
+    ("optim:\n  learning_rate: 1\n", [], "optim.learning_rate: unknown key"),
+    ("optimizer:\n  lr: 1\n", [], "optimizer.lr: unknown section"),
+    ("train:\n  max_steps: ten\n", [], "train.max_steps: expected int, got 'ten'"),
+    ("algo:\n  scale_rewards: 3\n", [], "algo.scale_rewards: expected bool"),
+    ("", ["--algo.aggregation=mean"], "algo.aggregation: expected grpo | token_mean | dr_grpo"),
+    ("", ["--rollout.num_generations=1"], "rollout.num_generations: expected G >= 2"),
+    ("", ["--rollout.top_p=0"], "rollout.top_p: expected in (0, 1]"),
+    ("", ["train.max_steps=3"], "overrides look like --section.key=value"),
+    ("", ["--reward.accuracy=0"], "reward: expected at least one non-zero weight"),
+])
+def test_errors_name_the_key(tmp_path, yaml_text, overrides, message):
+    path = write(tmp_path, "c.yaml", yaml_text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_batch_must_divide_over_ranks(tmp_path):
+    path = write(tmp_path, "c.yaml", "train:\n  prompts_per_step: 6\n")
+    load_config(path, [], world_size=2)
+    with pytest.raises(ConfigError, match="train.prompts_per_step: expected a multiple of the 4 ranks, got 6"):
+        load_config(path, [], world_size=4)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "bad.yaml", "train: [1,\n"))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--train.seed=5", "--data.system_prompt=be brief"])
+    save_config(cfg, str(tmp_path / "resolved.yaml"))
+    again = load_config(str(tmp_path / "resolved.yaml"))
+    assert again == cfg
+
+
+def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
+    # A user mistake must not produce a traceback: one line, exit status 2.
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", "--optim.lr=fast"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert out == ["error: optim.lr: expected float, got 'fast'"]

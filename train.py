@@ -1,0 +1,265 @@
+"""GRPO / Dr. GRPO fine-tuning with verifiable rewards: the whole algorithm in one visible loop.
+
+    python train.py --config configs/demo.yaml [--section.key=value ...]          # one process
+    torchrun --nproc_per_node=N train.py --config configs/demo.yaml               # FSDP2, N ranks
+
+Each step (ALGORITHMS.md §1): sample B prompts -> G completions each -> rewards -> group
+advantages -> num_iterations x (micro-batched clipped-surrogate loss with gradient accumulation,
+grad-norm clip, AdamW step) -> log -> periodic eval -> periodic save.
+
+How this departs from TRL's GRPOTrainer, on purpose:
+- The loss is normalized over the whole optimizer step (every micro-batch and rank), so the
+  gradient does not depend on how the batch is split (TRL normalizes per micro-batch).
+- Sampling is counter-based (rollout.py): completions do not depend on the number of ranks.
+- Dr. GRPO is the paper's (no std scaling, dr_grpo aggregation, β = 0), not a loss flag alone.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from pspo import checkpoint, distributed
+from pspo.advantages import group_advantages
+from pspo.config import Config, ConfigError, load_config, save_config
+from pspo.data import DataError, format_prompt, load_examples
+from pspo.distributed import Dist, print0
+from pspo.evaluation import evaluate
+from pspo.loss import policy_loss, sequence_weights
+from pspo.metrics import MetricsLogger
+from pspo.model import ModelError, batch_inputs, build_policy, load_tokenizer, resolve_model_path
+from pspo.rewards import GoldAnswerError, check_gold_answer, score_completions
+from pspo.rollout import HFEngine, sequence_seeds
+from pspo.sampler import UniformSampler
+
+
+def lr_lambda(cfg: Config):
+    """Linear warm-up to optim.lr, then cosine decay to lr * min_lr_ratio over all optimizer steps."""
+    total = cfg.train.max_steps * cfg.algo.num_iterations
+    warmup, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def prepare_prompts(examples, tokenizer, system_prompt: str) -> tuple[list[str], list[list[int]]]:
+    """Chat-formatted prompt text and token ids, computed once for the whole dataset."""
+    texts = [format_prompt(tokenizer, ex.problem, system_prompt) for ex in examples]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return texts, ids
+
+
+def check_golds(examples, name: str) -> None:
+    """A gold answer math-verify cannot parse is a data error, reported before training starts."""
+    for row, ex in enumerate(examples):
+        try:
+            check_gold_answer(ex.answer)
+        except GoldAnswerError as e:
+            raise DataError(f"{name}: row {row}: {e}") from None
+
+
+@torch.no_grad()
+def score_logprobs(model, input_ids, attention_mask, T, temperature, micro) -> torch.Tensor:
+    """log π of the completion tokens under `model`, micro-batched, without grad. (N, T)"""
+    return torch.cat([model(input_ids[i:i + micro], attention_mask[i:i + micro], T, temperature)[0]
+                      for i in range(0, input_ids.shape[0], micro)])
+
+
+def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, mask, advantages,
+                  cfg: Config, dist_: Dist) -> dict[str, float]:
+    """num_iterations optimizer steps on one rollout batch; returns summed stats for logging.
+
+    input_ids/attention_mask (N, P+T); mask (N, T) completion tokens; advantages (N,).
+    """
+    a, micro, T = cfg.algo, cfg.train.micro_batch_size, mask.shape[1]
+    temperature = cfg.rollout.temperature
+    num_seqs = mask.shape[0] * dist_.world_size                         # every rank holds N rows
+    num_tokens = int(distributed.all_reduce_sum(mask.sum()).item())
+    weights = sequence_weights(mask, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
+    # π_old: with one iteration it is the current policy (ρ ≡ 1), else scored once, up front.
+    old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, micro) if a.num_iterations > 1 else None
+    ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, micro) if a.beta > 0 else None
+    sums: dict[str, float] = {}
+    for _ in range(a.num_iterations):
+        for i in range(0, mask.shape[0], micro):
+            rows = slice(i, i + micro)
+            logp, entropy = policy(input_ids[rows], attention_mask[rows], T, temperature)  # (n, T)
+            old = logp.detach() if old_logp is None else old_logp[rows]
+            ref_rows = None if ref_logp is None else ref_logp[rows]
+            loss, stats = policy_loss(logp, old, ref_rows, advantages[rows], mask[rows], weights[rows],
+                                      a.beta, a.eps_low, a.eps_high)
+            # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
+            (loss * dist_.world_size).backward()
+            stats["entropy"] = (entropy * mask[rows]).sum()
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        max_norm = cfg.optim.max_grad_norm or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):                           # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / dist_.world_size
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sums
+
+
+def step_metrics(sums: dict[str, float], cfg: Config, world_size: int) -> dict[str, float]:
+    """Turn rank-summed statistics into the logged means (README, "Metrics")."""
+    n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
+    iters = cfg.algo.num_iterations
+    reward_var = max(sums["reward_sq"] / n - (sums["reward"] / n) ** 2, 0.0)
+    metrics = {
+        "reward_mean": sums["reward"] / n, "reward_std": math.sqrt(reward_var),
+        "accuracy": sums["accuracy"] / n, "format_rate": sums["format"] / n,
+        "adv_abs_mean": sums["adv_abs"] / n, "adv_std": math.sqrt(max(sums["adv_sq"] / n, 0.0)),
+        "zero_std_frac": sums["zero_std_groups"] / groups,
+        "loss": sums["pg_loss"] / iters, "kl": sums["kl"] / tok, "clip_frac": sums["clipped_tokens"] / tok,
+        "entropy": sums["entropy"] / tok, "response_length": sums["tokens"] / iters / n,
+        "truncation_rate": sums["truncated"] / n, "grad_norm": sums["grad_norm"] / iters,
+        "reward_failures": sums["reward_failures"], "gen_tokens_per_s": sums["gen_tokens_per_s"],
+    }
+    return metrics
+
+
+def main(argv: list[str]) -> None:
+    dist_ = distributed.init_distributed()
+    if len(argv) < 2 or argv[0] != "--config":
+        raise ConfigError("usage: train.py --config FILE.yaml [--section.key=value ...]")
+    cfg = load_config(argv[1], argv[2:], dist_.world_size)
+    torch.manual_seed(cfg.train.seed)
+    out = cfg.train.output_dir
+    if dist_.is_main:
+        os.makedirs(out, exist_ok=True)
+        save_config(cfg, os.path.join(out, "config.yaml"))
+        base_path = resolve_model_path(cfg.model.name_or_path)          # builds builtin:tiny once
+    distributed.barrier()
+    base_path = resolve_model_path(cfg.model.name_or_path)
+    resume_from = checkpoint.resolve_resume(cfg.train.resume, out)
+    m = cfg.model
+
+    # ---- set-up: tokenizer, policy (+ frozen reference), engine, data, optimizer, state ----
+    tokenizer = load_tokenizer(base_path, m.trust_remote_code)
+    policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
+                          m.gradient_checkpointing).to(dist_.device)
+    policy = distributed.shard(policy, dist_.world_size)
+    ref = None
+    if cfg.algo.beta > 0:
+        ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
+        ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
+    engine = HFEngine(policy, tokenizer, cfg.rollout.batch_size, synced=dist_.world_size > 1)
+    d = cfg.data
+    train_set = load_examples(d.train, d.train_split, d.problem_field, d.answer_field)
+    check_golds(train_set, d.train)
+    train_texts, train_ids = prepare_prompts(train_set, tokenizer, d.system_prompt)
+    eval_set = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
+                             d.max_eval_examples or None) if d.eval else []
+    check_golds(eval_set, d.eval)
+    eval_texts, eval_ids = prepare_prompts(eval_set, tokenizer, d.system_prompt)
+    sampler = UniformSampler(len(train_set), cfg.train.seed)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                                  weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    step = 0
+    if resume_from:
+        state = checkpoint.load_trainer_state(resume_from, dist_.rank)
+        checkpoint.load_optimizer(resume_from, policy, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        step = state["step"]
+        print0(f"resumed from {resume_from} at step {step}")
+    logger = MetricsLogger(out, dist_.is_main, resume_step=step)
+
+    def run_eval() -> dict[str, float]:
+        e = cfg.eval
+        result = evaluate(engine, eval_ids, eval_texts, eval_set, cfg.rollout.max_new_tokens, e.num_samples,
+                          e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s,
+                          cfg.train.progress)
+        return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
+
+    def save() -> None:
+        state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
+        path = checkpoint.save_checkpoint(out, step, policy, tokenizer, optimizer, state, dist_,
+                                          cfg.train.keep_checkpoints)
+        print0(f"saved {path}")
+
+    first_eval = run_eval() if eval_set and step == 0 else {}
+    if first_eval:
+        logger.log(0, first_eval)
+        print0(f"step 0: test accuracy {first_eval['eval_accuracy']:.3f} (greedy, {len(eval_set)} problems)")
+
+    # ---- the loop ----
+    B, G, r = cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.rollout
+    B_local = B // dist_.world_size
+    weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format, "cosine": cfg.reward.cosine}
+    last_eval = first_eval
+    bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
+    while step < cfg.train.max_steps:
+        t0 = time.perf_counter()
+        indices, _ = sampler.sample(B)                                            # (B,) same on all ranks
+        local = indices[dist_.rank * B_local:(dist_.rank + 1) * B_local]          # this rank's prompts
+        positions = torch.arange(dist_.rank * B_local, (dist_.rank + 1) * B_local)
+        seeds = sequence_seeds(cfg.train.seed, step, positions, G)                # (B_local*G,)
+        rollout = engine.generate([train_ids[i] for i in local], G, r.temperature, r.top_p,
+                                  r.max_new_tokens, seeds)
+        rows = [i for i in local.tolist() for _ in range(G)]                      # prompt-major
+        scored = score_completions([train_texts[i] for i in rows], rollout.texts,
+                                   [train_set[i].answer for i in rows], weights, cfg.reward.timeout_s)
+        rewards = scored.rewards.view(B_local, G)                                 # (B_local, G)
+        advantages = group_advantages(rewards, cfg.algo.scale_rewards, cfg.algo.adv_eps)  # (B_local, G)
+        input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
+                                                 rollout.mask, tokenizer.pad_token_id)
+        device = dist_.device
+        update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
+                               rollout.mask.to(device), advantages.reshape(-1).to(device), cfg, dist_)
+        step += 1
+
+        gen_tokens = rollout.mask.sum().item()
+        local_sums = {
+            **update, "completions": rewards.numel(), "groups": B_local,
+            "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
+            "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
+            "adv_abs": advantages.abs().sum(), "adv_sq": (advantages ** 2).sum(),
+            "zero_std_groups": (rewards.std(1) == 0).sum(), "truncated": rollout.truncated.sum(),
+            "reward_failures": sum(scored.failures.values()),
+            "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
+        }
+        metrics = step_metrics(distributed.reduce_sums(local_sums, device), cfg, dist_.world_size)
+        metrics["lr"] = scheduler.get_last_lr()[0]
+        metrics["step_time_s"] = time.perf_counter() - t0
+        if eval_set and (step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0)):
+            last_eval = run_eval()
+            metrics.update(last_eval)
+        logger.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                        step_s=f"{metrics['step_time_s']:.2f}")
+        if step == cfg.train.max_steps or (cfg.train.save_steps and step % cfg.train.save_steps == 0):
+            save()
+    bar.close()
+    logger.close()
+    if first_eval and last_eval:
+        print0(f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> {last_eval['eval_accuracy']:.3f} after "
+               f"(greedy, {len(eval_set)} problems)")
+    elif last_eval:
+        print0(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
+    print0(f"metrics: {os.path.join(out, 'metrics.jsonl')}   TensorBoard: tensorboard --logdir {out}")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError, ModelError, FileNotFoundError) as e:
+        print0(f"error: {e}")
+        sys.exit(2)
+    finally:
+        distributed.shutdown()
