@@ -1,148 +1,255 @@
-"""Verifiable rewards, ALGORITHMS.md §5: each a pure function (prompt, completion, gold) -> float.
+"""Verifiable rewards of the reference recipes, ALGORITHMS.md §5: accuracy (math-verify), format
+(`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy.
 
-- accuracy: math-verify `verify(parse(gold), parse(answer))` -> 1 or 0. A gold answer that does not
-  parse is a data error (`GoldAnswerError`), never a free 1.0 as in the reference code.
-- format:   1 if the completion is `<think>...</think>` (one block, at the start) followed by an
-  answer that contains `\\boxed{...}`, as the prompt asks; else 0.
-- cosine:   length-scaled accuracy with L = completion characters clamped at L_max (default 1000):
-  correct 0.75 + 0.25·cos(π·L/L_max), wrong -0.25 + 0.25·cos(π·L/L_max). (The reference code does
-  not clamp L, so its cosine wraps around; we clamp.)
+Every reward function is a pure function (prompt, completion, gold) -> float. `score_completions`
+runs them on a batch in the calling process and turns a raise or a run past `timeout_s` into a
+score of 0 counted in `failures`, except `GoldAnswerError`: a gold answer math-verify cannot parse
+is an error in the data and propagates (the reference code scored it a free 1.0).
 
-`score_completions` runs every function named in `weights` (weight 0 = computed for logging
-only) under a per-call time limit: a call that raises or runs past `timeout_s` scores 0 and is
-counted in `failures`. The limit is a SIGALRM timer, so it needs the main thread (train.py and
-eval.py score there); math-verify's own alarm-based limits are switched off so the two cannot
-clash. Only the end of a completion is parsed (from its last `\\boxed`, at most
-`ANSWER_CHARS` characters), so 100k-character completions cost no more than short ones.
+Time limits. math-verify guards itself with `signal.alarm` (whole seconds, main thread only,
+and it overwrites any outer alarm). We switch its guards off (`parsing_timeout=None`,
+`timeout_seconds=None`; it logs a one-time warning saying so) and put one guard of our own
+around every reward-function call: `signal.setitimer(ITIMER_REAL, timeout_s)` with a handler
+raising `_RewardTimeout`, a BaseException so that math-verify's many `except Exception` blocks
+cannot swallow it. An outer ITIMER_REAL timer (e.g. pytest-timeout) is paused during the batch
+and re-armed afterwards with what was left of it. Signals reach only the main thread, so
+`score_completions` raises RuntimeError elsewhere rather than run without a limit. A signal
+cannot interrupt one long C call (a regex); the input caps below keep those short.
+
+Input caps (cost of a pathological completion). math-verify sees only the answer part: the text
+from the last `\\boxed` on, at most MAX_ANSWER_CHARS characters (else the last MAX_ANSWER_CHARS
+characters), so a 100k-character completion costs what a short one does; a longer boxed answer
+is cut, stops parsing, and scores 0. An answer part nesting brackets deeper than
+MAX_BRACKET_DEPTH scores 0 unparsed: the LaTeX parser is exponential in bare nesting
+(`{{{..1..}}}` 12 deep took 3 s, 15 deep 38 s). LRU caches memoize the parse of each gold and
+of each answer part and the verdict of each (answer part, gold) pair: the identical answers of
+a group cost one check, and an answer recurring under another gold is not parsed again.
 """
-from __future__ import annotations
-
-import logging
+import contextlib
+import functools
 import math
 import re
 import signal
 import threading
-from contextlib import contextmanager
+import time
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from math_verify import parse, verify
 from torch import Tensor
 
-ANSWER_CHARS = 1000           # characters of a completion that reach the parser
-COSINE_MAX_LEN = 1000         # L_max of the cosine reward, in characters (§5)
-# Our own timer replaces math-verify's; its one-time "timeout disabled" notice and its per-call
-# parse-failure warnings would only be noise (failures are counted in RewardResult instead).
-logging.getLogger("math_verify").setLevel(logging.ERROR)
-_FORMAT = re.compile(r"\s*<think>((?:(?!</?think>).)*)</think>((?:(?!</?think>).)*)", re.DOTALL)
+MAX_ANSWER_CHARS = 300       # characters of the answer part math-verify sees (a 300-char sum: ~0.5 s)
+MAX_BRACKET_DEPTH = 10       # deeper ( [ { nesting in the answer part scores 0 without parsing
+COSINE_MAX_LEN = 1000        # L_max of the cosine reward, characters (§5)
 
 
 class GoldAnswerError(ValueError):
-    """A gold answer math-verify cannot parse: an error in the data, reported, never scored."""
+    """A gold answer math-verify cannot parse: an error in the data, never scored."""
 
 
-class RewardTimeout(Exception):
-    pass
+class _RewardTimeout(BaseException):
+    """Raised by our SIGALRM handler; a BaseException so `except Exception` cannot swallow it."""
 
 
-def _wrap_gold(gold: str) -> str:
-    """math-verify reads LaTeX inside $...$; a bare `\\frac{1}{2}` would parse to nothing."""
-    return gold if ("$" in gold or "\\boxed" in gold) else f"${gold}$"
+# ---- accuracy --------------------------------------------------------------------------------
+
+def _gold_latex(gold: str) -> str:
+    """Bare LaTeX / numbers need `$...$`: math-verify's LaTeX extractor looks for delimiters."""
+    gold = gold.strip()
+    if any(mark in gold for mark in ("$", "\\boxed", "\\(", "\\[")):
+        return gold
+    return f"${gold}$"
 
 
-@lru_cache(maxsize=1 << 14)
-def _parsed_gold(gold: str) -> tuple:
-    parsed = parse(_wrap_gold(gold.strip()), parsing_timeout=None)
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> tuple:
+    parsed = parse(_gold_latex(gold), parsing_timeout=None)
     if not parsed:
-        raise GoldAnswerError(f"gold answer {gold!r} does not parse with math-verify")
+        shown = gold if len(gold) <= 200 else gold[:200] + "..."
+        raise GoldAnswerError(f"gold answer {shown!r} does not parse with math-verify "
+                              "(expected a number or a LaTeX expression)")
     return tuple(parsed)
 
 
 def check_gold_answer(gold: str) -> None:
-    """Raise GoldAnswerError if `gold` cannot be parsed (train.py checks every row up front)."""
-    _parsed_gold(gold)
+    """Raise GoldAnswerError if `gold` does not parse (run over a data set before training)."""
+    _parse_gold(gold)
 
 
 def _answer_part(completion: str) -> str:
+    """What math-verify sees of a completion: from the last \\boxed on, or the tail; capped."""
     start = completion.rfind("\\boxed")
-    return completion[start:start + ANSWER_CHARS] if start >= 0 else completion[-ANSWER_CHARS:]
+    if start >= 0:
+        return completion[start:start + MAX_ANSWER_CHARS]
+    return completion[-MAX_ANSWER_CHARS:]
 
 
-@lru_cache(maxsize=1 << 16)
+def _bracket_depth(text: str) -> int:
+    depth = deepest = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+@functools.lru_cache(maxsize=65536)
+def _parse_answer(answer: str) -> tuple:
+    # Parsing (~2.4 ms) dominates verify (~0.1 ms), and one answer recurs under many golds.
+    if _bracket_depth(answer) > MAX_BRACKET_DEPTH:
+        return ()
+    return tuple(parse(answer, parsing_timeout=None))
+
+
+@functools.lru_cache(maxsize=65536)
 def _is_correct(answer: str, gold: str) -> bool:
-    """Memoized: the same (answer, gold) pair recurs often within and across steps."""
-    gold_parsed = list(_parsed_gold(gold))
-    predicted = parse(answer, parsing_timeout=None)
-    return bool(predicted) and bool(verify(gold_parsed, predicted, timeout_seconds=None))
+    """The pure, memoized check: verify(parse(gold), parse(answer)). Gold first: it is the target."""
+    target = _parse_gold(gold)                          # raises GoldAnswerError before any 0.0
+    predicted = _parse_answer(answer)
+    return bool(predicted) and verify(list(target), list(predicted), timeout_seconds=None)
 
 
 def accuracy_reward(prompt: str, completion: str, gold: str) -> float:
+    """1.0 if math-verify finds the completion's final answer equal to `gold`, else 0.0."""
     return 1.0 if _is_correct(_answer_part(completion), gold) else 0.0
 
 
-def format_reward(prompt: str, completion: str, gold: str) -> float:
-    m = _FORMAT.fullmatch(completion)
-    return 1.0 if m is not None and "\\boxed{" in m.group(2) else 0.0
+# ---- format ----------------------------------------------------------------------------------
 
+_THINK_LAYOUT = re.compile(r"\s*<think>.*?</think>(.*)", re.DOTALL)
+
+
+def _last_boxed_content(text: str) -> str | None:
+    """Content of the last `\\boxed{` in `text` up to its matching `}`; None if unbalanced."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for end in range(start + len("\\boxed{"), len(text)):
+        if text[end] == "{":
+            depth += 1
+        elif text[end] == "}":
+            if depth == 0:
+                return text[start + len("\\boxed{"):end]
+            depth -= 1
+    return None
+
+
+def format_reward(prompt: str, completion: str, gold: str) -> float:
+    """1.0 iff the completion is the layout the R1 prompt asks for, else 0.0. Exact rule:
+    (1) `<think>` and `</think>` each occur exactly once; (2) the completion is optional
+    whitespace, `<think>`, anything (possibly empty), `</think>`, then the answer part; (3) the
+    last `\\boxed{` of the answer part has a matching `}` and non-blank content between them.
+    Text around the box in the answer part is allowed; a box inside the think block does not count.
+    """
+    if completion.count("<think>") != 1 or completion.count("</think>") != 1:
+        return 0.0
+    layout = _THINK_LAYOUT.fullmatch(completion)
+    if layout is None:                                   # text before <think>, or </think> first
+        return 0.0
+    boxed = _last_boxed_content(layout.group(1))
+    return 1.0 if boxed is not None and boxed.strip() else 0.0
+
+
+# ---- cosine ----------------------------------------------------------------------------------
 
 def cosine_reward(prompt: str, completion: str, gold: str, max_len: int = COSINE_MAX_LEN) -> float:
+    """Length-scaled accuracy, §5: correct 0.75 + 0.25·cos(π·min(L, L_max)/L_max) (1.0 -> 0.5),
+    wrong -0.25 + 0.25·cos(...) (0.0 -> -0.5); L = len(completion) in characters."""
+    # Departure from the reference code: L is clamped at L_max, so the cosine does not wrap.
     cos = math.cos(math.pi * min(len(completion), max_len) / max_len)
-    if accuracy_reward(prompt, completion, gold) == 1.0:
-        return 0.75 + 0.25 * cos
-    return -0.25 + 0.25 * cos
+    correct = accuracy_reward(prompt, completion, gold) == 1.0
+    return 0.75 + 0.25 * cos if correct else -0.25 + 0.25 * cos
 
 
 REWARD_FUNCTIONS: dict[str, Callable[[str, str, str], float]] = {
-    "accuracy": accuracy_reward, "format": format_reward, "cosine": cosine_reward}
+    "accuracy": accuracy_reward,
+    "format": format_reward,
+    "cosine": cosine_reward,
+}
 
+
+# ---- batch scoring with time limits ----------------------------------------------------------
 
 @dataclass
 class RewardResult:
-    rewards: Tensor                   # (N,) float32, Σ_k weight_k · component_k
-    components: dict[str, Tensor]     # name -> (N,) raw values (0 where the call failed)
-    failures: dict[str, int]          # name -> calls that raised or timed out
+    rewards: Tensor                  # (N,) float32, Σ_name weights[name] * components[name]
+    components: dict[str, Tensor]    # name -> (N,) float32 raw values, 0 where the call failed
+    failures: dict[str, int]         # name -> number of calls that raised or timed out
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    """Raise RewardTimeout in the main thread after `seconds` (no limit in other threads)."""
+def _on_alarm(signum: int, frame: object) -> None:
+    raise _RewardTimeout()
+
+
+@contextlib.contextmanager
+def _alarm_guard() -> Iterator[None]:
+    """Install our SIGALRM handler for a batch; pause and afterwards re-arm any outer timer."""
     if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise RewardTimeout()
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+        raise RuntimeError("score_completions must run in the main thread: its per-call time "
+                           "limit uses SIGALRM, which Python delivers only there")
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, 0)
+    outer_handler = signal.signal(signal.SIGALRM, _on_alarm)
+    start = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        # getsignal() reports None for a handler not installed from Python; SIG_DFL is the closest.
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if outer_handler is None else outer_handler)
+        if outer_delay > 0:                              # fires at once if it expired meanwhile
+            remaining = max(outer_delay - (time.monotonic() - start), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
+
+
+def _call_with_limit(fn: Callable[[str, str, str], float], args: tuple[str, str, str],
+                     timeout_s: float) -> float:
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        value = float(fn(*args))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    if not math.isfinite(value):
+        raise ValueError(f"reward is not finite: {value}")
+    return value
 
 
 def score_completions(prompts: list[str], completions: list[str], golds: list[str],
                       weights: dict[str, float], timeout_s: float = 5.0) -> RewardResult:
-    """Score N completions with every function named in `weights`; weighted sum -> rewards."""
-    unknown = set(weights) - set(REWARD_FUNCTIONS)
-    if unknown:
-        raise ValueError(f"reward: unknown reward function(s) {sorted(unknown)}, expected {sorted(REWARD_FUNCTIONS)}")
+    """Score N completions with every function named in `weights` (main thread only).
+
+    A weight of 0 means "computed and logged, not rewarded": the training loop logs format and
+    accuracy rates whatever their weights. A call that raises or runs past `timeout_s` seconds
+    scores 0 and counts in failures[name]; GoldAnswerError propagates.
+    """
     n = len(completions)
-    components: dict[str, Tensor] = {}
-    failures: dict[str, int] = {}
-    total = torch.zeros(n)
+    if len(prompts) != n or len(golds) != n:
+        raise ValueError(f"score_completions: expected equal lengths, got {len(prompts)} prompts, "
+                         f"{n} completions, {len(golds)} golds")
+    unknown = sorted(set(weights) - set(REWARD_FUNCTIONS))
+    if unknown:
+        raise ValueError(f"reward weights: unknown reward {unknown}, expected names from "
+                         f"{sorted(REWARD_FUNCTIONS)}")
+    if not timeout_s > 0:
+        raise ValueError(f"reward timeout_s: expected > 0, got {timeout_s}")
+    values = {name: [0.0] * n for name in weights}
+    failures = dict.fromkeys(weights, 0)
+    with _alarm_guard():
+        for name in weights:
+            fn = REWARD_FUNCTIONS[name]                  # looked up per call: tests may swap it
+            for i, args in enumerate(zip(prompts, completions, golds)):
+                try:
+                    values[name][i] = _call_with_limit(fn, args, timeout_s)
+                except GoldAnswerError:
+                    raise
+                except (Exception, _RewardTimeout):      # the score stays 0, the failure is counted
+                    failures[name] += 1
+    components = {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()}  # (N,)
+    rewards = torch.zeros(n, dtype=torch.float32)                                          # (N,)
     for name, weight in weights.items():
-        fn, values, failed = REWARD_FUNCTIONS[name], torch.zeros(n), 0
-        for i, (prompt, completion, gold) in enumerate(zip(prompts, completions, golds)):
-            try:
-                with _time_limit(timeout_s):
-                    values[i] = fn(prompt, completion, gold)
-            except GoldAnswerError:
-                raise
-            except (Exception, RewardTimeout):  # noqa: BLE001 - any failure of a scorer scores 0
-                failed += 1
-        components[name], failures[name] = values, failed
-        total += weight * values
-    return RewardResult(total, components, failures)
+        if weight != 0:                                  # 0 * a logged value never enters the sum
+            rewards += weight * components[name]
+    return RewardResult(rewards, components, failures)

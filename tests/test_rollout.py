@@ -31,8 +31,9 @@ def test_gumbel_noise_is_deterministic_and_gumbel_distributed():
 
 
 def test_gumbel_sampler_draws_from_softmax_over_temperature():
-    # logits [2, 1, 0, -1] at T = 2 -> softmax([1, .5, 0, -.5]) = [.4223, .2562, .1554, .0942]
-    expected = torch.tensor([0.4223, 0.2562, 0.1554, 0.0942])
+    # logits [2, 1, 0, -1] at T = 2 -> softmax([1, .5, 0, -.5]):
+    # exp = [2.71828, 1.64872, 1, .60653], sum 5.97353 -> [.45505, .27600, .16740, .10154]
+    expected = torch.tensor([0.45505, 0.27600, 0.16740, 0.10154])
     n = 40000
     sampler = _GumbelSampler(sequence_seeds(7, 0, torch.arange(n), 1), prompt_len=0, temperature=2.0, top_p=1.0)
     scores = sampler(torch.zeros(n, 0, dtype=torch.long), torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(n, 1))
@@ -41,11 +42,12 @@ def test_gumbel_sampler_draws_from_softmax_over_temperature():
     # recorded log-prob is log softmax(z / T) of the chosen token
     chosen = scores.argmax(-1)
     torch.testing.assert_close(sampler.logprobs[0], expected.log()[chosen], atol=1e-3, rtol=0)
-    # top_p .6: nucleus {0, 1} (mass before token 2 is .6785 >= .6) -> renormalized [.6224, .3776]
+    # top_p .6: nucleus {0, 1} (mass before token 2 is .73105 >= .6) -> renormalized
+    # [.45505, .27600] / .73105 = [.62246, .37754]
     sampler = _GumbelSampler(sequence_seeds(7, 0, torch.arange(n), 1), 0, 2.0, 0.6)
     picks = sampler(torch.zeros(n, 0, dtype=torch.long), torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(n, 1)).argmax(-1)
     freq = torch.bincount(picks, minlength=4).float() / n
-    torch.testing.assert_close(freq, torch.tensor([0.6224, 0.3776, 0, 0]), atol=0.01, rtol=0)
+    torch.testing.assert_close(freq, torch.tensor([0.62246, 0.37754, 0, 0]), atol=0.01, rtol=0)
 
 
 @pytest.fixture(scope="module")
