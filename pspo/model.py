@@ -77,7 +77,8 @@ class Policy(torch.nn.Module):
                                         position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state
         # hidden at position s predicts token s+1: the last T positions predict the completion.
         weight = self.lm.get_output_embeddings().weight                       # (V, H)
-        return token_logprobs(hidden[:, -T:], weight, input_ids[:, -T:], temperature, self.chunk_tokens)
+        logp, entropy = token_logprobs(hidden[:, -T:], weight, input_ids[:, -T:], temperature, self.chunk_tokens)
+        return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
 
     def _autocast(self):
         if not self.bf16:

@@ -8,7 +8,7 @@ is an error in the data and propagates (the reference code scored it a free 1.0)
 
 Time limits. math-verify guards itself with `signal.alarm` (whole seconds, main thread only,
 and it overwrites any outer alarm). We switch its guards off (`parsing_timeout=None`,
-`timeout_seconds=None`; it logs a one-time warning saying so) and put one guard of our own
+`timeout_seconds=None`; its one-time warning saying so is silenced) and put one guard of our own
 around every reward-function call: `signal.setitimer(ITIMER_REAL, timeout_s)` with a handler
 raising `_RewardTimeout`, a BaseException so that math-verify's many `except Exception` blocks
 cannot swallow it. An outer ITIMER_REAL timer (e.g. pytest-timeout) is paused during the batch
@@ -27,6 +27,7 @@ a group cost one check, and an answer recurring under another gold is not parsed
 """
 import contextlib
 import functools
+import logging
 import math
 import re
 import signal
@@ -38,6 +39,9 @@ from typing import Callable, Iterator
 import torch
 from math_verify import parse, verify
 from torch import Tensor
+
+# Our guard replaces math-verify's, so its "timeout is disabled" notice is noise (one per rank).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 MAX_ANSWER_CHARS = 300       # characters of the answer part math-verify sees (a 300-char sum: ~0.5 s)
 MAX_BRACKET_DEPTH = 10       # deeper ( [ { nesting in the answer part scores 0 without parsing

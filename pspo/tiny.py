@@ -1,143 +1,195 @@
 """The offline demo model: a tiny Qwen2, its tokenizer built in code, and a supervised warm-up.
 
 Nothing can be downloaded here, so the demo and the tests build their own base model: a 4-layer
-Qwen2 (~1M parameters) with a byte-level BPE tokenizer trained on the built-in task's text,
-warmed up with supervised learning on additions that are NOT in the test split, and stopped early
-so it is right only sometimes and RL has room to improve it. It is built once, saved with
-`save_pretrained` under $PSPO_CACHE (default ~/.cache/pspo), and from then on loaded through the
-same `from_pretrained` path as any hub model (`model.name_or_path: builtin:tiny`).
+Qwen2 (~0.9M parameters) with a byte-level BPE tokenizer trained on the built-in task's text,
+warmed up by supervised learning on additions that are in neither builtin split (pspo/data.py),
+and stopped early so that it is right only some of the time and RL has room to improve it. It is
+built once, saved with `save_pretrained` under $PSPO_CACHE (default ~/.cache/pspo) in a folder
+named by a hash of its build parameters, and from then on loaded through the same
+`from_pretrained` path as any hub model (`model.name_or_path: builtin:tiny`).
 
-The tokenizer is a `Qwen2Tokenizer` (vocab + merges trained here): transformers rebuilds any
-folder with model_type qwen2 as Qwen2Tokenizer, so building it as one keeps that rebuild exact.
+The tokenizer runs Qwen2's own pipeline (NFC, Qwen2 split regex, byte-level BPE) with vocab and
+merges trained here: transformers rebuilds every tokenizer in a folder of model_type qwen2 as a
+`Qwen2Tokenizer` from vocab + merges (ENVIRONMENT.md), and with the same pipeline that rebuild
+tokenizes exactly as the tokenizer built here does (tests/test_tiny.py checks it).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from pspo.data import builtin_arithmetic, format_prompt
+from pspo.data import DEFAULT_SYSTEM_PROMPT, Example, builtin_arithmetic, format_prompt, warmup_examples
 
 TINY_MODEL = "builtin:tiny"
-VERSION = 1                       # bump when the build below changes: old caches are not reused
-WARMUP_STEPS = 350                # supervised steps; ~0.3-0.4 greedy test accuracy (README)
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-THINK = ["<think>", "</think>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+VERSION = 1                   # part of the cache key: bump it whenever the build below changes
+WARMUP_STEPS = 240            # supervised steps: greedy test accuracy ~0.3-0.4 (README)
+VOCAB_SIZE = 510              # BPE vocab incl. the 3 special tokens; + <think>, </think> = 512 ids
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]     # pad, turn start, eos
+THINK_TOKENS = ["<think>", "</think>"]                                 # added, not special: decoded
+CHAT_TEMPLATE = (   # Qwen's ChatML layout, without Qwen's default system message
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+BOXED_INT = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
 def tiny_completion(answer: str) -> str:
-    """What the warm-up teaches the model to write (then <|im_end|>): the format reward's layout."""
+    """What the warm-up teaches the model to write before <|im_end|>: the format reward's layout."""
     return f"<think></think>\\boxed{{{answer}}}"
 
 
-def build_tiny_tokenizer() -> Qwen2Tokenizer:
-    """Qwen2's byte-level BPE pipeline, with vocab and merges trained on the task's text."""
+def _tokenizer_corpus() -> list[str]:
+    """Text the BPE merges are learned from: the task's prompts and completions, the chat roles and
+    the R1 system prompt, so that words like "What", "assistant", "\\boxed" are single tokens."""
+    # The <think> tags are added tokens, so they are left out here: with them, the pre-tokenizer
+    # would see ">\\" and "boxed" instead of the "\\boxed" a completion produces.
+    texts = [f"{ex.problem}\n\\boxed{{{ex.answer}}}" for ex in warmup_examples()]
+    texts += ["system\n", "user\n", "assistant\n", DEFAULT_SYSTEM_PROMPT,
+              "reasoning process here. The answer is \\boxed{82}."] * 100
+    return texts
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Qwen2's byte-level BPE pipeline with vocab and merges trained on the task's text."""
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
-    corpus = [ex.problem + " " + tiny_completion(ex.answer) for ex in builtin_arithmetic("warmup")[:2000]]
-    corpus += ["user assistant system The answer is boxed think Assistant User"] * 50
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL[:1], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(corpus, trainer)
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, unk_token=None, eos_token="<|im_end|>",
-                               pad_token="<|endoftext|>", additional_special_tokens=SPECIAL[1:],
-                               padding_side="left", model_max_length=256)
-    tokenizer.add_tokens(THINK)                       # single tokens, kept when decoding
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())   # all 256 bytes
+    bpe.train_from_iterator(_tokenizer_corpus(), trainer)
+    bpe.add_tokens(THINK_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=256,
+        padding_side="left")       # only a constructor argument survives save_pretrained + reload
 
 
-def _build_model(tokenizer, tie_word_embeddings: bool, seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=tie_word_embeddings, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+def _build_model(tokenizer: PreTrainedTokenizerFast, tie_word_embeddings: bool, seed: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):    # seeded init without touching the caller's RNG
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     return model
 
 
-def _warmup(model, tokenizer, steps: int, seed: int, log) -> None:
-    """Supervised learning on prompt -> completion<|im_end|>, loss on the completion only."""
-    examples = builtin_arithmetic("warmup")
-    rows = []
-    for ex in examples:
-        prompt = tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
-        target = tokenizer(tiny_completion(ex.answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt, target))
+def _encode_warmup(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> tuple[torch.Tensor, ...]:
+    """Right-padded prompt + completion + eos rows; labels are -100 except on completion tokens."""
+    prompts = tokenizer([format_prompt(tokenizer, ex.problem, "") for ex in examples], add_special_tokens=False)
+    targets = tokenizer([tiny_completion(ex.answer) for ex in examples], add_special_tokens=False)
+    rows = [(p, t + [tokenizer.eos_token_id]) for p, t in zip(prompts["input_ids"], targets["input_ids"])]
     width = max(len(p) + len(t) for p, t in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, (p, t) in enumerate(rows):                 # right-padded: positions start at 0
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)          # (E, T)
+    labels = torch.full((len(rows), width), -100)                         # (E, T)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)           # (E, T)
+    for i, (p, t) in enumerate(rows):    # right padding: positions 0.. as in a left-padded generate
         ids[i, :len(p) + len(t)] = torch.tensor(p + t)
         labels[i, len(p):len(p) + len(t)] = torch.tensor(t)
         attention[i, :len(p) + len(t)] = 1
-    g = torch.Generator().manual_seed(seed)
+    return ids, labels, attention
+
+
+def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int, log) -> None:
+    """Supervised warm-up: AdamW lr 1e-3, batches of 128 drawn with replacement, loss = mean
+    cross-entropy over the completion tokens only."""
+    ids, labels, attention = _encode_warmup(tokenizer, warmup_examples())
+    generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     model.train()
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        batch = torch.randint(len(rows), (128,), generator=g)
+        batch = torch.randint(len(ids), (128,), generator=generator)      # (128,)
         loss = model(input_ids=ids[batch], attention_mask=attention[batch], labels=labels[batch]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == steps:
-            log(f"  warm-up step {step}/{steps}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f}s)")
+        if step % 100 == 0 or step == steps:
+            log(f"  warm-up step {step}/{steps}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)")
     model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, examples: list[Example], batch_size: int = 250,
+                    max_new_tokens: int = 12) -> float:
+    """Fraction of examples whose greedy completion has \\boxed{n} with n == int(answer).
+    A quick integer check for the built-in task; training scores with math-verify (rewards.py)."""
+    correct = 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        prompts = [format_prompt(tokenizer, ex.problem, "") for ex in chunk]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)   # left-padded
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)   # (b, P + new)
+        texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        for text, ex in zip(texts, chunk):
+            found = BOXED_INT.search(text)
+            correct += found is not None and int(found.group(1)) == int(ex.answer)
+    return correct / len(examples)
 
 
 def tiny_model_path(cache_dir: str | None = None, tie_word_embeddings: bool = False,
                     warmup_steps: int = WARMUP_STEPS, seed: int = 0) -> str:
-    """Where the tiny model with these build parameters lives (built or not)."""
+    """Where the tiny model with these build parameters lives (built or not): a folder under
+    `cache_dir` (default $PSPO_CACHE, else ~/.cache/pspo) named by a hash of the parameters."""
     cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
-    key = json.dumps([VERSION, tie_word_embeddings, warmup_steps, seed])
+    key = json.dumps({"version": VERSION, "tie_word_embeddings": tie_word_embeddings,
+                      "warmup_steps": warmup_steps, "seed": seed}, sort_keys=True)
     return os.path.join(cache_dir, f"tiny-qwen2-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
 
 def ensure_tiny_model(cache_dir: str | None = None, tie_word_embeddings: bool = False,
                       warmup_steps: int = WARMUP_STEPS, seed: int = 0, log=print) -> str:
-    """Build the tiny model once (atomically: temp folder, then rename) and return its folder."""
+    """Build the tiny model once and return its folder; later calls return the cached folder.
+
+    The folder is written under a temporary name and renamed into place, so it either is complete
+    or does not exist; when two processes build at once, the later rename fails and that process
+    uses the folder that won. With the defaults (240 steps) the build takes about a minute on 2 CPU
+    cores and the model answers ~1/3 of the builtin test split right greedily."""
     path = tiny_model_path(cache_dir, tie_word_embeddings, warmup_steps, seed)
-    if os.path.exists(os.path.join(path, "config.json")):
+    if os.path.isdir(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    log(f"building the tiny demo model in {path} (once; about a minute)")
+    log(f"building the tiny demo model in {path} (once: {warmup_steps} warm-up steps)")
+    start = time.perf_counter()
     tokenizer = build_tiny_tokenizer()
     model = _build_model(tokenizer, tie_word_embeddings, seed)
     _warmup(model, tokenizer, warmup_steps, seed, log)
-    tmp = tempfile.mkdtemp(prefix=".tmp-tiny-", dir=os.path.dirname(path))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    accuracy = greedy_accuracy(model, tokenizer, builtin_arithmetic("test"))
+    info = {"version": VERSION, "tie_word_embeddings": tie_word_embeddings, "warmup_steps": warmup_steps,
+            "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
+            "greedy_test_accuracy": accuracy, "build_seconds": round(time.perf_counter() - start, 1)}
+    log(f"  tiny model built in {info['build_seconds']} s: greedy accuracy {accuracy:.3f} on builtin test")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=os.path.dirname(path))
     try:
-        os.rename(tmp, path)
-    except OSError:                                   # another process finished first: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)                     # config, generation_config, safetensors
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "pspo_build.json"), "w") as f:
+            json.dump(info, f, indent=2)
+        try:
+            os.rename(tmp, path)                       # atomic: the folder appears complete
+        except OSError:
+            if not os.path.isdir(path):
+                raise
+            log(f"  another process built {path} first: using it")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)         # nothing left after a successful rename
     return path
-
-
-def load_tiny(path: str):
-    """(model, tokenizer) from a built folder, through the ordinary from_pretrained path."""
-    from transformers import AutoTokenizer
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

@@ -85,7 +85,9 @@ def test_engine_masks_stop_at_eos_and_flag_truncation(tiny):
         assert (row[n - 1] == eos) != bool(trunc)                     # ends at EOS unless truncated
         assert eos not in row[:n - 1].tolist()
     short = engine.generate(ids, 2, 1.0, 1.0, max_new_tokens=2, seeds=sequence_seeds(1, 0, torch.arange(len(ids)), 2))
-    assert short.truncated.all() and short.mask.sum(1).eq(2).all()
+    ends_at_eos = short.completion_ids.gather(1, short.mask.sum(1, keepdim=True).long() - 1).squeeze(1) == eos
+    assert short.mask.sum(1).le(2).all() and short.truncated.any()
+    assert torch.equal(short.truncated, ~ends_at_eos)             # truncated = cut before its EOS
 
 
 def test_completion_does_not_depend_on_batch_or_split(tiny):

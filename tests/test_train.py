@@ -16,10 +16,16 @@ SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.m
          "--data.max_eval_examples=16", "--train.progress=false", "--optim.lr=1e-3"]
 
 
+@pytest.fixture(autouse=True)
+def _model(tiny_model_path, monkeypatch):
+    monkeypatch.setenv("PSPO_TEST_MODEL", tiny_model_path)
+
+
 def train(out, *overrides, nproc=1, config="configs/grpo.yaml", check=True):
     cmd = [sys.executable, "train.py"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=0", "train.py"]
-    proc = subprocess.run(cmd + ["--config", config, f"--train.output_dir={out}", *SMALL, *overrides],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
+    model = f"--model.name_or_path={os.environ['PSPO_TEST_MODEL']}"
+    proc = subprocess.run(cmd + ["--config", config, f"--train.output_dir={out}", model, *SMALL, *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,0 +1,161 @@
+"""pspo/data.py: the fixed built-in splits, local file loading, one-line DataErrors, prompts."""
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pspo import data
+from pspo.data import (DEFAULT_SYSTEM_PROMPT, DataError, Example, builtin_arithmetic, format_prompt,
+                       load_examples, warmup_examples)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBLEM = re.compile(r"What is (\d\d) \+ (\d\d)\?")
+
+
+def _digest(examples: list[Example]) -> str:
+    return hashlib.sha256(json.dumps([[e.problem, e.answer] for e in examples]).encode()).hexdigest()
+
+
+def test_builtin_splits_are_fixed_disjoint_and_correct():
+    train, test = builtin_arithmetic("train"), builtin_arithmetic("test")
+    assert len(train) == len(test) == 500
+    assert len({e.problem for e in train}) == 500 and len({e.problem for e in test}) == 500
+    assert not {e.problem for e in train} & {e.problem for e in test}
+    for ex in train + test:      # "What is 47 + 35?" -> "82", both operands 2-digit
+        a, b = map(int, PROBLEM.fullmatch(ex.problem).groups())
+        assert 10 <= a <= 99 and 10 <= b <= 99 and ex.answer == str(a + b)
+    assert builtin_arithmetic("train") == train and builtin_arithmetic("test") == test
+    assert builtin_arithmetic("test", seed=1) != test                  # the seed picks the sets
+    assert builtin_arithmetic("test", num_examples=20) == test[:20]    # a prefix of the same order
+
+
+def test_builtin_splits_leave_the_global_rng_alone_and_match_across_processes():
+    random.seed(7)
+    expected = random.random()
+    random.seed(7)
+    test = builtin_arithmetic("test")
+    assert random.random() == expected
+    code = ("import hashlib, json; from pspo.data import builtin_arithmetic as b; "
+            "print(hashlib.sha256(json.dumps([[e.problem, e.answer] for e in b('test')]).encode()).hexdigest())")
+    env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == _digest(test)
+
+
+def test_warmup_examples_avoid_both_builtin_splits():
+    # 90 * 90 = 8100 ordered pairs, minus 500 test and 500 train = 7100
+    warm = {e.problem for e in warmup_examples()}
+    assert len(warm) == 7100
+    assert not warm & {e.problem for e in builtin_arithmetic("test")}
+    assert not warm & {e.problem for e in builtin_arithmetic("train")}
+
+
+def test_builtin_through_load_examples_and_its_errors():
+    assert load_examples("builtin:arithmetic", "test") == builtin_arithmetic("test")
+    assert load_examples("builtin:arithmetic", "train", max_examples=3) == builtin_arithmetic("train")[:3]
+    with pytest.raises(DataError, match=r"builtin:arithmetic: unknown split 'validation'.*train, test"):
+        load_examples("builtin:arithmetic", "validation")
+    with pytest.raises(DataError, match="num_examples"):
+        builtin_arithmetic("train", num_examples=5000)    # 2 x 5000 > 8100: splits would overlap
+    with pytest.raises(DataError, match="max_examples"):
+        load_examples("builtin:arithmetic", max_examples=0)
+
+
+def test_local_jsonl_with_custom_fields_coerces_answers_to_str(tmp_path):
+    path = tmp_path / "math.jsonl"
+    rows = [{"question": "1+1?", "solution": 2, "extra": "x"}, {"question": "half?", "solution": "\\frac{1}{2}"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = load_examples(str(path), problem_field="question", answer_field="solution")
+    assert examples == [Example("1+1?", "2"), Example("half?", "\\frac{1}{2}")]
+    # a local file is one split: the split name is ignored; max_examples keeps the first rows
+    assert load_examples(str(path), "test", "question", "solution", max_examples=1) == examples[:1]
+
+
+def test_local_json_array_and_parquet(tmp_path):
+    json_path = tmp_path / "data.json"
+    json_path.write_text(json.dumps([{"problem": "p1", "answer": "a1"}, {"problem": "p2", "answer": "a2"}]))
+    assert load_examples(str(json_path)) == [Example("p1", "a1"), Example("p2", "a2")]
+    parquet_path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"prompt": ["3+4?", "5+6?"], "gold": [7, 11]}), parquet_path)
+    assert load_examples(str(parquet_path), problem_field="prompt", answer_field="gold") == [
+        Example("3+4?", "7"), Example("5+6?", "11")]
+
+
+def test_missing_field_names_the_field_and_lists_the_existing_ones(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"question": "q", "solution": "s"}) + "\n")
+    with pytest.raises(DataError) as err:
+        load_examples(str(path), problem_field="question", answer_field="answer")
+    message = str(err.value)
+    assert "\n" not in message
+    assert str(path) in message and "'answer'" in message and "question, solution" in message
+
+
+def test_missing_empty_and_unsupported_files(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError, match=re.escape(f"{missing}: file not found")):
+        load_examples(str(missing))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=re.escape(f"{empty}: the file is empty")):
+        load_examples(str(empty))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    with pytest.raises(DataError, match=re.escape(f"{broken}: cannot read it as json (")):
+        load_examples(str(broken))
+    csv = tmp_path / "d.csv"
+    csv.write_text("problem,answer\n1+1,2\n")
+    with pytest.raises(DataError, match=re.escape(f"{csv}: expected a .jsonl, .json, .parquet file")):
+        load_examples(str(csv))
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text(json.dumps({"problem": "q", "answer": None}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{nulls}: row 0 has no value in field 'answer'")):
+        load_examples(str(nulls))
+
+
+def test_other_names_go_to_the_hub_with_the_split(monkeypatch):
+    import datasets
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        if split == "nope":
+            raise ValueError('Unknown split "nope". Should be one of [\'train\'].')
+        n = 0 if split == "empty" else 1
+        return datasets.Dataset.from_dict({"problem": ["q"] * n, "answer": [1] * n})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_examples("org/math", "test") == [Example("q", "1")]
+    with pytest.raises(DataError, match=r"^org/math: cannot load split 'nope' \(ValueError: Unknown split"):
+        load_examples("org/math", "nope")
+    with pytest.raises(DataError, match=r"^org/math: the dataset \(split 'empty'\) is empty$"):
+        load_examples("org/math", "empty")
+    assert calls == [("org/math", "test"), ("org/math", "nope"), ("org/math", "empty")]
+
+
+class _ChatML:
+    """A stand-in tokenizer: ChatML as Qwen writes it, rendered by hand."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert tokenize is False and add_generation_prompt is True
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+            "<|im_start|>assistant\n"
+
+
+def test_format_prompt_omits_an_empty_system_prompt():
+    assert format_prompt(_ChatML(), "What is 47 + 35?", "") == \
+        "<|im_start|>user\nWhat is 47 + 35?<|im_end|>\n<|im_start|>assistant\n"
+    assert format_prompt(_ChatML(), "Q", "Be brief.") == \
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_default_system_prompt_asks_for_think_then_boxed():
+    assert "<think> </think>" in DEFAULT_SYSTEM_PROMPT and "\\boxed{}" in DEFAULT_SYSTEM_PROMPT
+    assert data.BUILTIN_ARITHMETIC == "builtin:arithmetic"

@@ -1,0 +1,262 @@
+"""Log-probs, clipped surrogate, k3 KL and aggregation, ALGORITHMS.md §1, with hand-worked numbers,
+and the invariance of the step gradient to micro-batch / rank splitting."""
+import math
+
+import pytest
+import torch
+
+from pspo.loss import (AGGREGATIONS, clipped_surrogate, k3_kl, policy_loss, sequence_weights,
+                       token_logprobs)
+
+
+# ---------------------------------------------------------------- token_logprobs
+
+def _logits_123():
+    # H = 1, hidden = 1 and weight = [[1],[2],[3]] give logits [1, 2, 3] at every position;
+    # targets 0, 1, 2 read the three log-probs.
+    hidden = torch.ones(1, 3, 1)                                           # (N=1, T=3, H=1)
+    weight = torch.tensor([[1.], [2.], [3.]])                              # (V=3, H=1)
+    return hidden, weight, torch.tensor([[0, 1, 2]])                       # targets (1, 3)
+
+
+def test_token_logprobs_temperature_hand_worked():
+    hidden, weight, targets = _logits_123()
+    # T=1: logsumexp(1,2,3) = 3 + log(1 + e^-1 + e^-2) = 3 + log(1.503215) = 3.407606
+    #      logp = [1,2,3] - 3.407606 = [-2.407606, -1.407606, -0.407606]
+    #      p = [.090031, .244728, .665241]; H = Σ -p·logp = .216755+.344481+.271160 = .83240
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=1.0)
+    torch.testing.assert_close(logp, torch.tensor([[-2.407606, -1.407606, -0.407606]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, torch.full((1, 3), .83240), atol=1e-4, rtol=0)
+    # T=2: logits [.5, 1, 1.5]; logsumexp = 1.5 + log(1 + e^-.5 + e^-1) = 1.5 + log(1.974410)
+    #      = 1.5 + .680270 = 2.180270 -> logp = [-1.680270, -1.180270, -.680270]
+    #      p = [.18632, .30720, .50648]; H = .31307+.36258+.34454 = 1.02019 (flatter: higher)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=2.0)
+    torch.testing.assert_close(logp, torch.tensor([[-1.680270, -1.180270, -0.680270]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, torch.full((1, 3), 1.02019), atol=1e-4, rtol=0)
+    assert logp.dtype == torch.float32 and not entropy.requires_grad
+
+
+def _random_head(seed, N=3, T=5, H=8, V=11, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, T, H, generator=g).to(dtype).requires_grad_()  # (N, T, H)
+    # scaled so logits are O(1), as in a trained head: logp ~ -log V, float32 rounding ~1e-7
+    weight = (0.3 * torch.randn(V, H, generator=g)).to(dtype).requires_grad_()  # (V, H)
+    targets = torch.randint(0, V, (N, T), generator=g)                     # (N, T)
+    upstream = torch.randn(N, T, generator=g)                              # dL/dlogp, (N, T)
+    return hidden, weight, targets, upstream
+
+
+def _logp_and_grads(chunk_tokens, seed=0):
+    hidden, weight, targets, upstream = _random_head(seed)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_tokens=chunk_tokens)
+    (logp * upstream).sum().backward()
+    return logp.detach(), entropy, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 7, 15])
+def test_chunking_gives_same_logp_and_gradients(chunk_tokens):
+    # 15 tokens in chunks of 1, 4 (3 full + 1 of 3), 7 (2 + 1 of 1) or exactly 15 must match one block.
+    reference = _logp_and_grads(chunk_tokens=10**6)
+    for got, want in zip(_logp_and_grads(chunk_tokens), reference):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_token_logprobs_matches_plain_log_softmax():
+    hidden, weight, targets, _ = _random_head(1)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_tokens=4)
+    full = torch.log_softmax(hidden @ weight.T / 0.7, dim=-1)             # (N, T, V)
+    torch.testing.assert_close(logp, full.gather(2, targets[..., None]).squeeze(2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), atol=1e-6, rtol=0)
+
+
+def test_only_chunk_inputs_are_saved_for_backward():
+    # Checkpointing keeps no (chunk x V) logits block for backward: the only tensors saved at
+    # the outer level are each chunk's inputs (16 x 4 hidden, 1000 x 4 weight, 16 targets).
+    # Without checkpointing the (16 x 1000) log-softmax output would be saved for every chunk.
+    hidden, weight, targets, _ = _random_head(2, N=4, T=16, H=4, V=1000)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        logp, _ = token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=16)
+    assert saved and max(saved) < 16 * 1000
+    logp.sum().backward()                                                  # recomputation works
+    assert hidden.grad is not None and weight.grad.abs().sum() > 0
+
+
+def test_token_logprobs_run_in_float32_under_autocast():
+    # bf16 autocast would run the head matmul in bf16 (errors ~1e-2); the loss turns it off.
+    hidden, weight, targets, _ = _random_head(3)
+    want, _ = token_logprobs(hidden, weight, targets, temperature=1.0)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        got, _ = token_logprobs(hidden, weight, targets, temperature=1.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    h16, w16, _, _ = _random_head(3, dtype=torch.bfloat16)                 # bf16 weights: float32 out
+    assert token_logprobs(h16, w16, targets, temperature=1.0)[0].dtype == torch.float32
+
+
+# ---------------------------------------------------------------- k3 KL and the clipped surrogate
+
+def test_k3_kl_hand_worked():
+    # logp=-1, ref=-2: d = ref - logp = -1 -> e^-1 + 1 - 1 = .367879
+    # logp=-2, ref=-1: d = 1 -> e - 1 - 1 = .718282 (k3 is not symmetric); equal -> 0
+    kl = k3_kl(torch.tensor([-1., -2., -0.3]), torch.tensor([-2., -1., -0.3]))
+    torch.testing.assert_close(kl, torch.tensor([.367879, .718282, 0.]), atol=1e-6, rtol=0)
+
+
+def test_clipped_surrogate_both_sides_and_gradients():
+    # ε_low .2, ε_high .28 -> clip range [.8, 1.28]; old_logp = 0 so ρ = exp(logp).
+    # pg = -min(ρA, clip(ρ)A);  where unclipped, d pg / d logp = -A·ρ (dρ/dlogp = ρ).
+    #  ρ=1.5, A=+1: -min(1.5, 1.28)   = -1.28, clipped, grad 0
+    #  ρ=0.5, A=-1: -min(-.5, -.8)    =  0.8,  clipped, grad 0
+    #  ρ=0.5, A=+1: -min(.5, .8)      = -0.5,  grad -.5  (clip would not raise a low ρ·A>0)
+    #  ρ=1.5, A=-1: -min(-1.5, -1.28) =  1.5,  grad 1.5  (pessimistic: no clip for ρ·A<0 high)
+    #  ρ=1.1, A=+2: inside the range  = -2.2,  grad -2.2
+    #  ρ=0.9, A=0 : 0, not clipped,            grad 0
+    ratio = torch.tensor([1.5, 0.5, 0.5, 1.5, 1.1, 0.9])
+    advantages = torch.tensor([1., -1, 1, -1, 2, 0])                       # (N=6,), T = 1 each
+    logp = ratio.log()[:, None].requires_grad_()                           # (6, 1)
+    pg, is_clipped = clipped_surrogate(logp, torch.zeros(6, 1), advantages, eps_low=0.2, eps_high=0.28)
+    torch.testing.assert_close(pg[:, 0], torch.tensor([-1.28, 0.8, -0.5, 1.5, -2.2, 0.]), atol=1e-6, rtol=0)
+    assert is_clipped[:, 0].tolist() == [True, True, False, False, False, False]
+    pg.sum().backward()
+    torch.testing.assert_close(logp.grad[:, 0], torch.tensor([0., 0, -0.5, 1.5, -2.2, 0]), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- aggregation, hand-worked
+
+def _two_sequences():
+    # seq 0: 1 token,  A=+1, ρ=[1.2]          -> pg = -ρA = [-1.2]             Σ = -1.2
+    # seq 1: 3 tokens, A=-2, ρ=[1.0, .9, 1.1] -> pg = -ρA = [2.0, 1.8, 2.2]    Σ =  6.0
+    # (all ρ inside [.8, 1.28]: nothing clipped). Padding of seq 0 has ρ = 3, which would add
+    # a large clipped term if the mask were ignored.
+    ratio = torch.tensor([[1.2, 3.0, 3.0], [1.0, 0.9, 1.1]])               # (N=2, T=3)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)          # T_i = [1, 3]
+    return ratio.log(), torch.zeros(2, 3), torch.tensor([1., -2.]), mask
+
+
+@pytest.mark.parametrize("aggregation, weights, loss", [
+    ("grpo", [1 / 2, 1 / 6], 0.4),          # (1/2)(-1.2/1 + 6.0/3) = (1/2)(.8) = .4
+    ("token_mean", [1 / 4, 1 / 4], 1.2),    # (-1.2 + 6.0) / (1+3) = 4.8/4 = 1.2
+    ("dr_grpo", [1 / 8, 1 / 8], 0.6),       # (-1.2 + 6.0) / (2·L_max=4) = 4.8/8 = .6
+])
+def test_aggregation_hand_worked(aggregation, weights, loss):
+    logp, old_logp, advantages, mask = _two_sequences()
+    w = sequence_weights(mask, aggregation, num_seqs=2, num_tokens=4, max_len=4)
+    torch.testing.assert_close(w, torch.tensor(weights), atol=1e-7, rtol=0)
+    got, stats = policy_loss(logp, old_logp, None, advantages, mask, w, beta=0.04, eps_low=0.2, eps_high=0.28)
+    torch.testing.assert_close(got, torch.tensor(loss), atol=1e-6, rtol=0)
+    torch.testing.assert_close(stats["pg_loss"], torch.tensor(loss), atol=1e-6, rtol=0)
+    # ρ sum over the 4 real tokens: 1.2 + 1.0 + .9 + 1.1 = 4.2
+    assert stats["tokens"].item() == 4 and stats["clipped_tokens"].item() == 0
+    assert stats["kl"].item() == 0 and abs(stats["ratio"].item() - 4.2) < 1e-6
+
+
+def test_kl_term_enters_only_with_beta_and_ref():
+    # one token, ρ = 1 (logp = old = -1), A = 1 -> pg = -1; ref = -2 -> kl = .367879 (above).
+    # β = .5: ℓ = -1 + .5·.367879 = -.816060; β = 0 or no ref: ℓ = -1. Weight 1.
+    logp, old, ref = torch.tensor([[-1.]]), torch.tensor([[-1.]]), torch.tensor([[-2.]])
+    args = (torch.tensor([1.]), torch.ones(1, 1), torch.ones(1))
+    loss, stats = policy_loss(logp, old, ref, *args, beta=0.5, eps_low=0.2, eps_high=0.28)
+    assert abs(loss.item() - -0.816060) < 1e-6 and abs(stats["kl"].item() - 0.367879) < 1e-6
+    assert abs(stats["pg_loss"].item() - -1.0) < 1e-6                     # pg alone, for logging
+    loss, stats = policy_loss(logp, old, ref, *args, beta=0.0, eps_low=0.2, eps_high=0.28)
+    assert abs(loss.item() - -1.0) < 1e-6 and abs(stats["kl"].item() - 0.367879) < 1e-6
+    loss, stats = policy_loss(logp, old, None, *args, beta=0.5, eps_low=0.2, eps_high=0.28)
+    assert abs(loss.item() - -1.0) < 1e-6 and stats["kl"].item() == 0
+    # β = 0 keeps the KL out entirely: an overflowing kl (exp(99) > float32 max) must not turn
+    # the loss into 0·inf = NaN.
+    far_ref = torch.tensor([[98.]])                                        # d = 98 - (-1) = 99
+    loss, _ = policy_loss(logp, old, far_ref, *args, beta=0.0, eps_low=0.2, eps_high=0.28)
+    assert abs(loss.item() - -1.0) < 1e-6
+
+
+def test_unknown_aggregation_is_a_one_line_value_error():
+    with pytest.raises(ValueError, match="algo.aggregation.*grpo, token_mean, dr_grpo.*'mean'"):
+        sequence_weights(torch.ones(2, 3), "mean", num_seqs=2, num_tokens=6, max_len=3)
+
+
+# ---------------------------------------------------------------- invariance to splitting
+
+N, T, H, V, L_MAX = 8, 6, 5, 13, 8
+LENGTHS = torch.tensor([1, 6, 3, 4, 2, 6, 5, 1])                           # T_i, 28 tokens in all
+
+
+def _rollout():
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(N, T, H, generator=g)                             # (N, T, H)
+    weight = torch.randn(V, H, generator=g) * 0.5                          # (V, H) a tiny lm_head
+    targets = torch.randint(0, V, (N, T), generator=g)                     # (N, T)
+    mask = (torch.arange(T) < LENGTHS[:, None]).float()                    # (N, T)
+    advantages = torch.randn(N, generator=g)                               # (N,)
+    with torch.no_grad():
+        logp0, _ = token_logprobs(hidden, weight, targets, temperature=0.7)
+    # ρ = exp(±~.3) reaches outside [.8, 1.28], so clipping is exercised; ref differs too.
+    old_logp = logp0 + 0.3 * torch.randn(N, T, generator=g)
+    ref_logp = logp0 + 0.2 * torch.randn(N, T, generator=g)
+    return hidden, weight, targets, mask, advantages, old_logp, ref_logp
+
+
+def _step_grads(aggregation, ranks, global_counts=True):
+    """Gradients (hidden, weight) and summed stats of one optimizer step. ranks: a list (one per
+    rank, each with its own copy of the parameters) of lists of micro-batch row slices; the
+    ranks' gradients are summed as an all-reduce would."""
+    hidden0, weight0, targets, mask, advantages, old_logp, ref_logp = _rollout()
+    grad_h, grad_w, sums = torch.zeros_like(hidden0), torch.zeros_like(weight0), {}
+    for micro_batches in ranks:
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        for rows in micro_batches:
+            m = mask[rows]
+            num_seqs, num_tokens = (N, int(mask.sum())) if global_counts else (m.shape[0], int(m.sum()))
+            w = sequence_weights(m, aggregation, num_seqs, num_tokens, L_MAX)
+            logp, _ = token_logprobs(hidden[rows], weight, targets[rows], temperature=0.7, chunk_tokens=5)
+            loss, stats = policy_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], m, w,
+                                      beta=0.04, eps_low=0.2, eps_high=0.28)
+            loss.backward()
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value
+        grad_h += hidden.grad
+        grad_w += weight.grad
+    return grad_h, grad_w, sums
+
+
+def _explicit_step_loss(aggregation):
+    """The aggregation written out as in ALGORITHMS.md §1, for the one-call loss to match."""
+    hidden, weight, targets, mask, advantages, old_logp, ref_logp = _rollout()
+    logp, _ = token_logprobs(hidden, weight, targets, temperature=0.7)
+    ratio = torch.exp(logp - old_logp)
+    A = advantages[:, None]
+    ell = -torch.min(ratio * A, ratio.clamp(0.8, 1.28) * A) + 0.04 * k3_kl(logp, ref_logp)
+    per_seq = (ell * mask).sum(1)                                          # Σ_t ℓ_it, (N,)
+    return {"grpo": (per_seq / LENGTHS).mean(), "token_mean": per_seq.sum() / LENGTHS.sum(),
+            "dr_grpo": per_seq.sum() / (N * L_MAX)}[aggregation]
+
+
+ONE_CALL = [[slice(0, N)]]
+MICRO_4x2 = [[slice(i, i + 2) for i in range(0, N, 2)]]
+TWO_RANKS = [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]]
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_gradient_is_invariant_to_micro_batches_and_ranks(aggregation):
+    grad_h, grad_w, sums = _step_grads(aggregation, ONE_CALL)
+    assert sums["clipped_tokens"] > 0 and sums["tokens"] == LENGTHS.sum()     # the clip is exercised
+    for split in (MICRO_4x2, TWO_RANKS):
+        got_h, got_w, got_sums = _step_grads(aggregation, split)
+        torch.testing.assert_close(got_h, grad_h, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got_w, grad_w, atol=1e-6, rtol=0)
+        for key in sums:                                                       # sums add up too
+            torch.testing.assert_close(got_sums[key], sums[key], atol=1e-6, rtol=1e-6)
+    # control: per-micro-batch (local) counts change the gradient, so the test above has teeth
+    local_h, _, _ = _step_grads(aggregation, MICRO_4x2, global_counts=False)
+    assert (local_h - grad_h).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_one_call_loss_equals_the_written_out_aggregation(aggregation):
+    hidden, weight, targets, mask, advantages, old_logp, ref_logp = _rollout()
+    w = sequence_weights(mask, aggregation, N, int(mask.sum()), L_MAX)
+    logp, _ = token_logprobs(hidden, weight, targets, temperature=0.7)
+    loss, _ = policy_loss(logp, old_logp, ref_logp, advantages, mask, w, beta=0.04, eps_low=0.2, eps_high=0.28)
+    want = _explicit_step_loss(aggregation)
+    torch.testing.assert_close(loss, want, atol=1e-6, rtol=0)
+    assert not math.isclose(want.item(), 0.0, abs_tol=1e-3)                   # a non-trivial value
