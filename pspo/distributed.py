@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
+from tqdm import tqdm
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def load_full_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Op
                              options=StateDictOptions(full_state_dict=True))
 
 
-def print0(*args, **kwargs) -> None:
-    """print on rank 0 only, keeping `if rank == 0` out of the loop."""
+def print0(*args) -> None:
+    """print on rank 0 only, keeping `if rank == 0` out of the loop (tqdm.write: under the bar)."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, **kwargs, flush=True)
+        tqdm.write(" ".join(str(a) for a in args))
