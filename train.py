@@ -112,7 +112,7 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     return sums
 
 
-def step_metrics(sums: dict[str, float], cfg: Config, world_size: int) -> dict[str, float]:
+def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
     """Turn rank-summed statistics into the logged means (README, "Metrics")."""
     n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
     iters = cfg.algo.num_iterations
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> None:
             "reward_failures": sum(scored.failures.values()),
             "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
         }
-        metrics = step_metrics(distributed.reduce_sums(local_sums, device), cfg, dist_.world_size)
+        metrics = step_metrics(distributed.reduce_sums(local_sums, device), cfg)
         metrics["lr"] = scheduler.get_last_lr()[0]
         metrics["step_time_s"] = time.perf_counter() - t0
         if eval_set and (step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0)):

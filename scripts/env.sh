@@ -13,8 +13,11 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing requirements into $venv (about a minute)"
-  "$venv/bin/pip" install -q "$(grep -E '^torch==' "$root/requirements.txt")"
-  "$venv/bin/pip" install -q -r "$root/requirements.txt"
+  # pip's status survives the filter (pipefail); the filter drops harmless notices about a
+  # missing local package index that some machines' pip configuration names.
+  pip_install() { "$venv/bin/pip" install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
+  pip_install "$(grep -E '^torch==' "$root/requirements.txt")"
+  pip_install -r "$root/requirements.txt"
   echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"
