@@ -2,6 +2,7 @@
 
 GRPO:      A_i = (r_i - μ) / (s + ε)     μ, s = mean and sample std (Bessel, G-1) of the group
 Dr. GRPO:  A_i =  r_i - μ                (scale = False)
+ERS (§2):  A_i = (r_i - m_q) / (sqrt(v_q) + ε)   m_q, v_q = the prompt's smoothed statistics
 
 One value per completion; the loss broadcasts it over the completion's tokens.
 """
@@ -24,3 +25,16 @@ def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> 
         return centered
     std = rewards.std(dim=1, keepdim=True)                   # (B, 1)  sample std (G-1)
     return centered / (std + eps)
+
+
+def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = True,
+                        eps: float = 1e-4) -> Tensor:
+    """ERS advantage, ALGORITHMS.md §2, from the smoothed (m_q, sqrt(v_q)) after this step's update.
+
+    rewards (B, G), mean (B,), std (B,) -> (B, G). On a prompt's first visit (or with α = 1)
+    m_q = μ and sqrt(v_q) = s, so this is exactly `group_advantages`.
+    """
+    centered = rewards - mean[:, None]                       # (B, G)  r_i - m_q
+    if not scale:
+        return centered
+    return centered / (std[:, None] + eps)

@@ -1,0 +1,79 @@
+"""ERS: per-prompt EMA reward statistics and smoothed advantages (ALGORITHMS.md §2)."""
+import torch
+
+from pspo.advantages import group_advantages, smoothed_advantages
+from pspo.ema_stats import EMAStats, prompt_key
+
+
+def test_first_visit_is_grpo():
+    # [1,0,0,1]: μ=.5, s=.57735 -> the GRPO advantages ±.86588; [3,3,3,3]: s=0 -> 0, not NaN
+    ers = EMAStats(alpha=0.5)
+    rewards = torch.tensor([[1., 0, 0, 1], [3, 3, 3, 3]])
+    mean, std = ers.update(["p", "q"], rewards)
+    torch.testing.assert_close(mean, torch.tensor([.5, 3.]))
+    torch.testing.assert_close(std, torch.tensor([.57735, 0.]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(smoothed_advantages(rewards, mean, std), group_advantages(rewards))
+
+
+def test_second_visit_mixture_hand_worked():
+    # α=.9. Visit 1 of "p": [1,0,0,1] -> m=.5, v=1/3.
+    # Visit 2: [1,1,1,0]: μ=.75, s² = (3·.25² + .75²)/3 = .25
+    #   m = .9·.75 + .1·.5 = .725
+    #   v = .9·.25 + .1·(1/3) + .9·.1·(.75-.5)² = .225 + .033333 + .005625 = .263958, sqrt = .513768
+    #   A(r=1) = .275/.513868 = .53516, A(r=0) = -.725/.513868 = -1.41087
+    ers = EMAStats(alpha=0.9)
+    ers.update(["p"], torch.tensor([[1., 0, 0, 1]]))
+    rewards = torch.tensor([[1., 1, 1, 0]])
+    mean, std = ers.update(["p"], rewards)
+    torch.testing.assert_close(mean, torch.tensor([.725]))
+    torch.testing.assert_close(std, torch.tensor([.513768]), atol=1e-5, rtol=0)
+    adv = smoothed_advantages(rewards, mean, std)
+    torch.testing.assert_close(adv, torch.tensor([[.53516, .53516, .53516, -1.41087]]), atol=1e-4, rtol=0)
+    # scale=False: r - m = [.275, .275, .275, -.725]
+    torch.testing.assert_close(smoothed_advantages(rewards, mean, std, scale=False),
+                               torch.tensor([[.275, .275, .275, -.725]]))
+    assert int(ers.visits[0]) == 2
+
+
+def test_alpha_one_is_grpo_on_every_visit():
+    ers = EMAStats(alpha=1.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        rewards = torch.randint(0, 2, (4, 8), generator=g).float()
+        mean, std = ers.update(["a", "b", "c", "d"], rewards)
+        torch.testing.assert_close(smoothed_advantages(rewards, mean, std), group_advantages(rewards))
+
+
+def test_keys_merge_duplicates_and_are_order_independent():
+    a, b = EMAStats(0.5), EMAStats(0.5)
+    a.update(["x", "y"], torch.tensor([[1., 0], [0., 0]]))
+    b.update(["y", "x"], torch.tensor([[0., 0], [1., 0]]))
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.mean, b.mean)
+    # the same prompt twice in one batch: two visits, in order. α=.5:
+    # visit 1 [1,1]: m=1, v=0; visit 2 [0,0]: m=.5, v=0 + 0 + .25·1 = .25 -> std .5
+    c = EMAStats(0.5)
+    mean, std = c.update(["z", "z"], torch.tensor([[1., 1], [0., 0]]))
+    torch.testing.assert_close(mean, torch.tensor([1., .5]))
+    torch.testing.assert_close(std, torch.tensor([0., .5]))
+    assert len(c) == 1 and int(c.visits[0]) == 2
+    assert prompt_key("x") == prompt_key("x") != prompt_key("x ")
+
+
+def test_state_dict_round_trip(tmp_path):
+    ers = EMAStats(0.8)
+    ers.update(["a", "b"], torch.tensor([[1., 0, 1], [0., 0, 1]]))
+    torch.save(ers.state_dict(), tmp_path / "ers.pt")
+    again = EMAStats(0.8)
+    again.load_state_dict(torch.load(tmp_path / "ers.pt", weights_only=True))
+    rewards = torch.tensor([[0., 0, 1], [1., 1, 1]])
+    for x, y in zip(ers.update(["a", "b"], rewards), again.update(["a", "b"], rewards)):
+        assert torch.equal(x, y)
+
+
+def test_memory_per_prompt():
+    # 10^6 distinct prompts must fit in well under ~100 MB: 8 (key) + 8 + 8 + 4 = 28 bytes each.
+    ers = EMAStats(0.9)
+    ers._rows(torch.randint(-2**62, 2**62, (1_000_000,), generator=torch.Generator().manual_seed(0)))
+    total = sum(t.numel() * t.element_size() for t in (ers.keys, ers.mean, ers.var, ers.visits))
+    assert len(ers) > 999_000 and total / len(ers) == 28
+    assert bool((ers.keys[1:] > ers.keys[:-1]).all())        # sorted, no duplicates
