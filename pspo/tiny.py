@@ -33,7 +33,7 @@ from pspo.data import DEFAULT_SYSTEM_PROMPT, Example, builtin_arithmetic, format
 TINY_MODEL = "builtin:tiny"
 VERSION = 1                   # part of the cache key: bump it whenever the build below changes
 WARMUP_STEPS = 240            # supervised steps: greedy test accuracy ~0.3-0.4 (README)
-VOCAB_SIZE = 510              # BPE vocab incl. the 3 special tokens; + <think>, </think> = 512 ids
+VOCAB_SIZE = 510              # BPE vocab cap; the small corpus runs out of merges at 403 (+ 2 tags = 405 ids)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]     # pad, turn start, eos
 THINK_TOKENS = ["<think>", "</think>"]                                 # added, not special: decoded
 CHAT_TEMPLATE = (   # Qwen's ChatML layout, without Qwen's default system message
@@ -163,7 +163,9 @@ def ensure_tiny_model(cache_dir: str | None = None, tie_word_embeddings: bool = 
     The folder is written under a temporary name and renamed into place, so it either is complete
     or does not exist; when two processes build at once, the later rename fails and that process
     uses the folder that won. With the defaults (240 steps) the build takes about a minute on 2 CPU
-    cores and the model answers ~1/3 of the builtin test split right greedily."""
+    cores and the model answers ~40% of the builtin test split right greedily (0.408 measured; the
+    curve is steep: ~0.15 at 200 steps, ~0.55 at 260, ~0.8 at 300, and the seed moves it by ~+-30
+    steps). Tied embeddings learn slower: ~0.09 at 240 steps, ~0.3 at 300-320."""
     path = tiny_model_path(cache_dir, tie_word_embeddings, warmup_steps, seed)
     if os.path.isdir(path):
         return path
