@@ -200,7 +200,10 @@ def main(argv: list[str]) -> None:
     # ---- the loop ----
     B, G, r = cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.rollout
     B_local = B // dist_.world_size
-    weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format, "cosine": cfg.reward.cosine}
+    # accuracy and format are always scored (logged even at weight 0); cosine only when weighted
+    weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
+    if cfg.reward.cosine:
+        weights["cosine"] = cfg.reward.cosine
     last_eval = first_eval
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
     while step < cfg.train.max_steps:

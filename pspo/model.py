@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from pspo.loss import token_logprobs
+from pspo.rollout import left_pad
 from pspo.tiny import TINY_MODEL, ensure_tiny_model
 
 
@@ -106,9 +107,7 @@ def batch_inputs(prompt_ids: list[list[int]], completion_ids: Tensor, completion
     prompt_ids has one entry per completion row. Completion padding is masked out; since it
     sits after the real tokens, the causal mask already keeps it from affecting them.
     """
-    width = max(len(p) for p in prompt_ids)
-    prompts = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    prompts, prompt_mask = left_pad(prompt_ids, pad_id)
     input_ids = torch.cat([prompts, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
     return input_ids, attention_mask

@@ -139,10 +139,9 @@ class HFEngine:
 
     def _generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds):
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompt_ids)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
-        input_ids, attention = input_ids.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
+        input_ids, attention = left_pad(prompt_ids, self.pad_id)
+        width = input_ids.shape[1]
+        input_ids, attention = input_ids.repeat_interleave(n, 0).to(device), attention.repeat_interleave(n, 0).to(device)
         sampler = _GumbelSampler(None if seeds is None else seeds.to(device), width, temperature, top_p)
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                                   eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
@@ -153,6 +152,14 @@ class HFEngine:
         completion = out.sequences[:, width:]                                   # (N, T')
         logprobs = torch.stack(sampler.logprobs, 1) if sampler.logprobs else completion.float()
         return completion, logprobs[:, :completion.shape[1]], completion.shape[1]
+
+
+def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token-id lists -> left-padded ids and attention mask, (N, P) each (prompts end together)."""
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    return ids, mask
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
