@@ -15,6 +15,9 @@ from typing import Any
 
 import yaml
 
+from pspo.loss import AGGREGATIONS
+from pspo.priority_sampler import PRIORITIES
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override; the message is one line naming the key."""
@@ -71,6 +74,22 @@ class AlgoConfig:
 
 
 @dataclass
+class ERSConfig:
+    enabled: bool = False               # ERS (§2): smoothed per-prompt (m_q, v_q) replace the group's (μ, s²)
+    alpha: float = 0.99                 # a, weight of the current group in the EMA (1 = plain GRPO)
+
+
+@dataclass
+class PPSConfig:
+    enabled: bool = False               # PPS (§3): prioritized prompt sampling with IS weights
+    alpha: float = 0.6                  # α, priority exponent p_q = (mean|A| + ε_p)^α (0 = uniform)
+    beta: float = 0.4                   # β, IS-weight exponent w = (N·P)^-β at the first step
+    beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
+    eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
+    priority: str = "mean_abs"          # group statistic of |A^GRPO|: mean_abs | max_abs | last_abs
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-6                    # peak AdamW learning rate
     weight_decay: float = 0.0           # AdamW decoupled weight decay
@@ -111,13 +130,14 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ers: ERSConfig = field(default_factory=ERSConfig)
+    pps: PPSConfig = field(default_factory=PPSConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 ENGINES = ("hf",)
-AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -221,6 +241,13 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
     _check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
     _check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
+    _check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
+    p = cfg.pps
+    _check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
+    _check(p.beta >= 0, "pps.beta", ">= 0", p.beta)
+    _check(p.beta_end == -1 or p.beta_end >= 0, "pps.beta_end", ">= 0, or -1 for a constant β", p.beta_end)
+    _check(p.eps > 0, "pps.eps", "> 0", p.eps)
+    _check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     _check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)

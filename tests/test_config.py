@@ -34,6 +34,14 @@ def test_base_inheritance_and_presets():
     for name in ("grpo", "dr_grpo"):
         gpu = load_config(os.path.join(ROOT, f"configs/qwen2.5-math-1.5b/{name}.yaml"))
         assert gpu.rollout.num_generations == 6 and gpu.optim.lr == 1e-6 and gpu.rollout.max_new_tokens == 3584
+    # the PSPO presets and ablations switch ERS / PPS on top of the same GRPO settings, here and on GPU
+    for folder in ("configs", "configs/qwen2.5-math-1.5b"):
+        base = load_config(os.path.join(ROOT, folder, "grpo.yaml"))
+        for name, ers, pps in (("grpo", False, False), ("ers", True, False), ("pps", False, True), ("pspo", True, True)):
+            c = load_config(os.path.join(ROOT, folder, f"{name}.yaml"))
+            assert (c.ers.enabled, c.pps.enabled) == (ers, pps), (folder, name)
+            assert (c.algo, c.optim, c.rollout, c.data) == (base.algo, base.optim, base.rollout, base.data)
+            assert name in c.train.output_dir
 
 
 @pytest.mark.parametrize("yaml_text, overrides, message", [
@@ -46,6 +54,11 @@ def test_base_inheritance_and_presets():
     ("", ["--rollout.top_p=0"], "rollout.top_p: expected in (0, 1]"),
     ("", ["train.max_steps=3"], "overrides look like --section.key=value"),
     ("", ["--reward.accuracy=0"], "reward: expected at least one non-zero weight"),
+    ("ers:\n  alpha: 0\n", [], "ers.alpha: expected in (0, 1], got 0.0"),
+    ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs, got 'last'"),
+    ("", ["--pps.beta_end=-0.5"], "pps.beta_end: expected >= 0, or -1 for a constant β"),
+    ("", ["--pps.eps=0"], "pps.eps: expected > 0"),
+    ("pps:\n  enabled: maybe\n", [], "pps.enabled: expected bool"),
 ])
 def test_errors_name_the_key(tmp_path, yaml_text, overrides, message):
     path = write(tmp_path, "c.yaml", yaml_text)
