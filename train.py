@@ -1,11 +1,12 @@
-"""GRPO / Dr. GRPO fine-tuning with verifiable rewards: the whole algorithm in one visible loop.
+"""PSPO / GRPO / Dr. GRPO fine-tuning with verifiable rewards: the whole algorithm in one visible loop.
 
     python train.py --config configs/demo.yaml [--section.key=value ...]          # one process
     torchrun --nproc_per_node=N train.py --config configs/demo.yaml               # FSDP2, N ranks
 
-Each step (ALGORITHMS.md §1): sample B prompts -> G completions each -> rewards -> group
-advantages -> num_iterations x (micro-batched clipped-surrogate loss with gradient accumulation,
-grad-norm clip, AdamW step) -> log -> periodic eval -> periodic save.
+Each step: sample B prompts (uniform epochs, or PPS §3) -> G completions each -> rewards ->
+advantages (GRPO §1, or ERS-smoothed §2) -> PPS priorities -> num_iterations x (micro-batched
+clipped-surrogate loss with gradient accumulation, grad-norm clip, AdamW step) -> log -> periodic
+eval -> periodic save. PSPO (§4) = ERS + PPS; `ers.enabled` and `pps.enabled` switch each on.
 
 How this departs from TRL's GRPOTrainer, on purpose:
 - The loss is normalized over the whole optimizer step (every micro-batch and rank), so the
@@ -24,14 +25,16 @@ import torch
 from tqdm import tqdm
 
 from pspo import checkpoint, distributed
-from pspo.advantages import group_advantages
+from pspo.advantages import group_advantages, smoothed_advantages
 from pspo.config import Config, ConfigError, load_config, save_config
 from pspo.data import DataError, format_prompt, load_examples
 from pspo.distributed import Dist, print0
+from pspo.ema_stats import EMAStats
 from pspo.evaluation import evaluate
 from pspo.loss import policy_loss, sequence_weights
 from pspo.metrics import MetricsLogger
 from pspo.model import ModelError, batch_inputs, build_policy, load_tokenizer, resolve_model_path
+from pspo.priority_sampler import PrioritySampler
 from pspo.rewards import GoldAnswerError, check_gold_answer, score_completions
 from pspo.rollout import HFEngine, sequence_seeds
 from pspo.sampler import UniformSampler
@@ -53,7 +56,7 @@ def lr_lambda(cfg: Config):
 def prepare_prompts(examples, tokenizer, system_prompt: str) -> tuple[list[str], list[list[int]]]:
     """Chat-formatted prompt text and token ids, computed once for the whole dataset."""
     texts = [format_prompt(tokenizer, ex.problem, system_prompt) for ex in examples]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     return texts, ids
 
 
@@ -77,7 +80,8 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
                   cfg: Config, dist_: Dist) -> dict[str, float]:
     """num_iterations optimizer steps on one rollout batch; returns summed stats for logging.
 
-    input_ids/attention_mask (N, P+T); mask (N, T) completion tokens; advantages (N,).
+    input_ids/attention_mask (N, P+T); mask (N, T) completion tokens; advantages (N,), already
+    multiplied by the PPS importance weight (the weight touches the policy-gradient term only).
     """
     a, micro, T = cfg.algo, cfg.train.micro_batch_size, mask.shape[1]
     temperature = cfg.rollout.temperature
@@ -130,6 +134,21 @@ def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
     return metrics
 
 
+def load_replicated_state(state: dict, sampler, ers: EMAStats | None, cfg: Config) -> None:
+    """Sampler and ERS state from a checkpoint; refuses a run that switched PPS or ERS on or off."""
+    for key, on, was_on in (("pps.enabled", cfg.pps.enabled, "priorities" in state["sampler"]),
+                            ("ers.enabled", cfg.ers.enabled, state.get("ers") is not None)):
+        if on != was_on:
+            raise ConfigError(f"{key}: the checkpoint was trained with {key}={str(was_on).lower()}; "
+                              "resume with the same setting")
+    try:
+        sampler.load_state_dict(state["sampler"])
+        if ers is not None:
+            ers.load_state_dict(state["ers"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(argv: list[str]) -> None:
     dist_ = distributed.init_distributed()
     if len(argv) < 2 or argv[0] != "--config":
@@ -164,7 +183,17 @@ def main(argv: list[str]) -> None:
                              d.max_eval_examples or None) if d.eval else []
     check_golds(eval_set, d.eval)
     eval_texts, eval_ids = prepare_prompts(eval_set, tokenizer, d.system_prompt)
-    sampler = UniformSampler(len(train_set), cfg.train.seed)
+    N, B = len(train_set), cfg.train.prompts_per_step
+    if cfg.pps.enabled:
+        if B > N:
+            raise ConfigError(f"train.prompts_per_step: PPS draws {B} distinct prompts per step, "
+                              f"{d.train} has {N}")
+        p = cfg.pps
+        sampler = PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, cfg.train.seed,
+                                  None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps)
+    else:
+        sampler = UniformSampler(N, cfg.train.seed)
+    ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None
     o = cfg.optim
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   weight_decay=o.weight_decay)
@@ -174,7 +203,7 @@ def main(argv: list[str]) -> None:
         state = checkpoint.load_trainer_state(resume_from, dist_.rank)
         checkpoint.load_optimizer(resume_from, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
+        load_replicated_state(state, sampler, ers, cfg)
         step = state["step"]
         print0(f"resumed from {resume_from} at step {step}")
     logger = MetricsLogger(out, dist_.is_main, resume_step=step)
@@ -187,7 +216,8 @@ def main(argv: list[str]) -> None:
         return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
 
     def save() -> None:
-        state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
+        state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+                 "ers": ers.state_dict() if ers is not None else None}
         path = checkpoint.save_checkpoint(out, step, policy, tokenizer, optimizer, state, dist_,
                                           cfg.train.keep_checkpoints)
         print0(f"saved {path}")
@@ -198,8 +228,9 @@ def main(argv: list[str]) -> None:
         print0(f"step 0: test accuracy {first_eval['eval_accuracy']:.3f} (greedy, {len(eval_set)} problems)")
 
     # ---- the loop ----
-    B, G, r = cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.rollout
+    G, r, a = cfg.rollout.num_generations, cfg.rollout, cfg.algo
     B_local = B // dist_.world_size
+    mine = slice(dist_.rank * B_local, (dist_.rank + 1) * B_local)                # this rank's rows of the batch
     # accuracy and format are always scored (logged even at weight 0); cosine only when weighted
     weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
     if cfg.reward.cosine:
@@ -208,36 +239,55 @@ def main(argv: list[str]) -> None:
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
     while step < cfg.train.max_steps:
         t0 = time.perf_counter()
-        indices, _ = sampler.sample(B)                                            # (B,) same on all ranks
-        local = indices[dist_.rank * B_local:(dist_.rank + 1) * B_local]          # this rank's prompts
-        positions = torch.arange(dist_.rank * B_local, (dist_.rank + 1) * B_local)
-        seeds = sequence_seeds(cfg.train.seed, step, positions, G)                # (B_local*G,)
+        indices, is_weights = sampler.sample(B)                                   # (B,), (B,) same on all ranks
+        bookkeeping_s = time.perf_counter() - t0
+        local = indices[mine]
+        seeds = sequence_seeds(cfg.train.seed, step, torch.arange(B)[mine], G)    # (B_local*G,)
         rollout = engine.generate([train_ids[i] for i in local], G, r.temperature, r.top_p,
                                   r.max_new_tokens, seeds)
         rows = [i for i in local.tolist() for _ in range(G)]                      # prompt-major
         scored = score_completions([train_texts[i] for i in rows], rollout.texts,
                                    [train_set[i].answer for i in rows], weights, cfg.reward.timeout_s)
-        rewards = scored.rewards.view(B_local, G)                                 # (B_local, G)
-        advantages = group_advantages(rewards, cfg.algo.scale_rewards, cfg.algo.adv_eps)  # (B_local, G)
+        # The whole (B, G) reward matrix on every rank: ERS and PPS state stay identical everywhere.
+        rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G), dist_.device)   # (B, G)
+        t1 = time.perf_counter()
+        advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps)       # (B, G) §1
+        if cfg.pps.enabled:                                                       # §3: p_q from the raw |A|
+            sampler.update(indices, advantages.abs())
+        if ers is not None:                                                       # §2: m_q, v_q after the update
+            problems = [train_set[i].problem for i in indices.tolist()]
+            ers_mean, ers_std = ers.update(problems, rewards)                     # (B,), (B,)
+            advantages = smoothed_advantages(rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
+        bookkeeping_s += time.perf_counter() - t1
+        pg_advantages = advantages * is_weights[:, None]                          # (B, G) IS weight, PG term only
         input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
                                                  rollout.mask, tokenizer.pad_token_id)
         device = dist_.device
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
-                               rollout.mask.to(device), advantages.reshape(-1).to(device), cfg, dist_)
+                               rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_)
         step += 1
 
         gen_tokens = rollout.mask.sum().item()
+        my_rewards, my_adv = rewards[mine], advantages[mine]
         local_sums = {
-            **update, "completions": rewards.numel(), "groups": B_local,
-            "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
+            **update, "completions": my_rewards.numel(), "groups": B_local,
+            "reward": my_rewards.sum(), "reward_sq": (my_rewards ** 2).sum(),
             "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
-            "adv_abs": advantages.abs().sum(), "adv_sq": (advantages ** 2).sum(),
-            "zero_std_groups": (rewards.std(1) == 0).sum(), "truncated": rollout.truncated.sum(),
+            "adv_abs": my_adv.abs().sum(), "adv_sq": (my_adv ** 2).sum(),
+            "zero_std_groups": (my_rewards.std(1) == 0).sum(), "truncated": rollout.truncated.sum(),
             "reward_failures": sum(scored.failures.values()),
             "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
         }
         metrics = step_metrics(distributed.reduce_sums(local_sums, device), cfg)
         metrics["lr"] = scheduler.get_last_lr()[0]
+        # ERS/PPS diagnostics come from the replicated state: the same on every rank, not summed.
+        if ers is not None:
+            metrics["ers_gap"] = float((ers_mean - rewards.mean(1)).abs().mean())  # mean |m_q - μ|
+            metrics["ers_visits"] = float(ers.visits_of(problems).float().mean())
+            metrics["ers_seen_frac"] = len(ers) / N
+        if cfg.pps.enabled:
+            metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
+        metrics["bookkeeping_s"] = bookkeeping_s
         metrics["step_time_s"] = time.perf_counter() - t0
         if eval_set and (step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0)):
             last_eval = run_eval()

@@ -3,7 +3,11 @@
 <output_dir>/checkpoint-<step>/
     config.json, generation_config.json, model.safetensors, tokenizer files   (from_pretrained)
     optimizer.pt      full AdamW state (tensors, numbers, lists only)
-    trainer_state.pt  step, scheduler, sampler state, per-rank RNG states
+    trainer_state.pt  step, scheduler, sampler (uniform order or PPS priorities + RNG), ERS statistics
+    rng-rank<r>.pt    rank r's torch RNG states, and a digest of the trainer state as rank r held it
+
+The trainer state is replicated: every rank holds the same sampler and ERS state. Saving checks
+that (the digests of all ranks must agree) and stops with an error if a bug ever breaks it.
 
 Written under `.tmp-checkpoint-<step>` and renamed when complete, so a crash mid-save never
 leaves a broken newest checkpoint. Loading uses safetensors and `torch.load(weights_only=True)`:
@@ -13,12 +17,14 @@ all ranks see (the usual shared disk of a multi-node job).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shutil
 
 import torch
 from safetensors.torch import save_file
+from torch import Tensor
 
 from pspo import distributed
 from pspo.distributed import Dist
@@ -52,10 +58,12 @@ def save_checkpoint(output_dir: str, step: int, policy: torch.nn.Module, tokeniz
         torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
     del model_state, optim_state
     distributed.barrier()
-    rng = {"cpu": torch.get_rng_state()}
+    digest = state_digest(trainer_state)
+    rng = {"cpu": torch.get_rng_state(), "trainer_state_sha256": digest.hex()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, os.path.join(tmp, f"rng-rank{dist_.rank}.pt"))
+    replicated = distributed.all_equal(digest)
     distributed.barrier()
     if dist_.is_main:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
@@ -63,7 +71,32 @@ def save_checkpoint(output_dir: str, step: int, policy: torch.nn.Module, tokeniz
         os.replace(tmp, final)                                   # atomic on one file system
         _prune(output_dir, keep)
     distributed.barrier()
+    if not replicated:                                           # saved (rank 0's view) first, then stop
+        raise RuntimeError(f"{final}: the sampler/ERS state differs across ranks (see trainer_state_sha256 "
+                           "in rng-rank*.pt); it must be replicated, this is a bug")
     return final
+
+
+def state_digest(state) -> bytes:
+    """SHA-256 over a nest of dicts/lists of tensors and plain values (dict keys in sorted order)."""
+    h = hashlib.sha256()
+
+    def visit(x) -> None:
+        if isinstance(x, dict):
+            for key in sorted(x, key=str):
+                h.update(f"<{key}>".encode())
+                visit(x[key])
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item)
+        elif isinstance(x, Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(x).encode())
+    visit(state)
+    return h.digest()
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:

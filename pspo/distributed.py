@@ -3,7 +3,8 @@
 Launch with `torchrun --nproc_per_node=N train.py ...` (one or many nodes); a plain
 `python train.py` is a world of one. gloo on CPU, NCCL on GPU. Each rank generates and scores
 its own slice of prompts; a prompt's G completions stay on one rank, so group statistics need no
-communication, and only gradients (inside FSDP) and logged sums cross ranks.
+communication. Gradients (inside FSDP), logged sums and the step's (B, G) rewards cross ranks; the
+rewards keep the per-prompt ERS/PPS state identical on every rank.
 """
 from __future__ import annotations
 
@@ -85,6 +86,28 @@ def all_reduce_max(x: Tensor) -> Tensor:
     if dist.is_initialized():
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
+
+
+def all_gather_rows(x: Tensor, device: torch.device) -> Tensor:
+    """Concatenate every rank's (n, ...) tensor along dim 0, in rank order: (world*n, ...) on x's device.
+
+    Each rank must pass the same shape. Used for the (B, G) rewards, so the replicated ERS and
+    PPS state sees the whole global batch on every rank.
+    """
+    if not dist.is_initialized():
+        return x.clone()
+    parts = [torch.empty_like(x, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.to(device))
+    return torch.cat(parts).to(x.device)
+
+
+def all_equal(value: bytes) -> bool:
+    """True when every rank passed the same bytes (e.g. a digest of replicated state)."""
+    if not dist.is_initialized():
+        return True
+    values: list[bytes] = [b""] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return all(v == values[0] for v in values)
 
 
 def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:

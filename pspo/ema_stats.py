@@ -80,6 +80,14 @@ class EMAStats:
             out_mean[b], out_var[b] = m, v
         return out_mean.float(), out_var.clamp(min=0).sqrt().float()
 
+    def visits_of(self, keys: list[str]) -> Tensor:
+        """n_q of each key (0 for a prompt never updated). (B,) int32"""
+        k = torch.tensor([prompt_key(t) for t in keys], dtype=torch.int64)
+        if not len(self.keys):
+            return torch.zeros(len(k), dtype=torch.int32)
+        rows = torch.searchsorted(self.keys, k).clamp(max=len(self.keys) - 1)
+        return torch.where(self.keys[rows] == k, self.visits[rows], 0)
+
     def state_dict(self) -> dict[str, Tensor | float]:
         return {"alpha": self.alpha, "keys": self.keys, "mean": self.mean, "var": self.var, "visits": self.visits}
 

@@ -22,6 +22,8 @@ and the tree is rebuilt in O(N); that happens only on a new maximum.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -94,17 +96,37 @@ class PrioritySampler:
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of {self.num_prompts}")
         taken: dict[int, None] = {}
+        draws = 0
         while len(taken) < batch_size:
             for q in self._draw(batch_size - len(taken)).tolist():
+                draws += 1
                 if q < self.num_prompts and q not in taken:
                     taken[q] = None
                     if len(taken) == batch_size:
                         break
         indices = torch.tensor(list(taken), dtype=torch.int64)
         probs = self.tree[indices + self.size] / self.tree[1]                   # P(q)
-        weights = (self.num_prompts * probs) ** (-self.current_beta())
+        weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P)^-β
         self.steps += 1
+        self._last = {"draws": draws, "raw_weights": weights}
         return indices, (weights / weights.max()).float()
+
+    def batch_stats(self) -> dict[str, float]:
+        """Diagnostics of the last `sample` and of the current priorities (logged each step).
+
+        entropy: H(P) / ln N, 1 for uniform priorities, lower as sampling concentrates.
+        is_max / is_min: the unnormalized (N·P)^-β of the batch (the loss uses w = these / is_max).
+        ess: effective sample size of the batch's weights, (Σw)² / Σw², out of B.
+        repeat_frac: fraction of raw draws that hit a prompt already in the batch (redrawn).
+        """
+        raw = self._last["raw_weights"]
+        probs = self.probabilities()
+        probs = probs[probs > 0]
+        entropy = float(-(probs * probs.log()).sum()) / math.log(self.num_prompts) if self.num_prompts > 1 else 1.0
+        ess = float(raw.sum() ** 2 / (raw ** 2).sum())
+        repeat = 1.0 - len(raw) / self._last["draws"]
+        return {"entropy": entropy, "is_max": float(raw.max()), "is_min": float(raw.min()), "ess": ess,
+                "repeat_frac": repeat}
 
     def update(self, indices: Tensor, abs_advantages: Tensor) -> None:
         """Set p_q = (stat_i |A_i| + ε)^α for the scored prompts. abs_advantages (B, G) ≥ 0."""

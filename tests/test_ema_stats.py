@@ -77,3 +77,12 @@ def test_memory_per_prompt():
     total = sum(t.numel() * t.element_size() for t in (ers.keys, ers.mean, ers.var, ers.visits))
     assert len(ers) > 999_000 and total / len(ers) == 28
     assert bool((ers.keys[1:] > ers.keys[:-1]).all())        # sorted, no duplicates
+
+
+def test_visits_of():
+    # "p" twice, "q" once, "r" never: n = [2, 1, 0]
+    ers = EMAStats(alpha=0.9)
+    ers.update(["p", "q"], torch.ones(2, 4))
+    ers.update(["p"], torch.zeros(1, 4))
+    assert ers.visits_of(["p", "q", "r"]).tolist() == [2, 1, 0]
+    assert EMAStats().visits_of(["p"]).tolist() == [0]

@@ -170,6 +170,18 @@ def test_kl_term_enters_only_with_beta_and_ref():
     assert abs(loss.item() - -1.0) < 1e-6
 
 
+def test_pps_weight_scales_the_policy_gradient_term_only():
+    # train.py passes A·w (w = PPS importance weight) as the advantage: only pg scales, the KL does not.
+    # Same token as above with w = .5: pg = -.5, kl = .367879; β = .5: ℓ = -.5 + .183940 = -.316060.
+    logp, old, ref = torch.tensor([[-1.]], requires_grad=True), torch.tensor([[-1.]]), torch.tensor([[-2.]])
+    loss, stats = policy_loss(logp, old, ref, torch.tensor([1.]) * 0.5, torch.ones(1, 1), torch.ones(1),
+                              beta=0.5, eps_low=0.2, eps_high=0.28)
+    assert abs(loss.item() - -0.316060) < 1e-6 and abs(stats["pg_loss"].item() - -0.5) < 1e-6
+    # dℓ/dlogp = -w·A·ρ + β·(1 - exp(ref - logp)) = -.5 + .5·(1 - e^-1) = -.5 + .316060 = -.183940
+    loss.backward()
+    assert abs(logp.grad.item() - -0.183940) < 1e-6
+
+
 def test_unknown_aggregation_is_a_one_line_value_error():
     with pytest.raises(ValueError, match="algo.aggregation.*grpo, token_mean, dr_grpo.*'mean'"):
         sequence_weights(torch.ones(2, 3), "mean", num_seqs=2, num_tokens=6, max_len=3)

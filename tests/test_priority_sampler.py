@@ -91,3 +91,31 @@ def test_state_dict_round_trip(tmp_path):
     for _ in range(3):
         (i1, w1), (i2, w2) = s.sample(8), t.sample(8)
         assert torch.equal(i1, i2) and torch.equal(w1, w2)
+
+
+def test_batch_stats_hand_worked():
+    # priorities [1,2,3,4] (α=1, ε=0), β=.5, all 4 drawn:
+    #   raw (N·P)^-β = [1.58114, 1.11803, .91287, .79057] -> is_max 1.58114, is_min .79057
+    #   ess = (Σw)²/Σw² = 4.40261² / (2.5 + 1.25 + .83333 + .625) = 19.38298 / 5.20833 = 3.72153
+    #   entropy = -Σ P ln P / ln 4 = (.23026 + .32189 + .36119 + .36652) / 1.38629 = .92322
+    s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
+    s.update(torch.arange(4), rows(1, 2, 3, 4))
+    s.sample(4)
+    st = s.batch_stats()
+    assert abs(st["is_max"] - 1.58114) < 1e-5 and abs(st["is_min"] - 0.79057) < 1e-5
+    assert abs(st["ess"] - 3.72153) < 1e-4 and abs(st["entropy"] - 0.92322) < 1e-4
+    assert 0 <= st["repeat_frac"] < 1                    # 4 distinct of 4 needs >= 4 raw draws
+    # one prompt drawn: nothing to repeat, ess 1, and uniform priorities have entropy 1
+    u = PrioritySampler(8)
+    u.sample(1)
+    st = u.batch_stats()
+    assert st["repeat_frac"] == 0 and st["ess"] == 1 and abs(st["entropy"] - 1) < 1e-12
+
+
+def test_repeat_fraction_counts_redrawn_duplicates():
+    # One prompt holds almost all the mass: drawing 2 distinct prompts means redrawing prompt 0 many
+    # times, so the fraction of raw draws that were repeats is close to 1.
+    s = PrioritySampler(2, alpha=1.0, eps=0.0, seed=0)
+    s.update(torch.arange(2), rows(1.0, 1e-3))
+    s.sample(2)
+    assert s.batch_stats()["repeat_frac"] > 0.9

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from pspo.data import builtin_arithmetic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
          "--data.max_eval_examples=16", "--train.progress=false", "--optim.lr=1e-3"]
@@ -64,38 +66,102 @@ def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path):
     assert not any(name.startswith(".tmp") for name in os.listdir(out))
 
 
-def test_resume_continues_exactly(tmp_path, tiny_model_path):
-    # Uninterrupted 4 steps with a checkpoint at step 2, vs. a run resumed from that checkpoint.
+@pytest.fixture
+def few_prompts(tmp_path):
+    """A 6-prompt train set: with B = 4 prompts revisit within a few steps, so ERS and PPS state matter."""
+    path = tmp_path / "six.jsonl"
+    with open(path, "w") as f:
+        for ex in builtin_arithmetic("train")[:6]:
+            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
+    return [f"--data.train={path}", "--train.prompts_per_step=4"]
+
+
+def pspo(out, few_prompts, *overrides, nproc=1, check=True):
+    return train(out, *few_prompts, *overrides, nproc=nproc, config="configs/pspo.yaml", check=check)
+
+
+def trainer_state(path):
+    return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+
+
+def assert_same_state(a, b, atol=0.0):
+    """Sampler (PPS priorities, seen, RNG) and ERS statistics equal (floats to atol)."""
+    for part in ("sampler", "ers"):
+        for key, va in a[part].items():
+            vb = b[part][key]
+            if isinstance(va, torch.Tensor) and va.is_floating_point():
+                torch.testing.assert_close(va, vb, atol=atol, rtol=0, msg=f"{part}.{key}")
+            elif isinstance(va, torch.Tensor):
+                assert torch.equal(va, vb), f"{part}.{key}"
+            else:
+                assert va == vb, f"{part}.{key}"
+
+
+def test_pspo_logs_ers_and_pps_diagnostics(tmp_path, few_prompts):
+    out = str(tmp_path / "run")
+    pspo(out, few_prompts, "--train.max_steps=3")
+    rows = metrics(out)
+    for key in ("ers_gap", "ers_visits", "ers_seen_frac", "pps_entropy", "pps_is_max", "pps_is_min", "pps_ess",
+                "pps_repeat_frac", "bookkeeping_s"):
+        assert key in rows[3], key
+    # 4 distinct of 6 prompts per step: step 1 sees 4 for the first time; step 3 cannot be all
+    # first visits (steps 1-2 already covered at least 4 prompts), so its mean visit count is > 1
+    assert rows[1]["ers_seen_frac"] == pytest.approx(4 / 6) and rows[1]["ers_visits"] == 1
+    assert rows[3]["ers_seen_frac"] >= 4 / 6 and rows[3]["ers_visits"] > 1
+    assert 0 < rows[3]["pps_entropy"] <= 1 and 0 < rows[3]["pps_is_min"] <= rows[3]["pps_is_max"]
+    state = trainer_state(os.path.join(out, "checkpoint-3"))
+    assert int(state["ers"]["visits"].sum()) == 12 and state["sampler"]["steps"] == 3
+    assert bool(state["sampler"]["seen"].all())
+    # a resumed run may not switch PPS (or ERS) off: one line, exit code 2
+    proc = pspo(out, few_prompts, "--train.max_steps=4", "--train.resume=auto", "--pps.enabled=false", check=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error: pps.enabled: the checkpoint was trained with")
+
+
+def test_resume_continues_exactly(tmp_path, few_prompts):
+    # PSPO, uninterrupted 4 steps with a checkpoint at step 2, vs. a run resumed from that checkpoint:
+    # the PPS priorities and RNG, the ERS statistics and the optimizer must all come back.
     full = str(tmp_path / "full")
-    train(full, "--train.max_steps=4", "--train.save_steps=2", "--train.keep_checkpoints=0")
+    pspo(full, few_prompts, "--train.max_steps=4", "--train.save_steps=2", "--train.keep_checkpoints=0")
     resumed = str(tmp_path / "resumed")
     os.makedirs(resumed)
     shutil.copytree(os.path.join(full, "checkpoint-2"), os.path.join(resumed, "checkpoint-2"))
     shutil.copy(os.path.join(full, "metrics.jsonl"), resumed)          # truncated back to step 2 on resume
-    train(resumed, "--train.max_steps=4", "--train.save_steps=2", "--train.resume=auto")
+    pspo(resumed, few_prompts, "--train.max_steps=4", "--train.save_steps=2", "--train.resume=auto")
     a, b = metrics(full), metrics(resumed)
     assert [r["step"] for r in b] == [r["step"] for r in a]
     for ra, rb in zip(a[3:5], b[3:5]):                                 # steps 3 and 4
-        for key in ("reward_mean", "loss", "grad_norm", "lr", "response_length"):
+        for key in ("reward_mean", "loss", "grad_norm", "lr", "response_length", "ers_gap", "pps_is_min"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), key
+    sa, sb = trainer_state(os.path.join(full, "checkpoint-4")), trainer_state(os.path.join(resumed, "checkpoint-4"))
+    assert_same_state(sa, sb, atol=1e-9)
+    assert int(sa["ers"]["visits"].max()) >= 2                          # ERS really smoothed a revisit
     wa, wb = weights(os.path.join(full, "checkpoint-4")), weights(os.path.join(resumed, "checkpoint-4"))
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
 
 
-def test_two_processes_match_one(tmp_path, tiny_model_path):
-    # Same global batch and seed: FSDP2 over 2 gloo ranks must reproduce the 1-process run.
+def test_two_processes_match_one(tmp_path, few_prompts):
+    # PSPO with the same global batch and seed: FSDP2 over 2 gloo ranks must reproduce the
+    # 1-process run, and both ranks must hold identical ERS/PPS state (the rank digests agree).
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    args = ["--train.max_steps=2", "--algo.beta=0.04", "--train.micro_batch_size=6"]
-    train(one, *args)
-    train(two, *args, nproc=2)
+    args = ["--train.max_steps=3", "--algo.beta=0.04", "--train.micro_batch_size=6"]
+    pspo(one, few_prompts, *args)
+    pspo(two, few_prompts, *args, nproc=2)
     a, b = metrics(one), metrics(two)
     for ra, rb in zip(a, b):
-        for key in ("reward_mean", "accuracy", "loss", "grad_norm", "kl", "eval_accuracy"):
+        for key in ("reward_mean", "accuracy", "loss", "grad_norm", "kl", "eval_accuracy", "ers_gap", "pps_entropy"):
             if key in ra:
                 assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
     assert a[1]["grad_norm"] > 0
-    wa, wb = weights(os.path.join(one, "checkpoint-2")), weights(os.path.join(two, "checkpoint-2"))
+    ckpt_one, ckpt_two = os.path.join(one, "checkpoint-3"), os.path.join(two, "checkpoint-3")
+    digests = [torch.load(os.path.join(ckpt_two, f"rng-rank{r}.pt"), weights_only=True)["trainer_state_sha256"]
+               for r in (0, 1)]
+    assert digests[0] == digests[1]
+    s1, s2 = trainer_state(ckpt_one), trainer_state(ckpt_two)
+    assert_same_state(s1, s2, atol=1e-6)
+    assert int(s2["ers"]["visits"].max()) >= 2
+    wa, wb = weights(ckpt_one), weights(ckpt_two)
     assert wa.keys() == wb.keys()
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=2e-5, rtol=0)
