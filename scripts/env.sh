@@ -11,11 +11,11 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "creating $venv"
   python3 -m venv "$venv"
 fi
+# pip's status survives the filter (pipefail); the filter drops harmless notices about a
+# missing local package index that some machines' pip configuration names.
+pip_install() { "$venv/bin/pip" install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing requirements into $venv (about a minute)"
-  # pip's status survives the filter (pipefail); the filter drops harmless notices about a
-  # missing local package index that some machines' pip configuration names.
-  pip_install() { "$venv/bin/pip" install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
   pip_install "$(grep -E '^torch==' "$root/requirements.txt")"
   pip_install -r "$root/requirements.txt"
   echo "$want" > "$stamp"

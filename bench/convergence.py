@@ -1,0 +1,201 @@
+"""The convergence study: GRPO, Dr. GRPO, ERS, PPS and PSPO on the built-in task, several seeds.
+
+    python bench/convergence.py            # the study: 5 methods x 3 seeds x 100 steps (~35 min, 2-core CPU)
+    python bench/convergence.py --quick    # a 2-minute smoke version for CI (does not touch RESULTS.md)
+
+Every run is `train.py --config configs/<method>.yaml` with the same seed, steps, batch and
+evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
+each run's metrics.jsonl this reports, with mean and spread over seeds:
+  final    greedy test accuracy after the last step
+  AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)
+  to thr   rollouts consumed until test accuracy first reaches --threshold (at an eval point)
+  overhead ERS+PPS bookkeeping (sampling, EMA and priority updates) as a fraction of step time
+It prints the table, writes it into bench/RESULTS.md (between the convergence markers) and
+plots test accuracy against rollouts to bench/convergence.png. matplotlib is needed here only
+(bench/requirements.txt). Finished runs are reused: delete --out to start over.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHODS = ("grpo", "dr_grpo", "ers", "pps", "pspo")
+BEGIN, END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default=",".join(METHODS), help="presets in configs/, comma-separated")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
+    ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
+    ap.add_argument("--threshold", type=float, default=0.70, help="accuracy for the rollouts-to-threshold column")
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each gets cores/jobs threads)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "convergence"), help="run folders")
+    ap.add_argument("--quick", action="store_true", help="tiny version for CI: 4 steps, B 16, 64 test problems")
+    ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every run")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_every = 4, 2
+        args.out = args.out if args.out != ap.get_default("out") else os.path.join(ROOT, "runs", "convergence-quick")
+        args.overrides = ["--train.prompts_per_step=16", "--data.max_eval_examples=64", *args.overrides]
+    return args
+
+
+def run_one(method: str, seed: int, args: argparse.Namespace, threads: int) -> str:
+    """Train one (method, seed); returns its output folder. Reuses a finished run."""
+    out = os.path.join(args.out, f"{method}-s{seed}")
+    if _finished(out, args.steps):
+        return out
+    cmd = [sys.executable, "train.py", "--config", f"configs/{method}.yaml", f"--train.seed={seed}",
+           f"--train.output_dir={out}", f"--train.max_steps={args.steps}", f"--train.eval_steps={args.eval_every}",
+           "--train.progress=false", "--train.keep_checkpoints=1", *args.overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} seed {seed} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    print(f"  {method:8s} seed {seed}: {time.perf_counter() - t0:6.1f} s", flush=True)
+    return out
+
+
+def _finished(out: str, steps: int) -> bool:
+    rows = _read(out) if os.path.exists(os.path.join(out, "metrics.jsonl")) else []
+    return bool(rows) and rows[-1]["step"] == steps and "eval_accuracy" in rows[-1]
+
+
+def _read(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def curve(rows: list[dict], rollouts_per_step: int) -> tuple[list[int], list[float]]:
+    """(rollouts consumed, greedy test accuracy) at every evaluation, step 0 included."""
+    points = [(r["step"] * rollouts_per_step, r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def auc(x: list[int], y: list[float]) -> float:
+    """Trapezoid area under y(x) divided by the x range: the mean accuracy over training."""
+    area = sum((x[i + 1] - x[i]) * (y[i + 1] + y[i]) / 2 for i in range(len(x) - 1))
+    return area / (x[-1] - x[0])
+
+
+def rollouts_to(x: list[int], y: list[float], threshold: float) -> int | None:
+    return next((xi for xi, yi in zip(x, y) if yi >= threshold), None)
+
+
+def _mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+
+
+def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str, dict]:
+    """The markdown table and the per-method curves for the plot."""
+    lines = [f"| method | final test acc | AUC | rollouts to {args.threshold:.2f} | step time (s) | "
+             "ERS+PPS overhead |", "|---|---|---|---|---|---|"]
+    curves = {}
+    for method, outs in runs.items():
+        finals, aucs, reached, step_s, book_s, per_seed = [], [], [], [], [], []
+        for out in outs:
+            rows = _read(out)
+            train_rows = [r for r in rows if r["step"] > 0]
+            cfg_rollouts = _rollouts_per_step(out)
+            x, y = curve(rows, cfg_rollouts)
+            per_seed.append((x, y))
+            finals.append(y[-1])
+            aucs.append(auc(x, y))
+            hit = rollouts_to(x, y, args.threshold)
+            if hit is not None:
+                reached.append(hit)
+            step_s.append(statistics.mean(r["step_time_s"] for r in train_rows))
+            book_s.append(statistics.mean(r["bookkeeping_s"] for r in train_rows))
+        to_thr = (f"{statistics.mean(reached) / 1000:.1f}k ({len(reached)}/{len(outs)} seeds)" if reached
+                  else f"not reached (0/{len(outs)})")
+        overhead = statistics.mean(book_s) / statistics.mean(step_s)
+        lines.append(f"| {method} | {_mean_sd(finals)} | {_mean_sd(aucs)} | {to_thr} | "
+                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% |")
+        curves[method] = per_seed
+    return "\n".join(lines), curves
+
+
+def _rollouts_per_step(out: str) -> int:
+    import yaml
+    with open(os.path.join(out, "config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    return cfg["train"]["prompts_per_step"] * cfg["rollout"]["num_generations"]
+
+
+def plot(curves: dict, path: str, threshold: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, per_seed in curves.items():
+        x = [v / 1000 for v in per_seed[0][0]]
+        ys = list(zip(*[y for _, y in per_seed]))                        # per eval point: one value per seed
+        mean = [statistics.mean(v) for v in ys]
+        line, = ax.plot(x, mean, marker="o", markersize=3, label=f"{method} ({len(per_seed)} seeds)")
+        ax.fill_between(x, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.15)
+    ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("rollouts consumed (thousands of completions)")
+    ax.set_ylabel("greedy test accuracy (built-in task)")
+    ax.set_title("mean over seeds; band = min..max")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(path: str, block: str) -> None:
+    """Replace the text between the convergence markers in RESULTS.md (append them if absent)."""
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    section = f"{BEGIN}\n{block}\n{END}"
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
+    for m in methods:
+        if not os.path.exists(os.path.join(ROOT, "configs", f"{m}.yaml")):
+            sys.exit(f"error: --methods: configs/{m}.yaml does not exist")
+    os.makedirs(args.out, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    print(f"{len(methods)} methods x {len(seeds)} seeds x {args.steps} steps, {args.jobs} parallel runs "
+          f"x {threads} threads -> {args.out}", flush=True)
+    t0 = time.perf_counter()
+    jobs = [(m, s) for s in seeds for m in methods]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        outs = list(pool.map(lambda job: run_one(job[0], job[1], args, threads), jobs))
+    runs = {m: [o for (jm, _), o in zip(jobs, outs) if jm == m] for m in methods}
+    table, curves = summarize(runs, args)
+    png = os.path.join(args.out if args.quick else os.path.join(ROOT, "bench"), "convergence.png")
+    plot(curves, png, args.threshold)
+    rows_per_step = _rollouts_per_step(outs[0])
+    header = (f"{args.steps} steps x {rows_per_step} rollouts/step ({args.steps * rows_per_step / 1000:.1f}k rollouts "
+              f"per run), seeds {args.seeds}, greedy test accuracy every {args.eval_every} steps; "
+              f"mean ± sd over seeds; {time.perf_counter() - t0:.0f} s wall for the whole study.")
+    print(f"\n{header}\n\n{table}\n\nplot: {png}")
+    if not args.quick:
+        block = (f"Command: `python bench/convergence.py {' '.join(argv)}`".rstrip() + f"\n\n{header}\n\n{table}\n\n"
+                 f"![test accuracy vs rollouts](convergence.png)")
+        write_results(os.path.join(ROOT, "bench", "RESULTS.md"), block)
+        print("written: bench/RESULTS.md")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

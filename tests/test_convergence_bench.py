@@ -1,0 +1,30 @@
+"""The convergence study's summary numbers (bench/convergence.py), on hand-made curves."""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "bench", "convergence.py"))
+convergence = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convergence)
+
+
+def test_curve_auc_and_rollouts_to_threshold():
+    # evals at steps 0, 10, 20 with 512 rollouts/step -> x = [0, 5120, 10240]
+    rows = [{"step": 0, "eval_accuracy": 0.4}, {"step": 5, "reward_mean": 0.1},
+            {"step": 10, "eval_accuracy": 0.6}, {"step": 20, "eval_accuracy": 0.8}]
+    x, y = convergence.curve(rows, 512)
+    assert x == [0, 5120, 10240] and y == [0.4, 0.6, 0.8]
+    # trapezoids: 5120·(.4+.6)/2 + 5120·(.6+.8)/2 = 2560 + 3584 = 6144; / 10240 = .6
+    assert abs(convergence.auc(x, y) - 0.6) < 1e-12
+    assert convergence.rollouts_to(x, y, 0.7) == 10240 and convergence.rollouts_to(x, y, 0.4) == 0
+    assert convergence.rollouts_to(x, y, 0.9) is None
+
+
+def test_results_block_is_replaced_between_markers(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmarks\n\nsampler table\n")
+    convergence.write_results(str(path), "first")
+    convergence.write_results(str(path), "second")
+    text = path.read_text()
+    assert text.count(convergence.BEGIN) == 1 and "second" in text and "first" not in text
+    assert text.startswith("# Benchmarks\n\nsampler table\n")
