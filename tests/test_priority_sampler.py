@@ -70,13 +70,16 @@ def test_sample_is_distinct_and_never_padding():
 
 
 def test_beta_anneals_linearly():
-    # β .4 -> 1 over 10 steps: after 5 sample() calls β = .4 + .6·.5 = .7; after 20 calls 1.0
-    s = PrioritySampler(4, beta=0.4, beta_end=1.0, total_steps=10)
+    # β .4 -> 1 over 11 steps: draw k (0-based) uses .4 + .6·k/10: draw 5 -> .7, draw 10 (the last) -> 1
+    s = PrioritySampler(4, beta=0.4, beta_end=1.0, total_steps=11)
     assert s.current_beta() == 0.4
     for _ in range(5):
         s.sample(2)
     assert abs(s.current_beta() - 0.7) < 1e-12
-    for _ in range(15):
+    for _ in range(5):
+        s.sample(2)
+    assert s.current_beta() == 1.0
+    for _ in range(5):                                                  # past the end it stays at beta_end
         s.sample(2)
     assert s.current_beta() == 1.0
 
@@ -105,11 +108,13 @@ def test_batch_stats_hand_worked():
     assert abs(st["is_max"] - 1.58114) < 1e-5 and abs(st["is_min"] - 0.79057) < 1e-5
     assert abs(st["ess"] - 3.72153) < 1e-4 and abs(st["entropy"] - 0.92322) < 1e-4
     assert 0 <= st["repeat_frac"] < 1                    # 4 distinct of 4 needs >= 4 raw draws
+    assert st["revisit_frac"] == 1                        # all 4 were scored by the update above
     # one prompt drawn: nothing to repeat, ess 1, and uniform priorities have entropy 1
     u = PrioritySampler(8)
     u.sample(1)
     st = u.batch_stats()
     assert st["repeat_frac"] == 0 and st["ess"] == 1 and abs(st["entropy"] - 1) < 1e-12
+    assert st["revisit_frac"] == 0
 
 
 def test_repeat_fraction_counts_redrawn_duplicates():
