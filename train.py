@@ -135,7 +135,11 @@ def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
 
 
 def load_replicated_state(state: dict, sampler, ers: EMAStats | None, cfg: Config) -> None:
-    """Sampler and ERS state from a checkpoint; refuses a run that switched PPS or ERS on or off."""
+    """Sampler and ERS state from a checkpoint; refuses a run that switched PPS or ERS on or off.
+
+    Their hyperparameters (ers.alpha, pps.alpha, beta, ...) come from the config and may change on
+    resume like any other field; an exact continuation needs the same config.
+    """
     for key, on, was_on in (("pps.enabled", cfg.pps.enabled, "priorities" in state["sampler"]),
                             ("ers.enabled", cfg.ers.enabled, state.get("ers") is not None)):
         if on != was_on:
@@ -194,6 +198,7 @@ def main(argv: list[str]) -> None:
     else:
         sampler = UniformSampler(N, cfg.train.seed)
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None
+    distinct_problems = len({ex.problem for ex in train_set})                   # ERS keys merge duplicates
     o = cfg.optim
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   weight_decay=o.weight_decay)
@@ -284,7 +289,7 @@ def main(argv: list[str]) -> None:
         if ers is not None:
             metrics["ers_gap"] = float((ers_mean - rewards.mean(1)).abs().mean())  # mean |m_q - μ|
             metrics["ers_visits"] = float(ers.visits_of(problems).float().mean())
-            metrics["ers_seen_frac"] = len(ers) / N
+            metrics["ers_seen_frac"] = len(ers) / distinct_problems
         if cfg.pps.enabled:
             metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
         metrics["bookkeeping_s"] = bookkeeping_s

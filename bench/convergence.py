@@ -9,7 +9,8 @@ each run's metrics.jsonl this reports, with mean and spread over seeds:
   final    greedy test accuracy after the last step
   AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)
   to thr   rollouts consumed until test accuracy first reaches --threshold (at an eval point)
-  overhead ERS+PPS bookkeeping (sampling, EMA and priority updates) as a fraction of step time
+  bookkeeping  drawing prompts + advantages + the ERS/PPS updates, as a fraction of step time
+               (for grpo/dr_grpo: the uniform sampler and group advantages; the rest is ERS/PPS)
 It prints the table, writes it into bench/RESULTS.md (between the convergence markers) and
 plots test accuracy against rollouts to bench/convergence.png. matplotlib is needed here only
 (bench/requirements.txt). Finished runs are reused: delete --out to start over.
@@ -50,18 +51,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_one(method: str, seed: int, args: argparse.Namespace, threads: int) -> str:
-    """Train one (method, seed); returns its output folder. Reuses a finished run."""
+    """Train one (method, seed); returns its output folder. Reuses a run finished with the same command."""
     out = os.path.join(args.out, f"{method}-s{seed}")
-    if _finished(out, args.steps):
-        return out
-    cmd = [sys.executable, "train.py", "--config", f"configs/{method}.yaml", f"--train.seed={seed}",
+    cmd = ["train.py", "--config", f"configs/{method}.yaml", f"--train.seed={seed}",
            f"--train.output_dir={out}", f"--train.max_steps={args.steps}", f"--train.eval_steps={args.eval_every}",
            "--train.progress=false", "--train.keep_checkpoints=1", *args.overrides]
+    stamp = os.path.join(out, "bench_command.json")
+    if _finished(out, args.steps) and os.path.exists(stamp) and json.load(open(stamp)) == cmd:
+        return out
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} seed {seed} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with open(stamp, "w") as f:
+        json.dump(cmd, f)
     print(f"  {method:8s} seed {seed}: {time.perf_counter() - t0:6.1f} s", flush=True)
     return out
 
@@ -100,7 +104,7 @@ def _mean_sd(values: list[float]) -> str:
 def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str, dict]:
     """The markdown table and the per-method curves for the plot."""
     lines = [f"| method | final test acc | AUC | rollouts to {args.threshold:.2f} | step time (s) | "
-             "ERS+PPS overhead |", "|---|---|---|---|---|---|"]
+             "bookkeeping / step |", "|---|---|---|---|---|---|"]
     curves = {}
     for method, outs in runs.items():
         finals, aucs, reached, step_s, book_s, per_seed = [], [], [], [], [], []

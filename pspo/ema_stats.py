@@ -88,10 +88,9 @@ class EMAStats:
         rows = torch.searchsorted(self.keys, k).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[rows] == k, self.visits[rows], 0)
 
-    def state_dict(self) -> dict[str, Tensor | float]:
-        return {"alpha": self.alpha, "keys": self.keys, "mean": self.mean, "var": self.var, "visits": self.visits}
+    def state_dict(self) -> dict[str, Tensor]:
+        """The per-prompt statistics; alpha comes from the config (it may change on resume, like lr)."""
+        return {"keys": self.keys, "mean": self.mean, "var": self.var, "visits": self.visits}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["alpha"] != self.alpha:
-            raise ValueError(f"ers.alpha: the checkpoint used {state['alpha']}, the config says {self.alpha}")
         self.keys, self.mean, self.var, self.visits = state["keys"], state["mean"], state["var"], state["visits"]

@@ -1,7 +1,7 @@
 """Uniform prompt sampling: the GRPO baseline's data order.
 
-The loop asks a sampler for the step's prompt indices and importance weights; PPS (a later
-issue, priority_sampler.py) answers the same call. Here: epochs of a seeded permutation, every
+The loop asks a sampler for the step's prompt indices and importance weights; PPS
+(priority_sampler.py) answers the same call. Here: epochs of a seeded permutation, every
 prompt once per epoch, weights all 1. The state is two integers, so resuming reproduces the
 exact order, and every rank computes the same indices without communicating.
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install requirements.txt.
-# Sourced by demo.sh and test.sh. torch is installed first and pinned: an unpinned torch would
+# Sourced by demo.sh, test.sh and study.sh. torch is installed first and pinned: an unpinned torch would
 # pull a different build. Re-installs only when requirements.txt changes.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
