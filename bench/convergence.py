@@ -2,6 +2,7 @@
 
     python bench/convergence.py            # the study: 5 methods x 3 seeds x 100 steps (~35 min, 2-core CPU)
     python bench/convergence.py --quick    # a 2-minute smoke version for CI (does not touch RESULTS.md)
+    python bench/convergence.py --methods pps,pspo --section pps-floor -- --pps.eps=0.05   # a side study
 
 Every run is `train.py --config configs/<method>.yaml` with the same seed, steps, batch and
 evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
@@ -28,7 +29,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("grpo", "dr_grpo", "ers", "pps", "pspo")
-BEGIN, END = "<!-- convergence:begin -->", "<!-- convergence:end -->"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,14 +39,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
     ap.add_argument("--threshold", type=float, default=0.70, help="accuracy for the rollouts-to-threshold column")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each gets cores/jobs threads)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "convergence"), help="run folders")
+    ap.add_argument("--out", default="", help="run folders (default runs/<section>, runs/<section>-quick)")
+    ap.add_argument("--section", default="convergence",
+                    help="name of the RESULTS.md block and of the plot bench/<section>.png (side studies use their own)")
     ap.add_argument("--quick", action="store_true", help="tiny version for CI: 4 steps, B 16, 64 test problems")
-    ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every run")
+    ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every run (after a lone --)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.eval_every = 4, 2
-        args.out = args.out if args.out != ap.get_default("out") else os.path.join(ROOT, "runs", "convergence-quick")
         args.overrides = ["--train.prompts_per_step=16", "--data.max_eval_examples=64", *args.overrides]
+    args.out = args.out or os.path.join(ROOT, "runs", args.section + ("-quick" if args.quick else ""))
     return args
 
 
@@ -159,12 +161,17 @@ def plot(curves: dict, path: str, threshold: float) -> None:
     plt.close(fig)
 
 
-def write_results(path: str, block: str) -> None:
-    """Replace the text between the convergence markers in RESULTS.md (append them if absent)."""
+def markers(section: str) -> tuple[str, str]:
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+
+
+def write_results(path: str, block: str, section: str = "convergence") -> None:
+    """Replace the text between the section's markers in RESULTS.md (append them if absent)."""
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    section = f"{BEGIN}\n{block}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    begin, end = markers(section)
+    section = f"{begin}\n{block}\n{end}"
+    if begin in text and end in text:
+        text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     with open(path, "w") as f:
@@ -187,7 +194,7 @@ def main(argv: list[str]) -> None:
         outs = list(pool.map(lambda job: run_one(job[0], job[1], args, threads), jobs))
     runs = {m: [o for (jm, _), o in zip(jobs, outs) if jm == m] for m in methods}
     table, curves = summarize(runs, args)
-    png = os.path.join(args.out if args.quick else os.path.join(ROOT, "bench"), "convergence.png")
+    png = os.path.join(args.out if args.quick else os.path.join(ROOT, "bench"), f"{args.section}.png")
     plot(curves, png, args.threshold)
     rows_per_step = _rollouts_per_step(outs[0])
     header = (f"{args.steps} steps x {rows_per_step} rollouts/step ({args.steps * rows_per_step / 1000:.1f}k rollouts "
@@ -196,8 +203,8 @@ def main(argv: list[str]) -> None:
     print(f"\n{header}\n\n{table}\n\nplot: {png}")
     if not args.quick:
         block = (f"Command: `python bench/convergence.py {' '.join(argv)}`".rstrip() + f"\n\n{header}\n\n{table}\n\n"
-                 f"![test accuracy vs rollouts](convergence.png)")
-        write_results(os.path.join(ROOT, "bench", "RESULTS.md"), block)
+                 f"![test accuracy vs rollouts]({args.section}.png)")
+        write_results(os.path.join(ROOT, "bench", "RESULTS.md"), block, args.section)
         print("written: bench/RESULTS.md")
 
 

@@ -24,7 +24,9 @@ def test_results_block_is_replaced_between_markers(tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text("# Benchmarks\n\nsampler table\n")
     convergence.write_results(str(path), "first")
+    convergence.write_results(str(path), "side study", "side")
     convergence.write_results(str(path), "second")
     text = path.read_text()
-    assert text.count(convergence.BEGIN) == 1 and "second" in text and "first" not in text
+    begin, _ = convergence.markers("convergence")
+    assert text.count(begin) == 1 and "second" in text and "first" not in text and "side study" in text
     assert text.startswith("# Benchmarks\n\nsampler table\n")
