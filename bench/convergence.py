@@ -58,17 +58,18 @@ def run_one(method: str, seed: int, args: argparse.Namespace, threads: int) -> s
     cmd = ["train.py", "--config", f"configs/{method}.yaml", f"--train.seed={seed}",
            f"--train.output_dir={out}", f"--train.max_steps={args.steps}", f"--train.eval_steps={args.eval_every}",
            "--train.progress=false", "--train.keep_checkpoints=1", *args.overrides]
-    stamp = os.path.join(out, "bench_command.json")
-    if _finished(out, args.steps) and os.path.exists(stamp) and json.load(open(stamp)) == cmd:
+    stamp = os.path.join(out, "bench_run.json")
+    if _finished(out, args.steps) and os.path.exists(stamp) and json.load(open(stamp))["command"] == cmd:
         return out
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} seed {seed} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    wall = time.perf_counter() - t0
     with open(stamp, "w") as f:
-        json.dump(cmd, f)
-    print(f"  {method:8s} seed {seed}: {time.perf_counter() - t0:6.1f} s", flush=True)
+        json.dump({"command": cmd, "wall_s": wall}, f)
+    print(f"  {method:8s} seed {seed}: {wall:6.1f} s", flush=True)
     return out
 
 
@@ -188,7 +189,6 @@ def main(argv: list[str]) -> None:
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     print(f"{len(methods)} methods x {len(seeds)} seeds x {args.steps} steps, {args.jobs} parallel runs "
           f"x {threads} threads -> {args.out}", flush=True)
-    t0 = time.perf_counter()
     jobs = [(m, s) for s in seeds for m in methods]
     with ThreadPoolExecutor(args.jobs) as pool:
         outs = list(pool.map(lambda job: run_one(job[0], job[1], args, threads), jobs))
@@ -197,12 +197,15 @@ def main(argv: list[str]) -> None:
     png = os.path.join(args.out if args.quick else os.path.join(ROOT, "bench"), f"{args.section}.png")
     plot(curves, png, args.threshold)
     rows_per_step = _rollouts_per_step(outs[0])
+    run_s = sum(json.load(open(os.path.join(o, "bench_run.json")))["wall_s"] for o in outs)
     header = (f"{args.steps} steps x {rows_per_step} rollouts/step ({args.steps * rows_per_step / 1000:.1f}k rollouts "
-              f"per run), seeds {args.seeds}, greedy test accuracy every {args.eval_every} steps; "
-              f"mean ± sd over seeds; {time.perf_counter() - t0:.0f} s wall for the whole study.")
+              f"per run), seeds {args.seeds}, greedy test accuracy every {args.eval_every} steps; mean ± sd over "
+              f"seeds. {len(outs)} runs, {run_s / 60:.0f} min of run time in all, {args.jobs} at a time "
+              f"({threads} thread{'s' if threads > 1 else ''} each).")
     print(f"\n{header}\n\n{table}\n\nplot: {png}")
     if not args.quick:
-        block = (f"Command: `python bench/convergence.py {' '.join(argv)}`".rstrip() + f"\n\n{header}\n\n{table}\n\n"
+        command = " ".join(["python bench/convergence.py", *argv])
+        block = (f"Command: `{command}`\n\n{header}\n\n{table}\n\n"
                  f"![test accuracy vs rollouts]({args.section}.png)")
         write_results(os.path.join(ROOT, "bench", "RESULTS.md"), block, args.section)
         print("written: bench/RESULTS.md")
