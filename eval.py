@@ -4,7 +4,8 @@
     python eval.py --config configs/grpo.yaml --eval.num_samples=8 --eval.output=results.json
     torchrun --nproc_per_node=N eval.py --config ...          (prompts are split over ranks)
 
-It reads the same config as train.py (data.eval / data.eval_split, prompt format, generation
+The engine is `rollout.engine` (auto: vLLM where installed; `--rollout.engine=hf` for
+transformers). It reads the same config as train.py (data.eval / data.eval_split, prompt format, generation
 length, eval.* sampling settings) and runs the same evaluation code train.py runs periodically.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pspo.data import DataError, load_examples
 from pspo.distributed import print0
 from pspo.evaluation import evaluate
 from pspo.model import ModelError, build_policy, load_tokenizer, resolve_model_path
-from pspo.rollout import HFEngine
+from pspo.rollout import build_engine, engine_name
 from train import check_golds, prepare_prompts
 
 
@@ -35,12 +36,15 @@ def main(argv: list[str]) -> dict[str, float]:
     distributed.barrier()
     path = resolve_model_path(m.name_or_path)
     tokenizer = load_tokenizer(path, m.trust_remote_code)
-    policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
-    policy = distributed.shard(policy.to(dist_.device), dist_.world_size)
-    engine = HFEngine(policy, tokenizer, cfg.rollout.batch_size, synced=dist_.world_size > 1)
     examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
     check_golds(examples, d.eval)
     texts, ids = prepare_prompts(examples, tokenizer, d.system_prompt)
+    policy = None
+    if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
+        policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
+        policy = distributed.shard(policy.to(dist_.device), dist_.world_size)
+    engine = build_engine(cfg.rollout, policy, path, tokenizer, max(len(p) for p in ids), cfg.train.seed,
+                          dist_.world_size)
     result = evaluate(engine, ids, texts, examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature,
                       e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress)
     print0(f"\n{'model':<40} {'dataset':<24} {'n':>6} " + " ".join(f"{k:>16}" for k in result))
@@ -58,7 +62,7 @@ def main(argv: list[str]) -> dict[str, float]:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError) as err:
+    except (ConfigError, DataError, ModelError, ImportError) as err:
         print0(f"error: {err}")
         sys.exit(2)
     finally:

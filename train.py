@@ -36,7 +36,8 @@ from pspo.metrics import MetricsLogger
 from pspo.model import ModelError, batch_inputs, build_policy, load_tokenizer, resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.rewards import GoldAnswerError, check_gold_answer, score_completions
-from pspo.rollout import HFEngine, sequence_seeds
+from pspo.rollout import HFEngine, build_engine, sequence_seeds
+from pspo.vllm_engine import SyncError, sync_gap
 from pspo.sampler import UniformSampler
 
 
@@ -178,7 +179,6 @@ def main(argv: list[str]) -> None:
     if cfg.algo.beta > 0:
         ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
-    engine = HFEngine(policy, tokenizer, cfg.rollout.batch_size, synced=dist_.world_size > 1)
     d = cfg.data
     train_set = load_examples(d.train, d.train_split, d.problem_field, d.answer_field)
     check_golds(train_set, d.train)
@@ -211,6 +211,10 @@ def main(argv: list[str]) -> None:
         load_replicated_state(state, sampler, ers, cfg)
         step = state["step"]
         print0(f"resumed from {resume_from} at step {step}")
+    max_prompt_len = max(len(p) for p in train_ids + eval_ids)
+    engine = build_engine(cfg.rollout, policy, resume_from or base_path, tokenizer, max_prompt_len, cfg.train.seed,
+                          dist_.world_size)
+    separate_engine = not isinstance(engine, HFEngine)                         # holds its own weights: sync
     logger = MetricsLogger(out, dist_.is_main, resume_step=step)
 
     def run_eval() -> dict[str, float]:
@@ -268,9 +272,21 @@ def main(argv: list[str]) -> None:
         input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
                                                  rollout.mask, tokenizer.pad_token_id)
         device = dist_.device
+        if separate_engine:
+            engine.sleep()                                                        # GPU: free it for the update
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
                                rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_)
         step += 1
+        sync_metrics = {}
+        if separate_engine:
+            engine.wake_up()
+            sync_metrics["weight_sync_s"] = engine.sync_weights(policy.lm)
+            if r.sync_check_steps and step % r.sync_check_steps == 0:
+                check_ids = [train_ids[i] for i in local[:4]]
+                check_seeds = sequence_seeds(cfg.train.seed + 1, step, torch.arange(len(check_ids)), 1)
+                gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, check_seeds)
+                sync_metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
+                sync_metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
 
         gen_tokens = rollout.mask.sum().item()
         my_rewards, my_adv = rewards[mine], advantages[mine]
@@ -293,6 +309,7 @@ def main(argv: list[str]) -> None:
         if cfg.pps.enabled:
             metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
         metrics["bookkeeping_s"] = bookkeeping_s
+        metrics.update(sync_metrics)
         metrics["step_time_s"] = time.perf_counter() - t0
         if eval_set and (step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0)):
             last_eval = run_eval()
@@ -303,6 +320,11 @@ def main(argv: list[str]) -> None:
                         step_s=f"{metrics['step_time_s']:.2f}")
         if step == cfg.train.max_steps or (cfg.train.save_steps and step % cfg.train.save_steps == 0):
             save()
+        if sync_metrics.get("sync_gap_mean", 0.0) > r.sync_check_tol:
+            save()                                                                # keep the trained state, then stop
+            raise SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's "
+                            f"by {sync_metrics['sync_gap_mean']:.4g} per token on average (max "
+                            f"{sync_metrics['sync_gap_max']:.4g}) > {r.sync_check_tol}: its weights are stale")
     bar.close()
     logger.close()
     if first_eval and last_eval:
@@ -316,7 +338,7 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError, FileNotFoundError) as e:
+    except (ConfigError, DataError, ModelError, FileNotFoundError, ImportError, SyncError) as e:
         print0(f"error: {e}")
         sys.exit(2)
     finally:

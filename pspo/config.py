@@ -46,12 +46,16 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"                  # generation engine: hf (transformers generate)
+    engine: str = "auto"                # vllm | hf (transformers generate) | auto (vllm if installed)
     num_generations: int = 8            # G, completions per prompt
     temperature: float = 1.0            # T; also divides the logits in the loss (§1)
     top_p: float = 1.0                  # nucleus sampling mass
     max_new_tokens: int = 16            # L_max, tokens per completion
-    batch_size: int = 512               # sequences per generate call on one rank
+    batch_size: int = 512               # sequences per generate call on one rank (hf engine)
+    gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
+    sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
+    sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)
+    sync_check_tol: float = 0.02        # stop if the mean |Δ log π| per token exceeds this (nats)
 
 
 @dataclass
@@ -137,7 +141,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-ENGINES = ("hf",)
+ENGINES = ("auto", "vllm", "hf")
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -235,6 +239,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
     _check(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
+    _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]", r.gpu_memory_utilization)
+    _check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
+    _check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)
     _check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
     _check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
     _check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)

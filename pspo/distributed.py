@@ -40,13 +40,18 @@ def init_distributed() -> Dist:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    global _OWN_GROUP
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _OWN_GROUP = True
     return Dist(rank, world_size, device)
 
 
+_OWN_GROUP = False       # a world of one never creates a group; vLLM may create its own, which it cleans up
+
+
 def shutdown() -> None:
-    if dist.is_initialized():
+    if _OWN_GROUP and dist.is_initialized():
         dist.destroy_process_group()
 
 

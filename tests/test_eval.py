@@ -19,17 +19,22 @@ def test_eval_cli_writes_json(tmp_path, tiny_model_path):
     data = tmp_path / "bench.jsonl"
     rows = [{"question": ex.problem, "final": ex.answer} for ex in builtin_arithmetic("test")[:24]]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
-                           f"--model.name_or_path={tiny_model_path}", f"--data.eval={data}",
-                           "--data.problem_field=question", "--data.answer_field=final", "--eval.num_samples=3",
-                           f"--eval.output={out}", "--train.progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    def run(engine):
+        out = tmp_path / f"result-{engine}.json"
+        proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
+                               f"--model.name_or_path={tiny_model_path}", f"--data.eval={data}",
+                               "--data.problem_field=question", "--data.answer_field=final", "--eval.num_samples=3",
+                               f"--eval.output={out}", "--train.progress=false", f"--rollout.engine={engine}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc, json.loads(out.read_text())
+    proc, result = run("hf")
     assert result["n"] == 24 and set(result) >= {"greedy_accuracy", "mean@3", "pass@3"}
     assert 0 <= result["mean@3"] <= result["pass@3"] <= 1
     assert "greedy_accuracy" in proc.stdout
+    # vLLM: the same greedy answers (it samples with its own seeded generator, so mean@k differs)
+    _, with_vllm = run("vllm")
+    assert with_vllm["greedy_accuracy"] == result["greedy_accuracy"] and with_vllm["n"] == 24
 
     # The same numbers as the in-process evaluation train.py runs periodically.
     tokenizer = load_tokenizer(tiny_model_path)

