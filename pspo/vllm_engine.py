@@ -59,7 +59,7 @@ class VLLMEngine:
     def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # build it in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")            # its per-step warnings drown the bar
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
@@ -67,11 +67,16 @@ class VLLMEngine:
         self.tokenizer, self.sleep_enabled = tokenizer, sleep and on_gpu
         # Under torchrun every rank holds its own engine; "external_launcher" makes vLLM join the
         # existing process group as data-parallel replicas instead of starting its own.
-        launcher = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
+        extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
+        if not on_gpu:
+            # A prefill split over steps makes vLLM rewind a seeded request's generator, which CPU
+            # generators cannot do ("CPU Generator does not use offset"): give every step room for
+            # whole prompts of all running sequences, so none is split.
+            extra.update(max_num_seqs=256, max_num_batched_tokens=256 * max_model_len)
         self.llm = LLM(model=model_path, dtype="bfloat16" if on_gpu else "float32", enforce_eager=not on_gpu,
                        max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                       **launcher)
+                       **extra)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = self.llm.get_tokenizer().eos_token_id
         self.stop_ids = sorted({tokenizer.eos_token_id, eos} - {None})
