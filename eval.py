@@ -1,7 +1,11 @@
-"""Accuracy of a checkpoint (or any from_pretrained path) on an eval set: greedy and mean@k.
+"""Accuracy of a checkpoint (or any from_pretrained path): greedy, mean@k (= pass@1 from k samples), pass@k.
 
     python eval.py --config configs/grpo.yaml --model.name_or_path=runs/grpo/checkpoint-150
     python eval.py --config configs/grpo.yaml --eval.num_samples=8 --eval.output=results.json
+    python eval.py --config configs/qwen2.5-math-1.5b/pspo.yaml --model.name_or_path=CKPT \
+        --benchmarks=aime24,math500,amc23,minerva,olympiadbench,gsm8k --engine=vllm \
+        --eval.num_samples=8 --eval.temperature=0.6 --eval.top_p=0.95 --eval.output=bench.json
+          (the paper's setting; a benchmark may be name=FILE, a local copy in the hub format)
     torchrun --nproc_per_node=N eval.py --config ...          (prompts are split over ranks)
 
 The engine is `rollout.engine` (auto: vLLM where installed; `--rollout.engine=hf` for
@@ -14,6 +18,7 @@ import json
 import sys
 
 from pspo import distributed
+from pspo.benchmarks import BENCHMARKS, load_benchmark
 from pspo.config import ConfigError, load_config
 from pspo.data import DataError, load_examples
 from pspo.distributed import print0
@@ -22,41 +27,76 @@ from pspo.model import ModelError, build_policy, load_tokenizer, resolve_model_p
 from pspo.rollout import build_engine, engine_name
 from train import check_golds, prepare_prompts
 
+FLAGS = ("--benchmarks", "--engine")
+USAGE = ("usage: eval.py --config FILE.yaml [--benchmarks=" + ",".join(BENCHMARKS) + "] [--engine=vllm|hf] "
+         "[--section.key=value ...]   (a benchmark may be name=FILE, a local copy)")
 
-def main(argv: list[str]) -> dict[str, float]:
+
+def main(argv: list[str]) -> dict:
     dist_ = distributed.init_distributed()
     if len(argv) < 2 or argv[0] != "--config":
-        raise ConfigError("usage: eval.py --config FILE.yaml [--section.key=value ...]")
-    cfg = load_config(argv[1], argv[2:], dist_.world_size)
+        raise ConfigError(USAGE)
+    flags = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[2:] if a.split("=", 1)[0] in FLAGS and "=" in a}
+    overrides = [a for a in argv[2:] if a.split("=", 1)[0] not in FLAGS]
+    if "--engine" in flags:
+        overrides.append(f"--rollout.engine={flags['--engine']}")
+    cfg = load_config(argv[1], overrides, dist_.world_size)
     d, e, m = cfg.data, cfg.eval, cfg.model
-    if not d.eval:
-        raise ConfigError("data.eval: expected a dataset to evaluate on, got ''")
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                     # build builtin:tiny once
     distributed.barrier()
     path = resolve_model_path(m.name_or_path)
     tokenizer = load_tokenizer(path, m.trust_remote_code)
-    examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-    check_golds(examples, d.eval)
-    texts, ids = prepare_prompts(examples, tokenizer, d.system_prompt)
+    # the eval sets: --benchmarks, or data.eval
+    suites: dict[str, list] = {}
+    if flags.get("--benchmarks"):
+        for spec in flags["--benchmarks"].split(","):
+            name, examples = load_benchmark(spec, d.max_eval_examples or None)
+            suites[name] = examples
+    elif d.eval:
+        suites[f"{d.eval}:{d.eval_split}"] = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
+                                                           d.max_eval_examples or None)
+    else:
+        raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
+    prompts = {}
+    for name, examples in suites.items():
+        check_golds(examples, name)
+        prompts[name] = prepare_prompts(examples, tokenizer, d.system_prompt)
     policy = None
     if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
         policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         policy = distributed.shard(policy.to(dist_.device), dist_.world_size)
-    engine = build_engine(cfg.rollout, policy, path, tokenizer, max(len(p) for p in ids), cfg.train.seed,
-                          dist_.world_size)
-    result = evaluate(engine, ids, texts, examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature,
-                      e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress)
-    print0(f"\n{'model':<40} {'dataset':<24} {'n':>6} " + " ".join(f"{k:>16}" for k in result))
-    print0(f"{path[-40:]:<40} {(d.eval + ':' + d.eval_split)[-24:]:<24} {len(examples):>6} "
-           + " ".join(f"{v:>16.4f}" for v in result.values()))
+    longest = max(len(p) for _, ids in prompts.values() for p in ids)
+    engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size)
+    results = {}
+    for name, examples in suites.items():
+        texts, ids = prompts[name]
+        results[name] = {"n": len(examples), **evaluate(
+            engine, ids, texts, examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature, e.top_p,
+            cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress)}
+    if len(results) > 1:                          # unweighted mean over benchmarks, as papers report
+        keys = [k for k in next(iter(results.values())) if k != "n"]
+        results["average"] = {"n": sum(r["n"] for r in results.values()),
+                              **{k: sum(r[k] for r in results.values()) / len(results) for k in keys}}
+    columns = [k for k in next(iter(results.values())) if k != "n"]
+    print0(f"\nmodel: {path}   engine: {engine_name(cfg.rollout.engine)}   max_new_tokens "
+           f"{cfg.rollout.max_new_tokens}" + (f"   mean@k/pass@k: k={e.num_samples}, T={e.temperature}, "
+                                              f"top_p={e.top_p}" if e.num_samples else ""))
+    print0(f"{'eval set':<36} {'n':>6} " + " ".join(f"{k:>16}" for k in columns))
+    for name, r in results.items():
+        print0(f"{name[-36:]:<36} {r['n']:>6} " + " ".join(f"{r[k]:>16.4f}" for k in columns))
     if e.output and dist_.is_main:
+        settings = {"model": path, "engine": engine_name(cfg.rollout.engine),
+                    "max_new_tokens": cfg.rollout.max_new_tokens, "num_samples": e.num_samples,
+                    "temperature": e.temperature, "top_p": e.top_p}
         with open(e.output, "w") as f:
-            json.dump({"model": path, "dataset": d.eval, "split": d.eval_split, "n": len(examples),
-                       "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": e.temperature,
-                       "top_p": e.top_p, **result}, f, indent=2)
+            if flags.get("--benchmarks"):
+                json.dump({**settings, "benchmarks": results}, f, indent=2)
+            else:
+                json.dump({**settings, "dataset": d.eval, "split": d.eval_split, **next(iter(results.values()))},
+                          f, indent=2)
         print0(f"wrote {e.output}")
-    return result
+    return results
 
 
 if __name__ == "__main__":

@@ -72,17 +72,19 @@ def warmup_examples(num_examples: int = 500, seed: int = 1234) -> list[Example]:
 
 
 def load_examples(name: str, split: str = "train", problem_field: str = "problem",
-                  answer_field: str = "answer", max_examples: int | None = None) -> list[Example]:
+                  answer_field: str = "answer", max_examples: int | None = None,
+                  config: str | None = None) -> list[Example]:
     """`builtin:arithmetic` | a local .jsonl/.json/.parquet file | a hub dataset name -> examples.
 
     A local file is a single split: `split` is ignored for it. Answers are coerced to str
-    (datasets often store numeric answers as int or float)."""
+    (datasets often store numeric answers as int or float). `config` is a hub dataset's
+    configuration name (e.g. "main" for openai/gsm8k)."""
     if max_examples is not None and max_examples < 1:
         raise DataError(f"{name}: max_examples must be >= 1 or None (all), got {max_examples}")
     if name == BUILTIN_ARITHMETIC:
         examples = builtin_arithmetic(split)
     else:
-        rows = _load_rows(name, split)
+        rows = _load_rows(name, split, config)
         columns = list(rows.column_names)
         for field in (problem_field, answer_field):
             if field not in columns:
@@ -100,7 +102,7 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
     return examples
 
 
-def _load_rows(name: str, split: str):
+def _load_rows(name: str, split: str, config: str | None = None):
     """A `datasets.Dataset` for a local file (by extension) or a hub name (or a local folder)."""
     import datasets  # imported here: slow to import, and the built-in task does not need it
 
@@ -119,7 +121,7 @@ def _load_rows(name: str, split: str):
     if os.path.isfile(name):
         raise DataError(f"{name}: expected a {', '.join(LOCAL_BUILDERS)} file or a hub dataset name")
     try:   # a hub name, or a local folder of data files; HF_DATASETS_OFFLINE / HF_HUB_OFFLINE apply
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - missing dataset, unknown split, no network, ...
         raise DataError(f"{name}: cannot load split {split!r} ({_first_line(e)})") from None
 

@@ -124,8 +124,8 @@ def test_other_names_go_to_the_hub_with_the_split(monkeypatch):
     import datasets
     calls = []
 
-    def fake_load_dataset(name, split):
-        calls.append((name, split))
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, split) if config is None else (name, config, split))
         if split == "nope":
             raise ValueError('Unknown split "nope". Should be one of [\'train\'].')
         n = 0 if split == "empty" else 1
@@ -137,7 +137,8 @@ def test_other_names_go_to_the_hub_with_the_split(monkeypatch):
         load_examples("org/math", "nope")
     with pytest.raises(DataError, match=r"^org/math: the dataset \(split 'empty'\) is empty$"):
         load_examples("org/math", "empty")
-    assert calls == [("org/math", "test"), ("org/math", "nope"), ("org/math", "empty")]
+    load_examples("org/math", "test", config="main")                    # a hub configuration (gsm8k: main)
+    assert calls == [("org/math", "test"), ("org/math", "nope"), ("org/math", "empty"), ("org/math", "main", "test")]
 
 
 class _ChatML:
