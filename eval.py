@@ -67,7 +67,7 @@ def main(argv: list[str]) -> dict:
         policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         policy = distributed.shard(policy.to(dist_.device), dist_.world_size)
     longest = max(len(p) for _, ids in prompts.values() for p in ids)
-    engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size)
+    engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size, m.bf16)
     results = {}
     for name, examples in suites.items():
         texts, ids = prompts[name]
@@ -102,7 +102,7 @@ def main(argv: list[str]) -> dict:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError, ImportError) as err:
+    except (ConfigError, DataError, ModelError, ImportError, FileNotFoundError) as err:
         print0(f"error: {err}")
         sys.exit(2)
     finally:

@@ -117,6 +117,21 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     return sums
 
 
+def sync_engine(engine, policy, check_ids: list[list[int]], step: int, cfg: Config,
+                device: torch.device) -> dict[str, float]:
+    """After an optimizer step: wake the vLLM engine, load the new weights, and every
+    rollout.sync_check_steps steps measure its log-prob gap to the trainer on fresh completions."""
+    r = cfg.rollout
+    engine.wake_up()
+    metrics = {"weight_sync_s": engine.sync_weights(policy.lm)}
+    if r.sync_check_steps and step % r.sync_check_steps == 0:
+        seeds = sequence_seeds(cfg.train.seed + 1, step, torch.arange(len(check_ids)), 1)
+        gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, seeds)
+        metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
+        metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
+    return metrics
+
+
 def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
     """Turn rank-summed statistics into the logged means (README, "Metrics")."""
     n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
@@ -213,7 +228,7 @@ def main(argv: list[str]) -> None:
         print0(f"resumed from {resume_from} at step {step}")
     max_prompt_len = max(len(p) for p in train_ids + eval_ids)
     engine = build_engine(cfg.rollout, policy, resume_from or base_path, tokenizer, max_prompt_len, cfg.train.seed,
-                          dist_.world_size)
+                          dist_.world_size, m.bf16)
     separate_engine = not isinstance(engine, HFEngine)                         # holds its own weights: sync
     logger = MetricsLogger(out, dist_.is_main, resume_step=step)
 
@@ -277,16 +292,13 @@ def main(argv: list[str]) -> None:
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
                                rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_)
         step += 1
-        sync_metrics = {}
-        if separate_engine:
-            engine.wake_up()
-            sync_metrics["weight_sync_s"] = engine.sync_weights(policy.lm)
-            if r.sync_check_steps and step % r.sync_check_steps == 0:
-                check_ids = [train_ids[i] for i in local[:4]]
-                check_seeds = sequence_seeds(cfg.train.seed + 1, step, torch.arange(len(check_ids)), 1)
-                gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, check_seeds)
-                sync_metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
-                sync_metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
+        sync_metrics = sync_engine(engine, policy, [train_ids[i] for i in local[:4]], step, cfg, device) \
+            if separate_engine else {}
+        if sync_metrics.get("sync_gap_mean", 0.0) > r.sync_check_tol:                # stale engine: save, stop
+            save()
+            raise SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's "
+                            f"by {sync_metrics['sync_gap_mean']:.4g} per token on average (max "
+                            f"{sync_metrics['sync_gap_max']:.4g}) > {r.sync_check_tol}: its weights are stale")
 
         gen_tokens = rollout.mask.sum().item()
         my_rewards, my_adv = rewards[mine], advantages[mine]
@@ -320,11 +332,7 @@ def main(argv: list[str]) -> None:
                         step_s=f"{metrics['step_time_s']:.2f}")
         if step == cfg.train.max_steps or (cfg.train.save_steps and step % cfg.train.save_steps == 0):
             save()
-        if sync_metrics.get("sync_gap_mean", 0.0) > r.sync_check_tol:
-            save()                                                                # keep the trained state, then stop
-            raise SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's "
-                            f"by {sync_metrics['sync_gap_mean']:.4g} per token on average (max "
-                            f"{sync_metrics['sync_gap_max']:.4g}) > {r.sync_check_tol}: its weights are stale")
+
     bar.close()
     logger.close()
     if first_eval and last_eval:

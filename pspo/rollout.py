@@ -184,14 +184,15 @@ def engine_name(engine: str) -> str:
 
 
 def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_prompt_len: int, seed: int,
-                 world_size: int):
+                 world_size: int, bf16: bool = False):
     """The configured engine (`rollout.engine`: auto | vllm | hf; r is the RolloutConfig).
 
     auto picks vLLM when it is installed. The vLLM engine is built from `model_path`, which must
-    hold the policy's current weights (the base model, or the checkpoint being resumed).
+    hold the policy's current weights (the base model, or the checkpoint being resumed); it runs
+    in bf16 on GPU when `bf16` (model.bf16), else in float32.
     """
     from pspo import vllm_engine
     if engine_name(r.engine) == "vllm":
         return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
-                                      r.gpu_memory_utilization, r.sleep, world_size)
+                                      r.gpu_memory_utilization, r.sleep, world_size, bf16)
     return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1)

@@ -25,7 +25,14 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from pspo.model import ModelError
 from pspo.rollout import Rollout
+
+# Set before vLLM is first imported (its logging is configured at import): build the engine in
+# this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step
+# warnings from drowning the progress bar (the sync check reports what matters).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def vllm_available() -> bool:
@@ -33,9 +40,13 @@ def vllm_available() -> bool:
         import vllm  # noqa: F401
     except ImportError:
         return False
+    except Exception as e:  # noqa: BLE001 - e.g. a torchvision built for another torch
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ModelError(f"rollout.engine: vllm is installed but does not import ({type(e).__name__}: {first})") from e
     return True
 
 
+@torch.no_grad()
 def full_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(name, full tensor) for each parameter of a transformers model, one at a time.
 
@@ -57,9 +68,8 @@ class VLLMEngine:
     """One in-process vLLM engine on this rank's device."""
 
     def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
-                 gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")     # build it in this process
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")            # its per-step warnings drown the bar
+                 gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1,
+                 bf16: bool = False):
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
@@ -73,10 +83,15 @@ class VLLMEngine:
             # generators cannot do ("CPU Generator does not use offset"): give every step room for
             # whole prompts of all running sequences, so none is split.
             extra.update(max_num_seqs=256, max_num_batched_tokens=256 * max_model_len)
-        self.llm = LLM(model=model_path, dtype="bfloat16" if on_gpu else "float32", enforce_eager=not on_gpu,
-                       max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                       **extra)
+        try:
+            self.llm = LLM(model=model_path, dtype="bfloat16" if (bf16 and on_gpu) else "float32",
+                           enforce_eager=not on_gpu, max_model_len=max_model_len, seed=seed,
+                           logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+                           enable_sleep_mode=self.sleep_enabled, **extra)
+        except Exception as e:  # noqa: BLE001 - vLLM raises many types for a bad setting or too little memory
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ModelError(f"rollout.engine: vLLM could not start on {model_path} "
+                             f"({type(e).__name__}: {first})") from e
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = self.llm.get_tokenizer().eos_token_id
         self.stop_ids = sorted({tokenizer.eos_token_id, eos} - {None})
@@ -119,6 +134,7 @@ class VLLMEngine:
         """
         start = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model)})
+        self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
         return time.perf_counter() - start
 
     def sleep(self) -> None:
@@ -128,6 +144,7 @@ class VLLMEngine:
 
     def wake_up(self) -> None:
         if self.sleep_enabled:
+            torch.cuda.empty_cache()              # hand back what the update's allocator cached
             self.llm.wake_up()
 
 

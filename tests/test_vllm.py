@@ -78,3 +78,22 @@ def test_tied_embeddings_sync(tmp_path):
     engine.sync_weights(policy.lm)
     seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
     assert sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4
+
+
+def test_training_stops_on_a_sync_gap_over_the_tolerance(tmp_path, tiny_model_path):
+    # A tolerance below float32 noise (the healthy gap is ~1e-6) makes the check fire at step 2:
+    # the run must save its state, then stop with one line naming the setting, exit code 2.
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                           f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--train.max_steps=4",
+                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
+                           "--rollout.sync_check_steps=2", "--rollout.sync_check_tol=1e-12", "--train.progress=false"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and lines[-1].startswith("error: rollout.sync_check_tol: at step 2 the engine's log-probs differ")
+    assert os.path.isdir(out / "checkpoint-2")
