@@ -4,8 +4,9 @@
     python bench/convergence.py --quick    # a 2-minute smoke version for CI (does not touch RESULTS.md)
     python bench/convergence.py --methods pps,pspo --section pps-floor -- --pps.eps=0.05   # a side study
 
-Every run is `train.py --config configs/<method>.yaml` with the same seed, steps, batch and
-evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
+Every run is `train.py --config configs/<method>.yaml` with the same seed, steps, batch,
+engine (`--engine`, default hf: the transformers engine, faster than vLLM on CPU for the tiny
+model, and what the tables were measured with) and evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
 each run's metrics.jsonl this reports, with mean and spread over seeds:
   final    greedy test accuracy after the last step
   AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)
@@ -38,6 +39,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
     ap.add_argument("--threshold", type=float, default=0.70, help="accuracy for the rollouts-to-threshold column")
+    ap.add_argument("--engine", default="hf", help="rollout.engine of every run (the tables were measured with hf)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each gets cores/jobs threads)")
     ap.add_argument("--out", default="", help="run folders (default runs/<section>, runs/<section>-quick)")
     ap.add_argument("--section", default="convergence",
@@ -57,7 +59,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, threads: int) -> s
     out = os.path.join(args.out, f"{method}-s{seed}")
     cmd = ["train.py", "--config", f"configs/{method}.yaml", f"--train.seed={seed}",
            f"--train.output_dir={out}", f"--train.max_steps={args.steps}", f"--train.eval_steps={args.eval_every}",
-           "--train.progress=false", "--train.keep_checkpoints=1", *args.overrides]
+           "--train.progress=false", "--train.keep_checkpoints=1", f"--rollout.engine={args.engine}", *args.overrides]
     stamp = os.path.join(out, "bench_run.json")
     if _finished(out, args.steps) and os.path.exists(stamp) and json.load(open(stamp))["command"] == cmd:
         return out
