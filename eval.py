@@ -20,12 +20,11 @@ import sys
 from pspo import distributed
 from pspo.benchmarks import BENCHMARKS, load_benchmark
 from pspo.config import ConfigError, load_config
-from pspo.data import DataError, load_examples
+from pspo.data import DataError, check_golds, load_examples, prepare_prompts
 from pspo.distributed import print0
 from pspo.evaluation import evaluate
 from pspo.model import ModelError, build_policy, load_tokenizer, resolve_model_path
 from pspo.rollout import build_engine, engine_name
-from train import check_golds, prepare_prompts
 
 FLAGS = ("--benchmarks", "--engine")
 USAGE = ("usage: eval.py --config FILE.yaml [--benchmarks=" + ",".join(BENCHMARKS) + "] [--engine=vllm|hf] "

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pspo import checkpoint, distributed
 from pspo.advantages import group_advantages, smoothed_advantages
 from pspo.config import Config, ConfigError, load_config, save_config
-from pspo.data import DataError, format_prompt, load_examples
+from pspo.data import DataError, check_golds, load_examples, prepare_prompts
 from pspo.distributed import Dist, print0
 from pspo.ema_stats import EMAStats
 from pspo.evaluation import evaluate
@@ -35,10 +35,10 @@ from pspo.loss import policy_loss, sequence_weights
 from pspo.metrics import MetricsLogger
 from pspo.model import ModelError, batch_inputs, build_policy, load_tokenizer, resolve_model_path
 from pspo.priority_sampler import PrioritySampler
-from pspo.rewards import GoldAnswerError, check_gold_answer, score_completions
+from pspo.rewards import score_completions
 from pspo.rollout import HFEngine, build_engine, sequence_seeds
-from pspo.vllm_engine import SyncError, sync_gap
 from pspo.sampler import UniformSampler
+from pspo.vllm_engine import SyncError, sync_engine
 
 
 def lr_lambda(cfg: Config):
@@ -52,22 +52,6 @@ def lr_lambda(cfg: Config):
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
-
-
-def prepare_prompts(examples, tokenizer, system_prompt: str) -> tuple[list[str], list[list[int]]]:
-    """Chat-formatted prompt text and token ids, computed once for the whole dataset."""
-    texts = [format_prompt(tokenizer, ex.problem, system_prompt) for ex in examples]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return texts, ids
-
-
-def check_golds(examples, name: str) -> None:
-    """A gold answer math-verify cannot parse is a data error, reported before training starts."""
-    for row, ex in enumerate(examples):
-        try:
-            check_gold_answer(ex.answer)
-        except GoldAnswerError as e:
-            raise DataError(f"{name}: row {row}: {e}") from None
 
 
 @torch.no_grad()
@@ -115,21 +99,6 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return sums
-
-
-def sync_engine(engine, policy, check_ids: list[list[int]], step: int, cfg: Config,
-                device: torch.device) -> dict[str, float]:
-    """After an optimizer step: wake the vLLM engine, load the new weights, and every
-    rollout.sync_check_steps steps measure its log-prob gap to the trainer on fresh completions."""
-    r = cfg.rollout
-    engine.wake_up()
-    metrics = {"weight_sync_s": engine.sync_weights(policy.lm)}
-    if r.sync_check_steps and step % r.sync_check_steps == 0:
-        seeds = sequence_seeds(cfg.train.seed + 1, step, torch.arange(len(check_ids)), 1)
-        gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, seeds)
-        metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
-        metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
-    return metrics
 
 
 def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
@@ -292,8 +261,8 @@ def main(argv: list[str]) -> None:
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
                                rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_)
         step += 1
-        sync_metrics = sync_engine(engine, policy, [train_ids[i] for i in local[:4]], step, cfg, device) \
-            if separate_engine else {}
+        sync_metrics = sync_engine(engine, policy, [train_ids[i] for i in local[:4]], step, r, cfg.train.seed,
+                                   device) if separate_engine else {}
         if sync_metrics.get("sync_gap_mean", 0.0) > r.sync_check_tol:                # stale engine: save, stop
             save()
             raise SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's "
@@ -315,9 +284,8 @@ def main(argv: list[str]) -> None:
         metrics["lr"] = scheduler.get_last_lr()[0]
         # ERS/PPS diagnostics come from the replicated state: the same on every rank, not summed.
         if ers is not None:
-            metrics["ers_gap"] = float((ers_mean - rewards.mean(1)).abs().mean())  # mean |m_q - μ|
-            metrics["ers_visits"] = float(ers.visits_of(problems).float().mean())
-            metrics["ers_seen_frac"] = len(ers) / distinct_problems
+            metrics.update({f"ers_{k}": v for k, v in ers.batch_stats(problems, rewards, ers_mean,
+                                                                      distinct_problems).items()})
         if cfg.pps.enabled:
             metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
         metrics["bookkeeping_s"] = bookkeeping_s

@@ -138,6 +138,23 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
+def prepare_prompts(examples: list[Example], tokenizer, system_prompt: str) -> tuple[list[str], list[list[int]]]:
+    """Chat-formatted prompt text and token ids, computed once for the whole dataset."""
+    texts = [format_prompt(tokenizer, ex.problem, system_prompt) for ex in examples]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return texts, ids
+
+
+def check_golds(examples: list[Example], name: str) -> None:
+    """A gold answer math-verify cannot parse is a data error, reported before any training or eval."""
+    from pspo.rewards import GoldAnswerError, check_gold_answer   # math-verify is slow to import
+    for row, ex in enumerate(examples):
+        try:
+            check_gold_answer(ex.answer)
+        except GoldAnswerError as e:
+            raise DataError(f"{name}: row {row}: {e}") from None
+
+
 def format_prompt(tokenizer, problem: str, system_prompt: str) -> str:
     """The problem as the model's chat prompt, ending where the assistant starts writing.
     The system message is left out when `system_prompt` is ""."""

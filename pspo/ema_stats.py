@@ -88,6 +88,18 @@ class EMAStats:
         rows = torch.searchsorted(self.keys, k).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[rows] == k, self.visits[rows], 0)
 
+    def batch_stats(self, keys: list[str], rewards: Tensor, mean: Tensor, num_prompts: int) -> dict[str, float]:
+        """Logged ERS diagnostics of one step, after `update(keys, rewards)` returned `mean`.
+
+        gap: mean over the batch of |m_q - μ|, how far smoothing moved the baseline from the
+        group mean; visits: mean n_q of the batch's prompts; seen_frac: distinct prompts with
+        statistics / num_prompts (the distinct prompts of the train set).
+        """
+        mu = rewards.detach().double().cpu().mean(1)                             # (B,) μ
+        return {"gap": float((mean.double() - mu).abs().mean()),
+                "visits": float(self.visits_of(keys).float().mean()),
+                "seen_frac": len(self) / num_prompts}
+
     def state_dict(self) -> dict[str, Tensor]:
         """The per-prompt statistics; alpha comes from the config (it may change on resume, like lr)."""
         return {"keys": self.keys, "mean": self.mean, "var": self.var, "visits": self.visits}

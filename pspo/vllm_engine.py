@@ -25,8 +25,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from pspo.model import ModelError
-from pspo.rollout import Rollout
+from pspo import distributed
+from pspo.model import ModelError, batch_inputs
+from pspo.rollout import Rollout, sequence_seeds
 
 # Set before vLLM is first imported (its logging is configured at import): build the engine in
 # this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step
@@ -148,6 +149,21 @@ class VLLMEngine:
             self.llm.wake_up()
 
 
+def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], step: int, r,
+                seed: int, device: torch.device) -> dict[str, float]:
+    """After an optimizer step: wake the engine, load the new weights, and every
+    r.sync_check_steps steps (r: the RolloutConfig) measure its log-prob gap to the trainer on one
+    fresh completion per prompt in `check_ids`. Returns the logged metrics (gaps: max over ranks)."""
+    engine.wake_up()
+    metrics = {"weight_sync_s": engine.sync_weights(policy.lm)}
+    if r.sync_check_steps and step % r.sync_check_steps == 0:
+        seeds = sequence_seeds(seed + 1, step, torch.arange(len(check_ids)), 1)
+        gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, seeds)
+        metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
+        metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
+    return metrics
+
+
 class SyncError(RuntimeError):
     """The engine's log-probs disagree with the trainer's: its weights are stale or wrong."""
 
@@ -160,7 +176,6 @@ def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], tempe
     Sampled at top_p = 1, where the engine reports log softmax(z/T), the trainer's quantity (§1).
     `policy` is the Policy wrapper (a collective under FSDP2).
     """
-    from pspo.model import batch_inputs
     rollout = engine.generate(prompt_ids, 1, temperature, 1.0, max_new_tokens, seeds)
     input_ids, attention = batch_inputs(prompt_ids, rollout.completion_ids, rollout.mask, engine.pad_id)
     device = next(policy.parameters()).device

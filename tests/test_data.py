@@ -98,26 +98,19 @@ def test_missing_field_names_the_field_and_lists_the_existing_ones(tmp_path):
     assert str(path) in message and "'answer'" in message and "question, solution" in message
 
 
-def test_missing_empty_and_unsupported_files(tmp_path):
-    missing = tmp_path / "nope.jsonl"
-    with pytest.raises(DataError, match=re.escape(f"{missing}: file not found")):
-        load_examples(str(missing))
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    with pytest.raises(DataError, match=re.escape(f"{empty}: the file is empty")):
-        load_examples(str(empty))
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text("{not json\n")
-    with pytest.raises(DataError, match=re.escape(f"{broken}: cannot read it as json (")):
-        load_examples(str(broken))
-    csv = tmp_path / "d.csv"
-    csv.write_text("problem,answer\n1+1,2\n")
-    with pytest.raises(DataError, match=re.escape(f"{csv}: expected a .jsonl, .json, .parquet file")):
-        load_examples(str(csv))
-    nulls = tmp_path / "nulls.jsonl"
-    nulls.write_text(json.dumps({"problem": "q", "answer": None}) + "\n")
-    with pytest.raises(DataError, match=re.escape(f"{nulls}: row 0 has no value in field 'answer'")):
-        load_examples(str(nulls))
+@pytest.mark.parametrize("name, content, message", [
+    ("nope.jsonl", None, "file not found"),
+    ("empty.jsonl", "", "the file is empty"),
+    ("broken.jsonl", "{not json\n", "cannot read it as json ("),
+    ("d.csv", "problem,answer\n1+1,2\n", "expected a .jsonl, .json, .parquet file"),
+    ("nulls.jsonl", json.dumps({"problem": "q", "answer": None}) + "\n", "row 0 has no value in field 'answer'"),
+])
+def test_missing_empty_and_unsupported_files(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=re.escape(f"{path}: {message}")):
+        load_examples(str(path))
 
 
 def test_other_names_go_to_the_hub_with_the_split(monkeypatch):

@@ -86,3 +86,15 @@ def test_visits_of():
     ers.update(["p"], torch.zeros(1, 4))
     assert ers.visits_of(["p", "q", "r"]).tolist() == [2, 1, 0]
     assert EMAStats().visits_of(["p"]).tolist() == [0]
+
+
+def test_batch_stats_hand_worked():
+    # α=.9, the second-visit example above: "p" visit 2 gives m=.725 against μ=.75 -> gap .025;
+    # "q" first visit [0,1,1,1]: m = μ = .75 -> gap 0. Mean gap (.025 + 0)/2 = .0125.
+    # visits: p 2, q 1 -> 1.5. Two distinct prompts with statistics out of 8 -> seen_frac .25.
+    ers = EMAStats(alpha=0.9)
+    ers.update(["p"], torch.tensor([[1., 0, 0, 1]]))
+    rewards = torch.tensor([[1., 1, 1, 0], [0., 1, 1, 1]])
+    mean, _ = ers.update(["p", "q"], rewards)
+    st = ers.batch_stats(["p", "q"], rewards, mean, num_prompts=8)
+    assert abs(st["gap"] - 0.0125) < 1e-7 and st["visits"] == 1.5 and st["seen_frac"] == 0.25
