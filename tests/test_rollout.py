@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from pspo.data import builtin_arithmetic, format_prompt
-from pspo.model import Policy, batch_inputs, build_policy, load_tokenizer
-from pspo.rollout import HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise, sequence_seeds
+from pspo.model import Policy, build_policy, load_tokenizer
+from pspo.rollout import HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise
+from pspo.sequences import batch_inputs, sequence_seeds
 
 
 def test_nucleus_hand_worked():

@@ -1,7 +1,7 @@
 """The sync check's gap, on a stand-in engine and trainer with hand-set log-probs (no vLLM needed)."""
 import torch
 
-from pspo.rollout import Rollout
+from pspo.sequences import Rollout
 from pspo.vllm_engine import sync_gap
 
 

