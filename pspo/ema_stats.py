@@ -23,6 +23,8 @@ import hashlib
 import torch
 from torch import Tensor
 
+from pspo.advantages import zero_variance
+
 
 def prompt_key(text: str) -> int:
     """The signed int64 made of the first 8 bytes of SHA-256(text)."""
@@ -63,7 +65,7 @@ class EMAStats:
         A prompt that appears twice in the batch is updated twice, in batch order.
         """
         rewards = rewards.detach().double().cpu()
-        mu = rewards.mean(1)                                                      # (B,) μ
+        mu = torch.where(zero_variance(rewards), rewards[:, 0], rewards.mean(1))  # (B,) μ, exact if all equal
         var = rewards.var(1) if rewards.shape[1] > 1 else torch.zeros(len(mu))   # (B,) s² (Bessel)
         rows = self._rows(torch.tensor([prompt_key(k) for k in keys], dtype=torch.int64))
         a = self.alpha

@@ -1,7 +1,7 @@
 """GRPO / Dr. GRPO group advantages, ALGORITHMS.md §1, checked against numbers worked by hand."""
 import torch
 
-from pspo.advantages import group_advantages
+from pspo.advantages import group_advantages, zero_variance
 
 
 def test_group_advantages_hand_worked():
@@ -55,3 +55,21 @@ def test_groups_are_independent_and_shape_is_kept():
     adv_moved = group_advantages(moved)
     torch.testing.assert_close(adv_moved[2], adv[2], atol=1e-3, rtol=0)
     torch.testing.assert_close(adv_moved[[0, 1, 3, 4]], adv[[0, 1, 3, 4]], atol=0, rtol=0)
+
+
+def test_all_equal_group_gets_exactly_zero_for_any_reward_value():
+    # eight rewards of 0.7 (the cosine reward's values are like this): in float32 their mean is
+    # 0.69999993, not 0.69999999 (the float32 0.7), so r - μ = 5.96e-8 and s = 6.37e-8; divided by
+    # s + ε = 1.00064e-4 that is A = 5.96e-4, and a PPS priority (5.97e-4)^0.6 = 46x the floor
+    # (1e-6)^0.6 = 2.51e-4. Exact equality with the first reward decides instead.
+    rewards = torch.tensor([[0.7] * 8, [-0.35] * 8, [1.0, 0, 0, 0, 0, 0, 0, 0]])   # (B=3, G=8)
+    naive = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+    assert naive[0].abs().max() > 1e-5                      # what std-based code gives: not 0
+    assert zero_variance(rewards).tolist() == [True, True, False]
+    for scale in (True, False):
+        adv = group_advantages(rewards, scale=scale)
+        assert torch.equal(adv[:2], torch.zeros(2, 8))      # exactly 0, not approximately
+    # the mixed group is untouched: μ = 1/8, s = sqrt((49/64 + 7/64)/7) = 0.35355 ->
+    # A = [0.875, -0.125 x7] / 0.35365 = [2.47420, -0.35346 x7]
+    torch.testing.assert_close(group_advantages(rewards)[2, :2], torch.tensor([2.47420, -0.35346]),
+                               atol=1e-4, rtol=0)

@@ -98,3 +98,13 @@ def test_batch_stats_hand_worked():
     mean, _ = ers.update(["p", "q"], rewards)
     st = ers.batch_stats(["p", "q"], rewards, mean, num_prompts=8)
     assert abs(st["gap"] - 0.0125) < 1e-7 and st["visits"] == 1.5 and st["seen_frac"] == 0.25
+
+
+def test_first_visit_of_an_all_equal_group_is_exactly_zero():
+    # six rewards of 0.7 on a first visit: m_q = μ must be exactly 0.7 (as float32), v_q = 0,
+    # so A = (0.7 - 0.7) / (0 + 1e-4) = 0 exactly, as GRPO gives.
+    ers = EMAStats(0.99)
+    rewards = torch.full((1, 6), 0.7)
+    mean, std = ers.update(["q"], rewards)
+    assert mean.item() == rewards[0, 0].item() and std.item() == 0
+    assert torch.equal(smoothed_advantages(rewards, mean, std), torch.zeros(1, 6))
