@@ -11,6 +11,9 @@
 The engine is `rollout.engine` (auto: vLLM where installed; `--rollout.engine=hf` for
 transformers). It reads the same config as train.py (data.eval / data.eval_split, prompt format, generation
 length, eval.* sampling settings) and runs the same evaluation code train.py runs periodically.
+Rows whose gold answer does not parse and prompts longer than data.max_prompt_tokens are left out
+at load time (one report line per set; data.bad_gold=error stops instead); the table's and the
+JSON's `skipped` counts them, `n` counts the rows evaluated.
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ import sys
 from pspo import distributed
 from pspo.benchmarks import BENCHMARKS, load_benchmark
 from pspo.config import ConfigError, load_config
-from pspo.data import DataError, check_golds, load_examples, prepare_prompts
+from pspo.data import DataError, PromptSet, load_examples, prompt_set
 from pspo.distributed import print0
 from pspo.evaluation import evaluate
-from pspo.model import ModelError, build_policy, load_tokenizer, resolve_model_path
+from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
+                        resolve_model_path)
 from pspo.rollout import build_engine, engine_name
 
 FLAGS = ("--benchmarks", "--engine")
@@ -46,44 +50,43 @@ def main(argv: list[str]) -> dict:
     distributed.barrier()
     path = resolve_model_path(m.name_or_path)
     tokenizer = load_tokenizer(path, m.trust_remote_code)
-    # the eval sets: --benchmarks, or data.eval
-    suites: dict[str, list] = {}
+    check_context(load_model_config(path, m.trust_remote_code), d.max_prompt_tokens, cfg.rollout.max_new_tokens)
+    # the eval sets: --benchmarks, or data.eval; rows without a usable gold or too long are left out
+    suites: dict[str, PromptSet] = {}
     if flags.get("--benchmarks"):
         for spec in flags["--benchmarks"].split(","):
-            name, examples = load_benchmark(spec, d.max_eval_examples or None)
-            suites[name] = examples
+            name, source, examples = load_benchmark(spec, d.max_eval_examples or None)
+            suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, d.system_prompt,
+                                      d.max_prompt_tokens, d.bad_gold)
     elif d.eval:
-        suites[f"{d.eval}:{d.eval_split}"] = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
-                                                           d.max_eval_examples or None)
+        examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
+        suites[f"{d.eval}:{d.eval_split}"] = prompt_set(f"data.eval {d.eval}", examples, tokenizer, d.system_prompt,
+                                                        d.max_prompt_tokens, d.bad_gold)
     else:
         raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
-    prompts = {}
-    for name, examples in suites.items():
-        check_golds(examples, name)
-        prompts[name] = prepare_prompts(examples, tokenizer, d.system_prompt)
     policy = None
     if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
         policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         policy = distributed.shard(policy.to(dist_.device), dist_.world_size)
-    longest = max(len(p) for _, ids in prompts.values() for p in ids)
+    longest = max(len(p) for suite in suites.values() for p in suite.ids)
     engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size, m.bf16)
     results = {}
-    for name, examples in suites.items():
-        texts, ids = prompts[name]
-        results[name] = {"n": len(examples), **evaluate(
-            engine, ids, texts, examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature, e.top_p,
-            cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress)}
+    for name, suite in suites.items():
+        results[name] = {"n": len(suite.examples), "skipped": suite.skipped, **evaluate(
+            engine, suite.ids, suite.texts, suite.examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature,
+            e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress)}
+    counts = ("n", "skipped")                     # rows evaluated, rows left out (bad gold + too long)
     if len(results) > 1:                          # unweighted mean over benchmarks, as papers report
-        keys = [k for k in next(iter(results.values())) if k != "n"]
-        results["average"] = {"n": sum(r["n"] for r in results.values()),
+        keys = [k for k in next(iter(results.values())) if k not in counts]
+        results["average"] = {**{c: sum(r[c] for r in results.values()) for c in counts},
                               **{k: sum(r[k] for r in results.values()) / len(results) for k in keys}}
-    columns = [k for k in next(iter(results.values())) if k != "n"]
+    columns = [k for k in next(iter(results.values())) if k not in counts]
     print0(f"\nmodel: {path}   engine: {engine_name(cfg.rollout.engine)}   max_new_tokens "
            f"{cfg.rollout.max_new_tokens}" + (f"   mean@k/pass@k: k={e.num_samples}, T={e.temperature}, "
                                               f"top_p={e.top_p}" if e.num_samples else ""))
-    print0(f"{'eval set':<36} {'n':>6} " + " ".join(f"{k:>16}" for k in columns))
+    print0(f"{'eval set':<36} {'n':>6} {'skipped':>8} " + " ".join(f"{k:>16}" for k in columns))
     for name, r in results.items():
-        print0(f"{name[-36:]:<36} {r['n']:>6} " + " ".join(f"{r[k]:>16.4f}" for k in columns))
+        print0(f"{name[-36:]:<36} {r['n']:>6} {r['skipped']:>8} " + " ".join(f"{r[k]:>16.4f}" for k in columns))
     if e.output and dist_.is_main:
         settings = {"model": path, "engine": engine_name(cfg.rollout.engine),
                     "max_new_tokens": cfg.rollout.max_new_tokens, "num_samples": e.num_samples,
@@ -102,7 +105,7 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except (ConfigError, DataError, ModelError, ImportError, FileNotFoundError) as err:
-        print0(f"error: {err}")
+        print0(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     finally:
         distributed.shutdown()

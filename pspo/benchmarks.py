@@ -2,14 +2,13 @@
 
 Each is a hub dataset with its own field names and answer format. `load_benchmark("math500")`
 reads the hub copy; `load_benchmark("math500=path/to/file.jsonl")` reads a local copy with the
-same fields (.jsonl / .json / .parquet), for offline machines. Gold answers are brought to what
-math-verify parses: GSM8K keeps the number after "####", OlympiadBench the first element of
-its answer list. Field names follow the dataset cards as of 2026; if a hub copy changes, point
-`name=FILE` at a local copy.
+same fields (.jsonl / .json / .parquet), for offline machines; data/samples/ holds one small copy
+of each format. Stored answers become gold text as for any dataset (pspo/golds.py: AMC23's
+numbers, OlympiadBench's lists); GSM8K keeps the number after "####". Field names follow the
+dataset cards as of 2026; if a hub copy changes, point `name=FILE` at a local copy.
 """
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 
 from pspo.data import DataError, Example, load_examples
@@ -34,28 +33,22 @@ BENCHMARKS = {
 }
 
 
-def gold_answer(benchmark: str, raw: str) -> str:
-    """The part of a benchmark's stored answer that is the answer."""
+def gold_answer(benchmark: str, stored: str) -> str:
+    """The part of a benchmark's stored answer text that is the answer. GSM8K: the number after
+    "####" without thousands commas, or "" (a row without a gold, reported and left out)."""
     if benchmark == "gsm8k":                         # "...reasoning...\n#### 1,234"
-        if "####" not in raw:
-            raise DataError(f"gsm8k: answer without '####': {raw[:80]!r}")
-        return raw.rsplit("####", 1)[1].strip().replace(",", "")
-    if benchmark == "olympiadbench" and raw.startswith("["):   # a list of answers, stored as its repr
-        try:
-            items = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            return raw
-        return str(items[0]) if items else raw
-    return raw
+        return stored.rsplit("####", 1)[1].strip().replace(",", "") if "####" in stored else ""
+    return stored
 
 
-def load_benchmark(spec: str, max_examples: int | None = None) -> tuple[str, list[Example]]:
-    """"name" (hub copy) or "name=FILE" (local copy, same fields) -> (name, examples)."""
+def load_benchmark(spec: str, max_examples: int | None = None) -> tuple[str, str, list[Example]]:
+    """"name" (hub copy) or "name=FILE" (local copy, same fields) -> (name, source, examples);
+    source is the hub name or FILE. Rows are not checked here: `data.prompt_set` does that."""
     name, _, path = spec.partition("=")
     if name not in BENCHMARKS:
         raise DataError(f"--benchmarks: unknown benchmark {name!r}; expected {', '.join(BENCHMARKS)} "
                         "(optionally name=FILE for a local copy)")
     b = BENCHMARKS[name]
-    rows = load_examples(path or b.hub, b.split, b.problem_field, b.answer_field, max_examples,
-                         None if path else b.config)
-    return name, [Example(ex.problem, gold_answer(name, ex.answer)) for ex in rows]
+    source = path or b.hub
+    rows = load_examples(source, b.split, b.problem_field, b.answer_field, max_examples, None if path else b.config)
+    return name, source, [Example(ex.problem, gold_answer(name, ex.answer)) for ex in rows]

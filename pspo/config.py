@@ -40,13 +40,15 @@ class DataConfig:
     eval_split: str = "test"            # split of `eval`
     problem_field: str = "problem"      # column holding the question
     answer_field: str = "answer"        # column holding the gold answer
-    system_prompt: str = ""             # system message of the chat template ("" = none)
+    system_prompt: str = ""             # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none)
     max_eval_examples: int = 0          # 0 = the whole eval set
+    max_prompt_tokens: int = 512        # longer prompts are dropped at load time (logged), never truncated
+    bad_gold: str = "skip"              # a gold answer math-verify cannot parse: skip (report, leave out) | error
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "auto"                # vllm | hf (transformers generate) | auto (vllm if installed)
+    engine: str = "auto"                # vllm | hf (transformers generate) | auto (vllm on a GPU, hf on CPU)
     num_generations: int = 8            # G, completions per prompt
     temperature: float = 1.0            # T; also divides the logits in the loss (§1)
     top_p: float = 1.0                  # nucleus sampling mass
@@ -142,6 +144,7 @@ class Config:
 
 
 ENGINES = ("auto", "vllm", "hf")
+BAD_GOLD = ("skip", "error")
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -272,6 +275,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
     _check(cfg.data.max_eval_examples >= 0, "data.max_eval_examples", ">= 0", cfg.data.max_eval_examples)
+    _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", cfg.data.max_prompt_tokens)
+    _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
 
 

@@ -3,7 +3,14 @@
 Every dataset becomes a list of `Example(problem, answer)`; `format_prompt` turns a problem into
 the model's chat prompt (with the reference recipes' R1 system prompt, or none). Answers are
 checked by the math-verify accuracy reward (ALGORITHMS.md §5), so an answer is plain text such as
-"82" or "\\frac{1}{2}".
+"82" or "\\frac{1}{2}" (pspo/golds.py turns stored numbers and lists into such text).
+
+`prompt_set` then decides, once at load time, which rows are used (row numbers count from 0):
+- a row without a problem, or whose gold answer is missing or does not parse with math-verify,
+  is left out and reported in one line per dataset (`data.bad_gold: skip`), or stops the run
+  with a one-line DataError (`data.bad_gold: error`); it is never scored;
+- a prompt (chat template + system prompt, tokenized) longer than `data.max_prompt_tokens` is
+  dropped, again reported in one line per dataset; prompts are never truncated mid-problem.
 
 The built-in task, `builtin:arithmetic`, needs nothing downloaded: 2-digit additions
 "What is 47 + 35?" with a, b in 10..99 (8100 ordered pairs). One seeded shuffle of all pairs fixes
@@ -17,6 +24,9 @@ import os
 import random
 from dataclasses import dataclass
 
+from pspo.distributed import print0
+from pspo.golds import gold_text
+
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_SPLITS = ("train", "test")
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}   # extension -> datasets builder
@@ -24,12 +34,14 @@ LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}   # 
 # The R1 prompt of the open-rs / Open-R1 recipes: reason in <think> </think>, answer in \boxed{}.
 # Departure from the recipes' text: they also ask for <answer> </answer> tags (and print a literal
 # "\boxed{{}}"); our format reward (ALGORITHMS.md §5) wants <think>..</think> then \boxed{...}.
-DEFAULT_SYSTEM_PROMPT = (
+R1_SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
     "The assistant first thinks about the reasoning process in the mind and then provides the user with "
     "the answer. The reasoning process is enclosed within <think> </think>, followed by the final answer "
     "in \\boxed{}, i.e., <think> reasoning process here </think> The answer is \\boxed{answer here}."
 )
+SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
+MAX_LISTED_ROWS = 10                          # row numbers named in a report line, then "..."
 
 
 class DataError(ValueError):
@@ -76,8 +88,9 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
                   config: str | None = None) -> list[Example]:
     """`builtin:arithmetic` | a local .jsonl/.json/.parquet file | a hub dataset name -> examples.
 
-    A local file is a single split: `split` is ignored for it. Answers are coerced to str
-    (datasets often store numeric answers as int or float). `config` is a hub dataset's
+    A local file is a single split: `split` is ignored for it. Answers become text by `gold_text`
+    (datasets store numeric answers as int or float, OlympiadBench a list); a missing value (None)
+    becomes "", which `prompt_set` reports and leaves out. `config` is a hub dataset's
     configuration name (e.g. "main" for openai/gsm8k)."""
     if max_examples is not None and max_examples < 1:
         raise DataError(f"{name}: max_examples must be >= 1 or None (all), got {max_examples}")
@@ -89,12 +102,8 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
         for field in (problem_field, answer_field):
             if field not in columns:
                 raise DataError(f"{name}: no field {field!r}; the fields are: {', '.join(columns) or '(none)'}")
-        problems, answers = rows[problem_field], rows[answer_field]
-        for i, (problem, answer) in enumerate(zip(problems, answers)):
-            if problem is None or answer is None:
-                field = problem_field if problem is None else answer_field
-                raise DataError(f"{name}: row {i} has no value in field {field!r}")
-        examples = [Example(str(p), str(a)) for p, a in zip(problems, answers)]
+        examples = [Example("" if p is None else str(p), gold_text(a))
+                    for p, a in zip(rows[problem_field], rows[answer_field])]
     if max_examples is not None:
         examples = examples[:max_examples]
     if not examples:
@@ -138,26 +147,75 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
-def prepare_prompts(examples: list[Example], tokenizer, system_prompt: str) -> tuple[list[str], list[list[int]]]:
-    """Chat-formatted prompt text and token ids, computed once for the whole dataset."""
-    texts = [format_prompt(tokenizer, ex.problem, system_prompt) for ex in examples]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    return texts, ids
-
-
-def check_golds(examples: list[Example], name: str) -> None:
-    """A gold answer math-verify cannot parse is a data error, reported before any training or eval."""
-    from pspo.rewards import GoldAnswerError, check_gold_answer   # math-verify is slow to import
-    for row, ex in enumerate(examples):
-        try:
-            check_gold_answer(ex.answer)
-        except GoldAnswerError as e:
-            raise DataError(f"{name}: row {row}: {e}") from None
+def resolve_system_prompt(value: str) -> str:
+    """`data.system_prompt`: "r1" -> R1_SYSTEM_PROMPT; any other value is the text itself ("" = none)."""
+    return SYSTEM_PROMPTS.get(value, value)
 
 
 def format_prompt(tokenizer, problem: str, system_prompt: str) -> str:
     """The problem as the model's chat prompt, ending where the assistant starts writing.
-    The system message is left out when `system_prompt` is ""."""
+    `system_prompt` goes through `resolve_system_prompt`; the system message is left out when it is ""."""
+    system_prompt = resolve_system_prompt(system_prompt)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": problem})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@dataclass
+class PromptSet:
+    """The rows of a dataset a run uses, with their prompts, and how many rows were left out."""
+    examples: list[Example]        # the kept rows, in file order
+    texts: list[str]               # chat-formatted prompt of each kept row
+    ids: list[list[int]]           # its token ids, each at most data.max_prompt_tokens long
+    skipped: int = 0               # rows left out: no usable problem or gold answer + prompts too long
+
+
+def prompt_set(label: str, examples: list[Example], tokenizer, system_prompt: str, max_prompt_tokens: int,
+               bad_gold: str = "skip") -> PromptSet:
+    """The usable rows of `examples` with their prompts, tokenized once (module docstring).
+
+    `label` names the dataset in reports and errors, e.g. "data.train knoveleng/open-rs".
+    bad_gold: "skip" (report in one line, leave out) | "error" (DataError at the first bad row)."""
+    from pspo.rewards import GoldAnswerError, check_gold_answer   # math-verify is slow to import
+    usable, bad = [], []                    # row numbers; "row (why)" of each unusable row
+    for row, ex in enumerate(examples):
+        why = "no problem text" if not ex.problem.strip() else "no gold answer" if not ex.answer.strip() else None
+        if why is None:
+            try:
+                check_gold_answer(ex.answer)
+            except GoldAnswerError:
+                why = f"gold answer {_shown(ex.answer)} does not parse with math-verify"
+        if why is None:
+            usable.append(row)
+        elif bad_gold == "error":
+            raise DataError(f"{label}: row {row}: {why} (data.bad_gold=error; 'skip' leaves such rows out)")
+        else:
+            bad.append(f"{row} ({why})")
+    if bad:
+        print0(f"{label}: left out {len(bad)} of {len(examples)} rows without a usable problem and gold "
+               f"answer (data.bad_gold=skip): {_listed(bad)}")
+    texts = [format_prompt(tokenizer, examples[row].problem, system_prompt) for row in usable]
+    # verbose=False: transformers would warn about prompts longer than the model; they are dropped next
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+    kept = [i for i, prompt in enumerate(ids) if len(prompt) <= max_prompt_tokens]
+    too_long = [usable[i] for i, prompt in enumerate(ids) if len(prompt) > max_prompt_tokens]
+    if too_long:
+        print0(f"{label}: dropped {len(too_long)} of {len(examples)} prompts longer than "
+               f"data.max_prompt_tokens={max_prompt_tokens} ({_listed(too_long)})")
+    if not kept:
+        raise DataError(f"{label}: no rows left of {len(examples)} ({len(bad)} without a usable gold answer, "
+                        f"{len(too_long)} prompts longer than data.max_prompt_tokens={max_prompt_tokens})")
+    return PromptSet([examples[usable[i]] for i in kept], [texts[i] for i in kept], [ids[i] for i in kept],
+                     len(bad) + len(too_long))
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """A gold answer quoted as written (backslashes single), on one line, at most `limit` characters."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return "'" + text.replace("\n", "\\n") + "'"
+
+
+def _listed(rows: list) -> str:
+    """"row 7" | "rows 7, 19, ..." (at most MAX_LISTED_ROWS named)."""
+    shown = ", ".join(str(row) for row in rows[:MAX_LISTED_ROWS])
+    return ("row " if len(rows) == 1 else "rows ") + shown + (", ..." if len(rows) > MAX_LISTED_ROWS else "")

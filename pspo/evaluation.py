@@ -16,7 +16,7 @@ from pspo import distributed
 from pspo.data import Example
 from pspo.distributed import Dist
 from pspo.rewards import score_completions
-from pspo.rollout import sequence_seeds
+from pspo.sequences import sequence_seeds
 
 EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every training step
 

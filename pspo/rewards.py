@@ -4,7 +4,9 @@
 Every reward function is a pure function (prompt, completion, gold) -> float. `score_completions`
 runs them on a batch in the calling process and turns a raise or a run past `timeout_s` into a
 score of 0 counted in `failures`, except `GoldAnswerError`: a gold answer math-verify cannot parse
-is an error in the data and propagates (the reference code scored it a free 1.0).
+is an error in the data and propagates (the reference code scored it a free 1.0). Data loading
+checks every gold first (pspo/data.py) and leaves such rows out. A gold is first brought to what
+math-verify parses (pspo/golds.py: escaped dollars, `\\!`, e-notation, `$...$` delimiters).
 
 Time limits. math-verify guards itself with `signal.alarm` (whole seconds, main thread only,
 and it overwrites any outer alarm). We switch its guards off (`parsing_timeout=None`,
@@ -40,6 +42,8 @@ import torch
 from math_verify import parse, verify
 from torch import Tensor
 
+from pspo.golds import answer_latex, gold_latex
+
 # Our guard replaces math-verify's, so its "timeout is disabled" notice is noise (one per rank).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
@@ -58,18 +62,12 @@ class _RewardTimeout(BaseException):
 
 # ---- accuracy --------------------------------------------------------------------------------
 
-def _gold_latex(gold: str) -> str:
-    """Bare LaTeX / numbers need `$...$`: math-verify's LaTeX extractor looks for delimiters."""
-    gold = gold.strip()
-    if any(mark in gold for mark in ("$", "\\boxed", "\\(", "\\[")):
-        return gold
-    return f"${gold}$"
-
-
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(gold: str) -> tuple:
-    parsed = parse(_gold_latex(gold), parsing_timeout=None)
-    if not parsed:
+    # A parse holding only strings is math-verify's fallback for LaTeX it could not read
+    # (`\\frac{1}{` -> ['\\frac{1}{']): it would match by string equality alone, so it counts as unparsed.
+    parsed = parse(gold_latex(gold), parsing_timeout=None)
+    if not any(not isinstance(item, str) for item in parsed):
         shown = gold if len(gold) <= 200 else gold[:200] + "..."
         raise GoldAnswerError(f"gold answer {shown!r} does not parse with math-verify "
                               "(expected a number or a LaTeX expression)")
@@ -105,7 +103,7 @@ def _parse_answer(answer: str) -> tuple:
     # Parsing (~2.4 ms) dominates verify (~0.1 ms), and one answer recurs under many golds.
     if _bracket_depth(answer) > MAX_BRACKET_DEPTH:
         return ()
-    return tuple(parse(answer, parsing_timeout=None))
+    return tuple(parse(answer_latex(answer), parsing_timeout=None))
 
 
 @functools.lru_cache(maxsize=65536)

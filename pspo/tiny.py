@@ -28,10 +28,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from pspo.data import DEFAULT_SYSTEM_PROMPT, Example, builtin_arithmetic, format_prompt, warmup_examples
+from pspo.data import R1_SYSTEM_PROMPT, Example, builtin_arithmetic, format_prompt, warmup_examples
 
 TINY_MODEL = "builtin:tiny"
-VERSION = 1                   # part of the cache key: bump it whenever the build below changes
+VERSION = 2                   # part of the cache key: bump it whenever the build below changes
 WARMUP_STEPS = 240            # supervised steps: greedy test accuracy ~0.3-0.4 (README)
 VOCAB_SIZE = 510              # BPE vocab cap; the small corpus runs out of merges at 403 (+ 2 tags = 405 ids)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]     # pad, turn start, eos
@@ -56,7 +56,7 @@ def _tokenizer_corpus() -> list[str]:
     # The <think> tags are added tokens, so they are left out here: with them, the pre-tokenizer
     # would see ">\\" and "boxed" instead of the "\\boxed" a completion produces.
     texts = [f"{ex.problem}\n\\boxed{{{ex.answer}}}" for ex in warmup_examples()]
-    texts += ["system\n", "user\n", "assistant\n", DEFAULT_SYSTEM_PROMPT,
+    texts += ["system\n", "user\n", "assistant\n", R1_SYSTEM_PROMPT,
               "reasoning process here. The answer is \\boxed{82}."] * 100
     return texts
 
@@ -75,14 +75,14 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     bpe.add_tokens(THINK_TOKENS)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=256,
+        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=1024,
         padding_side="left")       # only a constructor argument survives save_pretrained + reload
 
 
 def _build_model(tokenizer: PreTrainedTokenizerFast, tie_word_embeddings: bool, seed: int) -> Qwen2ForCausalLM:
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):    # seeded init without touching the caller's RNG

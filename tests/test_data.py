@@ -1,4 +1,5 @@
-"""pspo/data.py: the fixed built-in splits, local file loading, one-line DataErrors, prompts."""
+"""pspo/data.py: the fixed built-in splits, local file loading, one-line DataErrors, prompts, and
+which rows a run uses (bad golds and too-long prompts left out, reported in one line each)."""
 import hashlib
 import json
 import os
@@ -12,8 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from pspo import data
-from pspo.data import (DEFAULT_SYSTEM_PROMPT, DataError, Example, builtin_arithmetic, format_prompt,
-                       load_examples, warmup_examples)
+from pspo.data import (R1_SYSTEM_PROMPT, DataError, Example, builtin_arithmetic, format_prompt, load_examples,
+                       prompt_set, resolve_system_prompt, warmup_examples)
+from pspo.rewards import format_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEM = re.compile(r"What is (\d\d) \+ (\d\d)\?")
@@ -103,7 +105,6 @@ def test_missing_field_names_the_field_and_lists_the_existing_ones(tmp_path):
     ("empty.jsonl", "", "the file is empty"),
     ("broken.jsonl", "{not json\n", "cannot read it as json ("),
     ("d.csv", "problem,answer\n1+1,2\n", "expected a .jsonl, .json, .parquet file"),
-    ("nulls.jsonl", json.dumps({"problem": "q", "answer": None}) + "\n", "row 0 has no value in field 'answer'"),
 ])
 def test_missing_empty_and_unsupported_files(tmp_path, name, content, message):
     path = tmp_path / name
@@ -150,6 +151,66 @@ def test_format_prompt_omits_an_empty_system_prompt():
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_default_system_prompt_asks_for_think_then_boxed():
-    assert "<think> </think>" in DEFAULT_SYSTEM_PROMPT and "\\boxed{}" in DEFAULT_SYSTEM_PROMPT
+def test_r1_system_prompt_asks_for_the_layout_the_format_reward_pays_for():
+    assert resolve_system_prompt("r1") == R1_SYSTEM_PROMPT
+    assert resolve_system_prompt("Be brief.") == "Be brief." and resolve_system_prompt("") == ""
+    assert format_prompt(_ChatML(), "Q", "r1") == format_prompt(_ChatML(), "Q", R1_SYSTEM_PROMPT)
+    # it asks for <think> ... </think> and then \boxed{}, and its own example earns the format reward
+    assert R1_SYSTEM_PROMPT.index("<think> </think>") < R1_SYSTEM_PROMPT.index("\\boxed{}")
+    example = R1_SYSTEM_PROMPT[R1_SYSTEM_PROMPT.index("<think> reasoning"):].rstrip(".")
+    assert example == "<think> reasoning process here </think> The answer is \\boxed{answer here}"
+    assert format_reward("", example, "") == 1.0
     assert data.BUILTIN_ARITHMETIC == "builtin:arithmetic"
+
+
+class _Words(_ChatML):
+    """ChatML + one token per whitespace-separated word: a prompt is (words in the problem) + 2 tokens
+    ("<|im_start|>user" and "<|im_start|>assistant"; the problem's last word carries "<|im_end|>")."""
+
+    def __call__(self, texts, add_special_tokens, verbose):
+        return {"input_ids": [list(range(len(text.split()))) for text in texts]}
+
+
+def _problem(words: int) -> str:
+    return " ".join(["w"] * words)
+
+
+def test_prompt_set_drops_prompts_over_the_limit_in_one_line(capsys):
+    # problems of 3, 11, 4, 20, 5 words -> prompts of 5, 13, 6, 22, 7 tokens; limit 10 drops rows 1 and 3
+    examples = [Example(_problem(n), "1") for n in (3, 11, 4, 20, 5)]
+    out = prompt_set("data.train x.jsonl", examples, _Words(), "", max_prompt_tokens=10)
+    assert capsys.readouterr().out == \
+        "data.train x.jsonl: dropped 2 of 5 prompts longer than data.max_prompt_tokens=10 (rows 1, 3)\n"
+    assert out.examples == [examples[0], examples[2], examples[4]] and out.skipped == 2
+    assert [len(ids) for ids in out.ids] == [5, 6, 7] and out.texts[0].endswith("<|im_start|>assistant\n")
+    # a prompt exactly at the limit stays (5 tokens, limit 5); never truncated
+    assert prompt_set("d", examples[:1], _Words(), "", 5).ids == [[0, 1, 2, 3, 4]]
+    # 12 rows too long: the line names 10 of them, then "..."
+    prompt_set("d", [Example(_problem(9), "1")] * 12 + [Example("w", "1")], _Words(), "", 10)
+    assert capsys.readouterr().out == ("d: dropped 12 of 13 prompts longer than data.max_prompt_tokens=10 "
+                                       "(rows 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ...)\n")
+
+
+def test_prompt_set_with_nothing_left_is_one_line():
+    with pytest.raises(DataError, match=r"^data.eval e.jsonl: no rows left of 2 \(1 without a usable gold answer, "
+                                        r"1 prompts longer than data.max_prompt_tokens=4\)$"):
+        prompt_set("data.eval e.jsonl", [Example(_problem(3), "1"), Example("w", "\\frac{2}{")], _Words(), "", 4)
+
+
+def test_bad_golds_skip_reports_once_and_error_names_the_row(tmp_path, capsys):
+    path = tmp_path / "d.jsonl"
+    rows = [{"problem": "q0", "answer": "7"}, {"problem": "q1", "answer": None}, {"problem": "q2", "answer": "\\frac{2}{"},
+            {"problem": None, "answer": "3"}, {"problem": "q4", "answer": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples = load_examples(str(path))               # missing values load as "": no crash
+    assert examples[1] == Example("q1", "") and examples[3] == Example("", "3") and examples[4] == Example("q4", "0.5")
+    out = prompt_set("data.train d.jsonl", examples, _Words(), "", 512)
+    assert [ex.problem for ex in out.examples] == ["q0", "q4"] and out.skipped == 3
+    assert capsys.readouterr().out == (
+        "data.train d.jsonl: left out 3 of 5 rows without a usable problem and gold answer (data.bad_gold=skip): "
+        "rows 1 (no gold answer), 2 (gold answer '\\frac{2}{' does not parse with math-verify), 3 (no problem text)\n")
+    with pytest.raises(DataError) as err:
+        prompt_set("data.train d.jsonl", examples, _Words(), "", 512, bad_gold="error")
+    assert str(err.value) == "data.train d.jsonl: row 1: no gold answer (data.bad_gold=error; 'skip' leaves such rows out)"
+    with pytest.raises(DataError, match=r"^data.train d.jsonl: row 0: gold answer '\\frac\{2\}\{' does not parse"):
+        prompt_set("data.train d.jsonl", examples[2:3], _Words(), "", 512, bad_gold="error")

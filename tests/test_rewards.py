@@ -34,7 +34,8 @@ def test_accuracy_reward(gold, completion, expected):
     assert accuracy_reward("", completion, gold) == expected
 
 
-@pytest.mark.parametrize("gold", ["", "   ", "\\boxed{}"])
+# math-verify "parses" broken LaTeX to the raw string only ("\\frac{2}{" -> ['\\frac{2}{']): that counts as unparsed
+@pytest.mark.parametrize("gold", ["", "   ", "\\boxed{}", "\\frac{2}{", "???", "\\sqrt{"])
 def test_unparsable_gold_raises_naming_it(gold):
     with pytest.raises(GoldAnswerError, match="does not parse") as info:
         accuracy_reward("", "\\boxed{1}", gold)

@@ -9,12 +9,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from pspo import tiny
-from pspo.data import DEFAULT_SYSTEM_PROMPT, format_prompt
+from pspo.data import R1_SYSTEM_PROMPT, format_prompt
 from pspo.tiny import build_tiny_tokenizer, ensure_tiny_model, tiny_completion, tiny_model_path
 
 TEXTS = [   # prompts + completions as the trainer sees them, and text with odd whitespace/unicode
     format_prompt(build_tiny_tokenizer(), "What is 47 + 35?", "") + tiny_completion("82") + "<|im_end|>",
-    format_prompt(build_tiny_tokenizer(), "What is 99 + 10?", DEFAULT_SYSTEM_PROMPT) + tiny_completion("109"),
+    format_prompt(build_tiny_tokenizer(), "What is 99 + 10?", R1_SYSTEM_PROMPT) + tiny_completion("109"),
     "<think>\n47 + 35:  7+5 = 12, carry 1\n\n4+3+1 = 8\n</think>\n\nThe answer is \\boxed{82}.<|im_end|>",
     "  leading spaces\ttab\r\nCRLF   trailing   \n\n\n café 中文 😀 <think> x </think><|endoftext|>",
 ]
@@ -62,7 +62,7 @@ def test_task_text_is_cheap(tokenizer):
     assert tokenizer.convert_ids_to_tokens(completion) == [
         "<think>", "</think>", "\\boxed", "{", "8", "2", "}", "<|im_end|>"]
     # the R1 system prompt fits the 256-position context with room for a completion
-    with_system = format_prompt(tokenizer, "What is 47 + 35?", DEFAULT_SYSTEM_PROMPT)
+    with_system = format_prompt(tokenizer, "What is 47 + 35?", R1_SYSTEM_PROMPT)
     assert len(tokenizer(with_system, add_special_tokens=False)["input_ids"]) < 128
 
 
