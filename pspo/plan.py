@@ -1,0 +1,328 @@
+"""Will it fit? A per-GPU memory plan of a training run, from the model's config.json alone.
+
+    python train.py --config X --plan [--gpus=8] [--gpu_gib=80]     # table; no GPU, no download
+
+train.py's start-up prints the same plan in one line and stops (exit 2) when it cannot fit.
+Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master weights
+(model.py) and bf16 autocast when model.bf16:
+- parameters, gradients (fp32) and AdamW's m and v (2 x fp32), each sharded 1/N, and the frozen
+  reference model when algo.beta > 0 (built like the policy: fp32, sharded 1/N);
+- FSDP2's unsharded parameters in flight (N > 1): the root (embeddings, final norm, an untied
+  head) stays gathered from forward to backward, with its unsharded gradient; two decoder layers
+  (the current one and the prefetched next) and one layer's unsharded gradient;
+- activations of one micro-batch (train.micro_batch_size sequences) at the longest sequence,
+  data.max_prompt_tokens + rollout.max_new_tokens (`saved_bytes`, `activation_peak`);
+- the largest log-prob block (loss.token_logprobs): three (chunk x vocab) float32 blocks alive at
+  once (logits/T then log_softmax; the entropy's exp and product; the backward recompute holds as
+  many) plus the head's (vocab x hidden) float32 weight gradient;
+- vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
+  weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
+  rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
+- OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces and allocator fragmentation.
+The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
+were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
+block, vLLM unless it sleeps). The activation and log-prob peaks do not coincide: their sum
+makes the update an upper bound.
+
+Attention assumed: PyTorch sdpa with the padding mask train.py always passes, i.e. the CUDA
+memory-efficient kernel. It saves q, k, v (KV heads repeated), the output, the log-sum-exp and
+the mask as a bias; no (heads x s x s) probabilities. tests/test_plan.py checks the count against
+what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pspo.config import Config, ConfigError, load_config
+from pspo.model import load_model_config, resolve_model_path
+from pspo.rollout import engine_name
+
+GiB = 2**30
+OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces, allocator fragmentation
+DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
+USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
+         f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")
+
+
+class PlanError(ConfigError):
+    """The run cannot fit, or no architecture to plan from; one line (train.py: exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the plan needs from config.json; parameter counts from a model built on the meta device."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int          # all parameters, tied embeddings counted once
+    layer_params: int    # one decoder layer (an FSDP2 unit)
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, final norm and an untied head: the root FSDP2 unit."""
+        return self.params - self.layers * self.layer_params
+
+
+def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
+    """A transformers config -> Arch (a decoder-only transformer: RMSNorm, gated MLP, GQA)."""
+    fields = {}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(getattr(config, key, None), int):
+            raise PlanError(f"model.name_or_path: its config.json has no integer {key}, cannot plan memory")
+        fields[key] = getattr(config, key)
+    try:
+        with torch.device("meta"):                                      # shapes only, no memory
+            lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, ImportError) as e:
+        raise PlanError(f"model.name_or_path: cannot build {config.model_type!r} from its config.json "
+                        f"({str(e).strip().splitlines()[0][:200]})") from None
+    layer_names = set(getattr(lm, "_no_split_modules", None) or [])
+    layer = next((m for m in lm.modules() if type(m).__name__ in layer_names), None)
+    if layer is None:
+        raise PlanError(f"model.name_or_path: cannot find the decoder layers ({sorted(layer_names)}) "
+                        f"of {config.model_type!r}")
+    heads = fields["num_attention_heads"]
+    return Arch(fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"], heads,
+                getattr(config, "num_key_value_heads", None) or heads,
+                getattr(config, "head_dim", None) or fields["hidden_size"] // heads, fields["vocab_size"],
+                sum(p.numel() for p in lm.parameters()),
+                sum(p.numel() for p in layer.parameters()))
+
+
+def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = False) -> tuple[Arch, str]:
+    """(Arch, where its config.json came from), offline. Looked for in order: a local folder;
+    builtin:tiny (built if missing); a hub id in the local Hugging Face cache; the stand-in
+    `model_config.json` next to the YAML config_file."""
+    path = resolve_model_path(name_or_path)
+    standin = os.path.join(os.path.dirname(os.path.abspath(config_file)), "model_config.json")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise PlanError(f"model.name_or_path: {path} has no config.json")
+        candidates = [(path, path)]
+    else:
+        candidates = [(path, f"{path} (local Hugging Face cache)")]
+        if os.path.isfile(standin) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path):   # a hub id, not a path
+            candidates.append((standin, f"{os.path.relpath(standin)} (stand-in for {name_or_path})"))
+    for source, label in candidates:
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            continue
+        return arch_from_config(config, trust_remote_code), label
+    fallback = "" if os.path.isfile(standin) else f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
+    raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the local "
+                    f"Hugging Face cache{fallback}")
+
+
+def layer_saved_bytes(a: Arch, tokens: int, seq: int, bf16: bool) -> int:
+    """Bytes one decoder layer saves for backward, for `tokens` tokens in sequences of length `seq`.
+
+    Per token, H hidden, I intermediate, q = heads x head_dim; residual stream and RMSNorm in fp32:
+      bf16: both norms' input and normalized 4 x 4H; the bf16 casts of their outputs for the q, k,
+            v, gate, up projections 5 x 2H; attention q, k, v (KV heads repeated to all heads: the
+            mask rules out sdpa's GQA path) and output 4 x 2q; gate, SiLU, up, product 4 x 2I
+      fp32: both norms' input, normalized and output 6 x 4H; attention 4 x 4q; MLP 4 x 4I
+      both: the mask as a bias, seq x 2 (bf16) or 4 bytes; log-sum-exp 4 x heads; rsqrt 2 x 4
+    """
+    H, I, q = a.hidden, a.intermediate, a.heads * a.head_dim
+    per_token = 26 * H + 8 * q + 8 * I + 2 * seq if bf16 else 24 * H + 16 * q + 16 * I + 4 * seq
+    return tokens * (per_token + 4 * a.heads + 8)
+
+
+def saved_bytes(a: Arch, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
+    """What the forward of one micro-batch leaves saved for backward.
+
+    Without checkpointing: every layer's tensors, plus the bf16 copy of its weights autocast made.
+    With it: each layer's fp32 input (4H per token) only. Both: the final norm (8H per token),
+    RoPE cos/sin (8 x head_dim), the boolean mask (seq bytes) and the loss's copy of the
+    completion's hidden states (4H per completion token).
+    """
+    tokens = micro * seq
+    head = tokens * (8 * a.hidden + 8 * a.head_dim + seq) + micro * completion * 4 * a.hidden
+    if checkpointing:
+        return a.layers * tokens * 4 * a.hidden + head
+    copies = 2 * a.layer_params if bf16 else 0
+    return a.layers * (layer_saved_bytes(a, tokens, seq, bf16) + copies) + head
+
+
+def activation_peak(a: Arch, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
+    """saved_bytes, plus with checkpointing the larger of: autocast's bf16 copies of all weights
+    (its cast cache lives until the forward ends) and one layer's recompute in backward (its saved
+    tensors and weight copies, and the fp32 gradient in and out, 8H per token)."""
+    saved = saved_bytes(a, micro, seq, completion, bf16, checkpointing)
+    if not checkpointing:
+        return saved
+    copies = 2 * a.layer_params if bf16 else 0
+    tokens = micro * seq
+    recompute = layer_saved_bytes(a, tokens, seq, bf16) + copies + tokens * 8 * a.hidden
+    return saved + max(a.layers * copies, recompute)
+
+
+def logprob_chunk_bytes(a: Arch, chunk_tokens: int) -> int:
+    """Peak of one token_logprobs block: 3 x (chunk x vocab) float32 + the head's fp32 weight gradient."""
+    return 3 * chunk_tokens * a.vocab * 4 + 4 * a.vocab * a.hidden
+
+
+def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
+    """vLLM's KV cache per token: K and V x layers x KV heads x head_dim x dtype bytes."""
+    return 2 * a.layers * a.kv_heads * a.head_dim * dtype_bytes
+
+
+@dataclass
+class Plan:
+    gpus: int
+    gpu_bytes: int
+    rows: list[tuple[str, str, int, str]]   # (key, description, bytes per GPU, phase: both | generation | update)
+    notes: list[str]
+    blocker: str = ""                       # a reason it cannot start whatever the sum says
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(b for _, _, b, ph in self.rows if ph in ("both", phase))
+
+    @property
+    def peak(self) -> int:
+        return max(self.phase_bytes("generation"), self.phase_bytes("update"))
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_bytes and not self.blocker
+
+    def verdict(self) -> str:
+        phase = "update" if self.phase_bytes("update") >= self.phase_bytes("generation") else "generation"
+        margin = abs(self.gpu_bytes - self.peak) / GiB
+        head = f"peak {self.peak / GiB:.1f} GiB ({phase}) of {self.gpu_bytes / GiB:.1f} GiB: "
+        if self.blocker:
+            return head + f"does not fit, {self.blocker}"
+        return head + (f"fits, {margin:.1f} GiB to spare" if self.fits else f"does not fit, {margin:.1f} GiB over")
+
+
+def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> Plan:
+    """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved)."""
+    m, r, N = cfg.model, cfg.rollout, gpus
+    seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
+    seqs_per_gpu = cfg.train.prompts_per_step // N * r.num_generations
+    micro = min(cfg.train.micro_batch_size, seqs_per_gpu)
+    P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
+    ckpt = m.gradient_checkpointing
+    other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB
+    chunk = min(m.logprob_chunk_tokens, micro * T)
+    rows = [("params", f"parameters (fp32, 1/{N})", 4 * P // N, "both"),
+            ("grads", f"gradients (fp32, 1/{N})", 4 * P // N, "update"),
+            ("adam", f"AdamW m, v (2 x fp32, 1/{N})", 8 * P // N, "both")]
+    if cfg.algo.beta > 0:
+        rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0)", 4 * P // N, "both"))
+    if N > 1:
+        rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad", 4 * (2 * a.root_params + 3 * L),
+                     "update"))
+    rows.append(("acts", f"activations, {micro} x {seq} tokens, checkpointing {'on' if ckpt else 'off'} "
+                 f"({'off' if ckpt else 'on'}: {other:.1f})", activation_peak(a, micro, seq, T, m.bf16, ckpt),
+                 "update"))
+    rows.append(("logp", f"log-prob block ({chunk} x {a.vocab} fp32 x 3 + head grad)", logprob_chunk_bytes(a, chunk),
+                 "update"))
+    notes, blocker = [], ""
+    if engine == "vllm":
+        share, weights = int(r.gpu_memory_utilization * gpu_bytes), P * dtype
+        kv = share - weights
+        held = max(kv, 0) // (kv_bytes_per_token(a, dtype) * seq)
+        rows.append(("vllm", f"vLLM {r.gpu_memory_utilization:g} x GPU: weights {weights / GiB:.2f} + KV "
+                     f"{kv / GiB:.2f}, {'asleep' if r.sleep else 'awake'} in update", share,
+                     "generation" if r.sleep else "both"))
+        notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, dtype)} B/token, holds {held} sequences of {seq} tokens; "
+                     f"a step generates {seqs_per_gpu} per GPU" + ("" if held >= seqs_per_gpu else " (in waves)"))
+        if held < 1:
+            blocker = "vLLM's share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
+    else:                                    # transformers generate on the sharded policy (rollout.py)
+        batch = min(max(1, r.batch_size // r.num_generations) * r.num_generations, seqs_per_gpu)
+        kv = batch * seq * a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)   # fp32 K after RoPE
+        # autocast's bf16 weight copies; the sampler's (batch x vocab) working set, about 8 float32 blocks
+        # (logits/T, log_softmax, Gumbel noise and its int64 hashes: a rough figure); gathered params
+        work = (2 * P if m.bf16 else 0) + 8 * batch * a.vocab * 4 + (4 * (a.root_params + 2 * L) if N > 1 else 0)
+        rows.append(("generate", f"generate: KV of {batch} sequences, bf16 weight copies, logits, gathered params",
+                     kv + work, "generation"))
+    rows.append(("overhead", "CUDA context, NCCL, allocator (constant)", int(OVERHEAD_GIB * GiB), "both"))
+    return Plan(N, gpu_bytes, rows, notes, blocker)
+
+
+def format_plan(plan: Plan, title: str) -> str:
+    """The table `--plan` prints."""
+    lines = [title, f"{'component':<76} {'GiB':>6}  phase"]
+    lines += [f"{text:<76} {b / GiB:6.2f}  {phase}" for _, text, b, phase in plan.rows]
+    lines += [f"{'total: ' + phase:<76} {plan.phase_bytes(phase) / GiB:6.2f}" for phase in ("generation", "update")]
+    return "\n".join(lines + plan.notes + ["verdict: " + plan.verdict()])
+
+
+def one_line(plan: Plan) -> str:
+    """The start-up line: every component, then the verdict."""
+    parts = " + ".join(f"{key} {b / GiB:.1f}" for key, _, b, _ in plan.rows)
+    return f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB): {parts} GiB; {plan.verdict()}"
+
+
+def check_fits(plan: Plan, cfg: Config) -> None:
+    """Raise PlanError (one line, with what to change) when the run cannot fit."""
+    if plan.fits:
+        return
+    knobs = ["a smaller train.micro_batch_size" if cfg.train.micro_batch_size > 1 else "",
+             "" if cfg.model.gradient_checkpointing else "model.gradient_checkpointing=true",
+             "rollout.sleep=true" if any(k == "vllm" for k, *_ in plan.rows) and not cfg.rollout.sleep else "",
+             "more GPUs"]
+    raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} (train.py --config ... --plan)")
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.device) -> str:
+    """train.py's start-up: the plan in one line; on CUDA, PlanError when it cannot fit.
+
+    On CPU it is printed against the host's memory for information only: the plan models GPU
+    kernels and vLLM's GPU share, and host memory is shared with everything else (and swap).
+    """
+    try:
+        a = arch_from_config(load_model_config(model_path, cfg.model.trust_remote_code), cfg.model.trust_remote_code)
+    except PlanError as e:                   # an architecture the plan cannot read: train anyway
+        return f"memory plan: unavailable ({e})"
+    on_gpu = device.type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
+    plan = make_plan(cfg, a, world_size, total, engine_name(cfg.rollout.engine))
+    if on_gpu:
+        check_fits(plan, cfg)
+        return one_line(plan)
+    return one_line(plan) + " (CPU run: not enforced)"
+
+
+def plan_cli(argv: list[str]) -> str:
+    """`train.py --config X --plan [--gpus=N] [--gpu_gib=G] [overrides]` -> the table."""
+    gpus, gpu_gib, rest = DEFAULT_GPUS, DEFAULT_GPU_GIB, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        try:
+            if key == "--gpus":
+                gpus = int(value)
+            elif key == "--gpu_gib":
+                gpu_gib = float(value)
+            elif arg != "--plan":
+                rest.append(arg)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}; {USAGE}") from None
+    if len(rest) < 2 or rest[0] != "--config" or gpus < 1 or not gpu_gib > 0:
+        raise ConfigError(USAGE)
+    cfg = load_config(rest[1], rest[2:], gpus)
+    a, source = load_arch(cfg.model.name_or_path, rest[1], cfg.model.trust_remote_code)
+    engine = "vllm" if cfg.rollout.engine == "auto" else cfg.rollout.engine          # auto on a GPU
+    plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine)
+    title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"
+             f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, hidden {a.hidden}, "
+             f"MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, vocab {a.vocab}\n"
+             f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
+             f"matrix); overhead constant {OVERHEAD_GIB:g} GiB; update peak is an upper bound")
+    return format_plan(plan, title)

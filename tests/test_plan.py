@@ -1,0 +1,212 @@
+"""The memory plan (pspo/plan.py): hand-worked static parts, the activation and log-prob estimates
+against what PyTorch really saves / allocates on CPU, the `--plan` command and the start-up check."""
+import functools
+import os
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+
+from pspo import plan
+from pspo.config import load_config
+from pspo.loss import token_logprobs
+from pspo.plan import GiB, PlanError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN = os.path.join(ROOT, "configs", "qwen2.5-math-1.5b")
+RECIPE = os.path.join(QWEN, "pspo.yaml")
+
+
+def small_config(**kw) -> Qwen2Config:
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True, max_position_embeddings=4096)
+    return Qwen2Config(**{**fields, **kw})
+
+
+def test_static_parts_hand_worked():
+    # hidden 64, 4 heads x 16, 2 KV heads (32 wide), MLP 128, vocab 100, tied embeddings. One layer:
+    # q 64*64+64 = 4160, k and v 64*32+32 = 2080 each, o 64*64 = 4096, MLP 3*64*128 = 24576,
+    # two norms 128 -> 37120. Root: embeddings 100*64 + final norm 64 = 6464. All: 2*37120 + 6464 = 80704.
+    a = plan.arch_from_config(small_config())
+    assert (a.layer_params, a.root_params, a.params) == (37120, 6464, 80704)
+    cfg = load_config(None, ["--algo.beta=0", "--rollout.engine=hf", "--train.prompts_per_step=8"], 4)
+    rows = {key: b for key, _, b, _ in plan.make_plan(cfg, a, 4, 80 * GiB, "hf").rows}
+    # over 4 GPUs: params 4*80704/4 = 80704 B, grads the same, AdamW 2 x that = 161408;
+    # FSDP2 in flight: root param + grad, 2 layers + 1 layer grad, fp32: 4*(2*6464 + 3*37120) = 497152
+    assert (rows["params"], rows["grads"], rows["adam"], rows["fsdp"]) == (80704, 80704, 161408, 497152)
+    assert "ref" not in rows                                            # β = 0: no reference model
+
+
+def test_qwen_recipe_static_numbers():
+    # Qwen2.5-Math-1.5B (the stand-in config.json): 1,543,714,304 parameters; KV per token in bf16:
+    # 2 (K, V) x 28 layers x 2 KV heads x 128 x 2 B = 28672. vLLM at 0.3 x 80 GiB = 24 GiB, minus bf16
+    # weights 2 x 1543714304 B = 2.875 GiB -> 22682375168 B of KV / (28672 x 4096 B per sequence) = 193.1.
+    a, source = plan.load_arch("Qwen/Qwen2.5-Math-1.5B", RECIPE)
+    assert a.params == 1_543_714_304 and "model_config.json" in source
+    assert plan.kv_bytes_per_token(a) == 28672
+    cfg = load_config(RECIPE, ["--data.max_prompt_tokens=512", "--rollout.max_new_tokens=3584"], 8)
+    p = plan.make_plan(cfg, a, 8, 80 * GiB, "vllm")
+    assert any("holds 193 sequences of 4096 tokens" in n for n in p.notes)
+    assert dict((k, b) for k, _, b, _ in p.rows)["vllm"] == 24 * GiB
+
+
+@functools.lru_cache(maxsize=1)
+def real_width_model() -> Qwen2Model:
+    """One decoder layer of Qwen2.5-Math-1.5B's width (random weights), built once."""
+    torch.manual_seed(0)
+    config = Qwen2Config.from_pretrained(os.path.join(QWEN, "model_config.json"))
+    config.num_hidden_layers, config.vocab_size, config._attn_implementation = 1, 1000, "sdpa"
+    return Qwen2Model(config).train()
+
+
+def measure_saved(bf16: bool, checkpointing: bool, b: int = 2, s: int = 256) -> tuple[int, int, plan.Arch]:
+    """(activation bytes, bf16 weight-copy bytes) the model saves for backward: unique storages, not params."""
+    model = real_width_model()
+    config = model.config
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    ids = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones(b, s, dtype=torch.long)
+    attention[1, :40] = 0                                     # left padding: sdpa gets a mask, as in training
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    activations, copies = {}, {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in params:
+            return t
+        # a math-path sdpa would save (b, heads, s, s) probabilities, which the GPU kernels never keep
+        if t.dim() == 4 and t.shape[1] == config.num_attention_heads and t.shape[-2:] == (s, s):
+            return t
+        kind = copies if tuple(t.shape) in weight_shapes else activations     # autocast's cast of a weight
+        kind[storage.data_ptr()] = storage.nbytes()
+        return t
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0))
+    arch = plan.Arch(config.hidden_size, config.intermediate_size, 1, config.num_attention_heads,
+                     config.num_key_value_heads, 128, 1000, sum(p.numel() for p in model.parameters()),
+                     sum(p.numel() for p in model.layers[0].parameters()))
+    return sum(activations.values()), sum(copies.values()), arch
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_activation_estimate_matches_saved_tensors(bf16):
+    # hidden 1536, MLP 8960, 12 heads, 2 KV heads; 2 x 256 tokens. bf16, per token and layer:
+    # 26*1536 + 8*1536 + 8*8960 + 2*256 + 4*12 + 8 = 124472 B (fp32: 24H + 16H + 16I + 4s + 56 = 205880 B);
+    # the head adds the final norm 8*1536, RoPE cos/sin 8*128 and the boolean mask 256 = 13568 B per token.
+    b, s = 2, 256
+    acts, copies, arch = measure_saved(bf16, checkpointing=False)
+    acts_ckpt, copies_ckpt, _ = measure_saved(bf16, checkpointing=True)
+    weight_copies = 2 * arch.layer_params if bf16 else 0                 # 2 B x 46.8M (biases are not saved)
+    per_token = (124472 if bf16 else 205880) + 13568
+    assert plan.saved_bytes(arch, b, s, 0, bf16, False) == b * s * per_token + weight_copies
+    predicted = plan.saved_bytes(arch, b, s, 0, bf16, False) - weight_copies
+    assert abs(predicted / acts - 1) < 0.25, (predicted, acts)
+    if bf16:
+        assert abs(weight_copies / copies - 1) < 0.25, (weight_copies, copies)
+    # checkpointed: the layer's fp32 input (4H per token) and the head only, no weight copies saved
+    predicted_ckpt = plan.saved_bytes(arch, b, s, 0, bf16, True)
+    assert abs(predicted_ckpt / acts_ckpt - 1) < 0.25 and copies_ckpt == 0, (predicted_ckpt, acts_ckpt)
+    # and at its peak one layer's recompute: at least what that layer saves without checkpointing
+    layer_measured = acts - acts_ckpt + b * s * 4 * arch.hidden + copies
+    extra = plan.activation_peak(arch, b, s, 0, bf16, True) - predicted_ckpt
+    assert extra >= 0.75 * layer_measured, (extra, layer_measured)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages created inside the mode, each counted until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in self.live or key in inputs or storage.nbytes() == 0:      # a view, not new memory
+                    continue
+                self.live[key] = storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+
+def test_logprob_chunk_estimate_matches_allocations():
+    # chunks of 256 tokens x vocab 32768 in float32 = 32 MiB a block; the head's gradient 32768 x 128 x 4 = 16 MiB.
+    # Estimate: 3 x 32 + 16 = 112 MiB at the backward peak.
+    torch.manual_seed(0)
+    V, H, chunk = 32768, 128, 256
+    weight = torch.nn.Parameter(torch.randn(V, H) * 0.02)
+    hidden = torch.randn(2, 256, H, requires_grad=True)
+    targets = torch.randint(0, V, (2, 256))
+    with LiveBytes() as live:
+        logp, _ = token_logprobs(hidden, weight, targets, 0.7, chunk)
+        logp.sum().backward()
+    a = plan.Arch(H, 4 * H, 1, 2, 2, H // 2, V, 0, 0)
+    assert plan.logprob_chunk_bytes(a, chunk) == 112 * 2**20
+    assert abs(plan.logprob_chunk_bytes(a, chunk) / live.peak - 1) < 0.25, live.peak
+
+
+def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
+    small_config().save_pretrained(tmp_path)
+    cfg = load_config(None, ["--train.prompts_per_step=8"], 1)
+    a = plan.arch_from_config(small_config())
+    too_small = plan.make_plan(cfg, a, 1, 2**20, "hf")                  # 1 MiB: the 2 GiB overhead alone exceeds it
+    assert not too_small.fits and "does not fit" in too_small.verdict()
+    with pytest.raises(PlanError) as e:
+        plan.check_fits(too_small, cfg)
+    assert "\n" not in str(e.value) and "train.micro_batch_size" in str(e.value)
+    plan.check_fits(plan.make_plan(cfg, a, 1, 80 * GiB, "hf"), cfg)     # fits: no error
+    monkeypatch.setattr(plan, "host_memory", lambda: 2**20)
+    line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"))  # CPU: printed, never stops
+    assert "does not fit" in line and "not enforced" in line and "\n" not in line
+
+
+def test_vllm_share_too_small_to_start():
+    cfg = load_config(RECIPE, [], 8)
+    a, _ = plan.load_arch(cfg.model.name_or_path, RECIPE)
+    p = plan.make_plan(cfg, a, 8, 8 * GiB, "vllm")                      # 0.3 x 8 GiB < 2.9 GiB of weights
+    assert p.blocker and not p.fits
+
+
+def run_plan(*args: str, home: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HOME": home, "HF_HUB_OFFLINE": "1"}      # empty cache: nothing to find or download
+    return subprocess.run([sys.executable, "train.py", "--config", RECIPE, "--plan", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_plan_cli_on_the_recipe(tmp_path):
+    out = tmp_path / "run"
+    text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"])
+    for row in ("parameters (fp32, 1/8)", "AdamW", "activations", "log-prob block", "vLLM", "total: update"):
+        assert row in text
+    assert "verdict: peak" in text and "fits" in text and "does not fit" not in text
+    proc = run_plan("--gpu_gib=1", f"--train.output_dir={out}", home=str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    assert "verdict:" in proc.stdout and "does not fit" in proc.stdout
+    assert not out.exists()                                             # a plan writes nothing
+
+
+def test_plan_cli_bad_model_path(tmp_path):
+    proc = run_plan("--model.name_or_path=/no/such/model", home=str(tmp_path))
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
