@@ -1,7 +1,8 @@
 """PSPO / GRPO / Dr. GRPO fine-tuning with verifiable rewards: the whole algorithm in one visible loop.
 
-    python train.py --config configs/demo.yaml [--section.key=value ...]          # one process
-    torchrun --nproc_per_node=N train.py --config configs/demo.yaml               # FSDP2, N ranks
+    python train.py --config configs/grpo.yaml [--section.key=value ...]          # one process
+    torchrun --nproc_per_node=N train.py --config configs/grpo.yaml               # FSDP2, N ranks
+    python train.py --config X --plan [--gpus=8] [--gpu_gib=80]    # per-GPU memory plan, no GPU needed
 
 Each step: sample B prompts (uniform epochs, or PPS §3) -> G completions each -> rewards ->
 advantages (GRPO §1, or ERS-smoothed §2) -> PPS priorities -> num_iterations x (micro-batched
@@ -25,20 +26,30 @@ import torch
 from tqdm import tqdm
 
 from pspo import checkpoint, distributed
-from pspo.advantages import group_advantages, smoothed_advantages
+from pspo.advantages import group_advantages, smoothed_advantages, zero_variance
 from pspo.config import Config, ConfigError, load_config, save_config
-from pspo.data import DataError, check_golds, load_examples, prepare_prompts
+from pspo.data import DataError, PromptSet, load_examples, prompt_set
 from pspo.distributed import Dist, print0
 from pspo.ema_stats import EMAStats
 from pspo.evaluation import evaluate
 from pspo.loss import policy_loss, sequence_weights
 from pspo.metrics import MetricsLogger
-from pspo.model import ModelError, batch_inputs, build_policy, load_tokenizer, resolve_model_path
+from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
+                        resolve_model_path)
+from pspo.plan import plan_cli, startup_check
 from pspo.priority_sampler import PrioritySampler
 from pspo.rewards import score_completions
-from pspo.rollout import HFEngine, build_engine, sequence_seeds
+from pspo.rollout import HFEngine, build_engine
+from pspo.sequences import batch_inputs, sequence_seeds
 from pspo.sampler import UniformSampler
 from pspo.vllm_engine import SyncError, sync_engine
+
+
+MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
+
+
+class NonFiniteError(RuntimeError):
+    """Several updates in a row were non-finite: the run stops (weights untouched, saved)."""
 
 
 def lr_lambda(cfg: Config):
@@ -67,6 +78,10 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
 
     input_ids/attention_mask (N, P+T); mask (N, T) completion tokens; advantages (N,), already
     multiplied by the PPS importance weight (the weight touches the policy-gradient term only).
+    π_old and π_ref are scored in eval mode; the update runs in train mode (so gradient
+    checkpointing recomputes) and the policy is back in eval mode on return, for generation.
+    A non-finite loss or gradient norm (on any rank) skips that optimizer step: the weights and
+    AdamW state stay as they were, and sums["skipped_steps"] counts it.
     """
     a, micro, T = cfg.algo, cfg.train.micro_batch_size, mask.shape[1]
     temperature = cfg.rollout.temperature
@@ -76,28 +91,38 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     # π_old: with one iteration it is the current policy (ρ ≡ 1), else scored once, up front.
     old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, micro) if a.num_iterations > 1 else None
     ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, micro) if a.beta > 0 else None
-    sums: dict[str, float] = {}
-    for _ in range(a.num_iterations):
-        for i in range(0, mask.shape[0], micro):
-            rows = slice(i, i + micro)
-            logp, entropy = policy(input_ids[rows], attention_mask[rows], T, temperature)  # (n, T)
-            old = logp.detach() if old_logp is None else old_logp[rows]
-            ref_rows = None if ref_logp is None else ref_logp[rows]
-            loss, stats = policy_loss(logp, old, ref_rows, advantages[rows], mask[rows], weights[rows],
-                                      a.beta, a.eps_low, a.eps_high)
-            # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
-            (loss * dist_.world_size).backward()
-            stats["entropy"] = (entropy * mask[rows]).sum()
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-        max_norm = cfg.optim.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):                           # a DTensor under FSDP
-            grad_norm = grad_norm.full_tensor()
-        sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / dist_.world_size
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = {"skipped_steps": 0.0}
+    policy.train()
+    try:
+        for _ in range(a.num_iterations):
+            finite = True
+            for i in range(0, mask.shape[0], micro):
+                rows = slice(i, i + micro)
+                logp, entropy = policy(input_ids[rows], attention_mask[rows], T, temperature)  # (n, T)
+                old = logp.detach() if old_logp is None else old_logp[rows]
+                ref_rows = None if ref_logp is None else ref_logp[rows]
+                loss, stats = policy_loss(logp, old, ref_rows, advantages[rows], mask[rows], weights[rows],
+                                          a.beta, a.eps_low, a.eps_high)
+                finite &= bool(torch.isfinite(loss))
+                # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
+                (loss * dist_.world_size).backward()
+                stats["entropy"] = (entropy * mask[rows]).sum()
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            max_norm = cfg.optim.max_grad_norm or float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
+            if hasattr(grad_norm, "full_tensor"):                       # a DTensor under FSDP
+                grad_norm = grad_norm.full_tensor()
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / dist_.world_size
+            finite &= math.isfinite(float(grad_norm))
+            if distributed.all_reduce_max(torch.tensor(float(not finite), device=dist_.device)) == 0:
+                optimizer.step()
+            else:                                                       # NaN/inf: keep the weights
+                sums["skipped_steps"] += 1.0 / dist_.world_size
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        policy.eval()
     return sums
 
 
@@ -115,6 +140,7 @@ def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
         "entropy": sums["entropy"] / tok, "response_length": sums["tokens"] / iters / n,
         "truncation_rate": sums["truncated"] / n, "grad_norm": sums["grad_norm"] / iters,
         "reward_failures": sums["reward_failures"], "gen_tokens_per_s": sums["gen_tokens_per_s"],
+        "skipped_steps": round(sums["skipped_steps"]),
     }
     return metrics
 
@@ -139,6 +165,9 @@ def load_replicated_state(state: dict, sampler, ers: EMAStats | None, cfg: Confi
 
 
 def main(argv: list[str]) -> None:
+    if "--plan" in argv:                          # memory plan only: no GPU, no download (README "Will it fit?")
+        print0(plan_cli(argv))
+        return
     dist_ = distributed.init_distributed()
     if len(argv) < 2 or argv[0] != "--config":
         raise ConfigError("usage: train.py --config FILE.yaml [--section.key=value ...]")
@@ -156,6 +185,9 @@ def main(argv: list[str]) -> None:
 
     # ---- set-up: tokenizer, policy (+ frozen reference), engine, data, optimizer, state ----
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
+    check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
+                  cfg.rollout.max_new_tokens)
+    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))       # PlanError (exit 2) if it cannot fit
     policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
                           m.gradient_checkpointing).to(dist_.device)
     policy = distributed.shard(policy, dist_.world_size)
@@ -163,14 +195,14 @@ def main(argv: list[str]) -> None:
     if cfg.algo.beta > 0:
         ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
-    d = cfg.data
-    train_set = load_examples(d.train, d.train_split, d.problem_field, d.answer_field)
-    check_golds(train_set, d.train)
-    train_texts, train_ids = prepare_prompts(train_set, tokenizer, d.system_prompt)
-    eval_set = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
-                             d.max_eval_examples or None) if d.eval else []
-    check_golds(eval_set, d.eval)
-    eval_texts, eval_ids = prepare_prompts(eval_set, tokenizer, d.system_prompt)
+    d = cfg.data                       # rows without a usable gold and too-long prompts are left out, reported
+    train = prompt_set(f"data.train {d.train}", load_examples(d.train, d.train_split, d.problem_field, d.answer_field),
+                       tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold)
+    train_set, train_texts, train_ids = train.examples, train.texts, train.ids
+    evals = prompt_set(f"data.eval {d.eval}", load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
+                                                            d.max_eval_examples or None),
+                       tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold) if d.eval else PromptSet([], [], [])
+    eval_set, eval_texts, eval_ids = evals.examples, evals.texts, evals.ids
     N, B = len(train_set), cfg.train.prompts_per_step
     if cfg.pps.enabled:
         if B > N:
@@ -229,6 +261,8 @@ def main(argv: list[str]) -> None:
     if cfg.reward.cosine:
         weights["cosine"] = cfg.reward.cosine
     last_eval = first_eval
+    skipped_in_a_row = 0                                                          # non-finite updates
+    preemption = distributed.PreemptionSignal()                                   # SIGTERM / SIGUSR1
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
     while step < cfg.train.max_steps:
         t0 = time.perf_counter()
@@ -261,6 +295,7 @@ def main(argv: list[str]) -> None:
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
                                rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_)
         step += 1
+        skipped_in_a_row = skipped_in_a_row + 1 if update["skipped_steps"] else 0
         sync_metrics = sync_engine(engine, policy, [train_ids[i] for i in local[:4]], step, r, cfg.train.seed,
                                    device) if separate_engine else {}
         if sync_metrics.get("sync_gap_mean", 0.0) > r.sync_check_tol:                # stale engine: save, stop
@@ -276,7 +311,7 @@ def main(argv: list[str]) -> None:
             "reward": my_rewards.sum(), "reward_sq": (my_rewards ** 2).sum(),
             "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
             "adv_abs": my_adv.abs().sum(), "adv_sq": (my_adv ** 2).sum(),
-            "zero_std_groups": (my_rewards.std(1) == 0).sum(), "truncated": rollout.truncated.sum(),
+            "zero_std_groups": zero_variance(my_rewards).sum(), "truncated": rollout.truncated.sum(),
             "reward_failures": sum(scored.failures.values()),
             "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
         }
@@ -298,8 +333,20 @@ def main(argv: list[str]) -> None:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",
                         step_s=f"{metrics['step_time_s']:.2f}")
-        if step == cfg.train.max_steps or (cfg.train.save_steps and step % cfg.train.save_steps == 0):
+        saved = step == cfg.train.max_steps or bool(cfg.train.save_steps and step % cfg.train.save_steps == 0)
+        if saved or skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
             save()
+        if skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+            raise NonFiniteError(f"optim.lr: {MAX_SKIPPED_IN_A_ROW} updates in a row had a non-finite loss or "
+                                 f"gradient norm (steps {step - MAX_SKIPPED_IN_A_ROW + 1}-{step}); they were "
+                                 "skipped and the weights are as before them (saved). Lower optim.lr or "
+                                 "check the model and data, then resume with --train.resume=auto")
+        if preemption.requested(dist_.device):                                   # the scheduler's warning
+            if not saved:
+                save()
+            print0(f"{preemption.name or 'a stop signal'} received: stopped after step {step} with a checkpoint; "
+                   "continue with --train.resume=auto")
+            break
 
     bar.close()
     logger.close()
@@ -314,8 +361,8 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError, FileNotFoundError, ImportError, SyncError) as e:
-        print0(f"error: {e}")
+    except (ConfigError, DataError, ModelError, FileNotFoundError, ImportError, SyncError, NonFiniteError) as e:
+        print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
         distributed.shutdown()

@@ -9,6 +9,7 @@ rewards keep the per-prompt ERS/PPS state identical on every rank.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +144,30 @@ def load_full_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Op
                              options=StateDictOptions(full_state_dict=True))
 
 
-def print0(*args) -> None:
-    """print on rank 0 only, keeping `if rank == 0` out of the loop (tqdm.write: under the bar)."""
+def print0(*args, file=None) -> None:
+    """print on rank 0 only, keeping `if rank == 0` out of the loop (tqdm.write: under the bar).
+    Errors go to file=sys.stderr."""
     if int(os.environ.get("RANK", "0")) == 0:
-        tqdm.write(" ".join(str(a) for a in args))
+        tqdm.write(" ".join(str(a) for a in args), file=file)
+
+
+class PreemptionSignal:
+    """SIGTERM / SIGUSR1, what cluster schedulers send before killing a job, as a flag.
+
+    The handler only records the signal; the loop asks `requested()` once per step, after the
+    step is complete, saves and exits 0. The flag is max-reduced over ranks, so every rank stops
+    after the same step even if only one received the signal. (torchrun forwards SIGTERM to its
+    workers and kills them 30 s later.)
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+        self.name: str | None = None
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.name = signal.Signals(signum).name
+
+    def requested(self, device: torch.device) -> bool:
+        """Collective: True on every rank when any rank received a signal."""
+        return bool(all_reduce_max(torch.tensor(float(self.name is not None), device=device)) > 0)

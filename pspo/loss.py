@@ -122,6 +122,14 @@ def policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advanta
     "kl" (Σ mask·kl, unweighted; 0 without ref_logp, logged even when beta == 0),
     "clipped_tokens", "ratio" (Σ mask·ρ) and "tokens" (Σ mask).
     """
+    # Padding positions hold arbitrary log-probs (a pad token's, or 0 from the engine), and an
+    # overflow there, e.g. exp(logπ_ref - logπ_θ) = inf, stays NaN after multiplying by a 0 mask
+    # (inf·0 = NaN, in the loss and in its gradient). So the padding is replaced by 0 in every
+    # input first: ρ = 1 and kl = 0 there, and no gradient reaches those positions.
+    keep = mask.bool()                                                    # (N, T)
+    logp = logp.masked_fill(~keep, 0.0)
+    old_logp = old_logp.masked_fill(~keep, 0.0)
+    ref_logp = ref_logp.masked_fill(~keep, 0.0) if ref_logp is not None else None
     mask = mask.to(logp.dtype)                                            # (N, T)
     pg, is_clipped = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)  # (N, T)
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else None          # (N, T)

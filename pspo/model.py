@@ -12,11 +12,10 @@ import contextlib
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from pspo.loss import token_logprobs
-from pspo.rollout import left_pad
 from pspo.tiny import TINY_MODEL, ensure_tiny_model
 
 
@@ -41,6 +40,14 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def load_model_config(path: str, trust_remote_code: bool = False):
+    """The model's transformers config (config.json) alone: cheap, no weights."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model.name_or_path: cannot load a model config from {path!r} ({_first_line(e)})") from None
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -87,28 +94,50 @@ class Policy(torch.nn.Module):
         return torch.autocast(device_type=self.lm.device.type, dtype=torch.bfloat16)
 
 
+def check_plain_head(lm: torch.nn.Module) -> None:
+    """Refuse, in one line, a model whose logits are not hidden @ lm_head.weight^T.
+
+    Policy.forward computes log-probs from the head's weight alone (loss.token_logprobs, chunked),
+    so a head bias, logit soft-capping (Gemma 2) or a logit scale (Cohere, Granite) would make
+    the trainer's π differ from the model's, and from the engine's.
+    """
+    head = lm.get_output_embeddings()
+    name = type(lm).__name__
+    if not isinstance(head, torch.nn.Linear):
+        raise ModelError(f"model.name_or_path: {name} has no plain linear output head ({type(head).__name__}); "
+                         "pspo computes log-probs as hidden @ lm_head.weight")
+    if head.bias is not None:
+        raise ModelError(f"model.name_or_path: {name}'s lm_head has a bias; pspo's log-probs use the weight only")
+    config = lm.config
+    for key, neutral in (("final_logit_softcapping", None), ("logit_scale", None), ("logits_scaling", 1.0)):
+        value = getattr(config, key, neutral)
+        if value is not None and value != neutral:
+            raise ModelError(f"model.name_or_path: {name} sets {key}={value} (its logits are transformed after "
+                             "lm_head); pspo supports plain lm_head logits only")
+
+
+def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """data.max_prompt_tokens + rollout.max_new_tokens must fit the model's positions."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_prompt_tokens + max_new_tokens > limit:
+        raise ModelError(f"data.max_prompt_tokens ({max_prompt_tokens}) + rollout.max_new_tokens ({max_new_tokens}) "
+                         f"= {max_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings "
+                         f"({limit}); lower one of them")
+
+
 def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bool,
                  gradient_checkpointing: bool, trainable: bool = True) -> Policy:
-    """The trainable policy, or (trainable=False) a frozen reference in eval mode."""
+    """The trainable policy, or (trainable=False) a frozen reference. Both start in eval mode.
+
+    The training loop switches the policy to train mode for the update only: transformers
+    recomputes checkpointed layers only when `self.training`, and a checkpointed layer in train
+    mode drops the KV cache, so generation and scoring must run in eval mode.
+    """
     lm = load_causal_lm(path, trust_remote_code)
+    check_plain_head(lm)
     if gradient_checkpointing and trainable:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lm.config.use_cache = not (gradient_checkpointing and trainable)
-    policy = Policy(lm, chunk_tokens, bf16)
+    policy = Policy(lm, chunk_tokens, bf16).eval()
     if not trainable:
-        policy.eval().requires_grad_(False)
+        policy.requires_grad_(False)
     return policy
-
-
-def batch_inputs(prompt_ids: list[list[int]], completion_ids: Tensor, completion_mask: Tensor,
-                 pad_id: int) -> tuple[Tensor, Tensor]:
-    """Left-padded prompts + completions -> input_ids, attention_mask (N, P+T).
-
-    prompt_ids has one entry per completion row. Completion padding is masked out; since it
-    sits after the real tokens, the causal mask already keeps it from affecting them.
-    """
-    prompts, prompt_mask = left_pad(prompt_ids, pad_id)
-    input_ids = torch.cat([prompts, completion_ids], 1)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
-    return input_ids, attention_mask
-

@@ -182,6 +182,22 @@ def test_pps_weight_scales_the_policy_gradient_term_only():
     assert abs(logp.grad.item() - -0.183940) < 1e-6
 
 
+def test_padding_overflow_never_turns_the_loss_or_gradient_into_nan():
+    # Two tokens, the second is padding (mask 0). The real token as above: logp = old = -1, A = 1,
+    # ref = -2 -> ℓ = -1 + .5·.367879 = -.816060, dℓ/dlogp = -1 + .5·(1 - e^-1) = -.683940.
+    # At the padding position logπ_ref - logπ_θ = 150 - (-150) = 300: exp(300) = inf in float32,
+    # and inf·0 (the mask) is NaN, in the loss and in the gradient, unless padding is removed first.
+    logp = torch.tensor([[-1., -150.]], requires_grad=True)
+    old, ref = torch.tensor([[-1., 90.]]), torch.tensor([[-2., 150.]])     # old: ρ = e^-240 there too
+    mask = torch.tensor([[1., 0.]])
+    loss, stats = policy_loss(logp, old, ref, torch.tensor([1.]), mask, torch.ones(1),
+                              beta=0.5, eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    assert abs(loss.item() - -0.816060) < 1e-6 and abs(stats["kl"].item() - 0.367879) < 1e-6
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.683940, 0.0]]), atol=1e-6, rtol=0)
+    assert all(math.isfinite(v.item()) for v in stats.values())
+
+
 def test_unknown_aggregation_is_a_one_line_value_error():
     with pytest.raises(ValueError, match="algo.aggregation.*grpo, token_mean, dr_grpo.*'mean'"):
         sequence_weights(torch.ones(2, 3), "mean", num_seqs=2, num_tokens=6, max_len=3)

@@ -177,5 +177,5 @@ def test_two_processes_match_one(tmp_path, few_prompts):
 def test_bad_data_file_is_one_line_exit_2(tmp_path):
     proc = train(str(tmp_path / "x"), f"--data.train={tmp_path / 'missing.jsonl'}", check=False)
     assert proc.returncode == 2
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    lines = proc.stderr.strip().splitlines()                          # errors go to standard error
     assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.jsonl" in lines[0]

@@ -1,0 +1,94 @@
+"""A run survives what clusters and numerics do to it: a preemption signal saves and exits 0 so
+`--train.resume=auto` continues; non-finite updates are skipped and, three in a row, stop the run
+with the weights untouched; a context the model cannot hold stops before any work, in one line."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
+         "--train.progress=false", "--rollout.engine=hf"]
+
+
+def command(out, model, *overrides):
+    return [sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+            f"--model.name_or_path={model}", *SMALL, *overrides]
+
+
+def logged_steps(out):
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, tiny_model_path, sig):
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(command(out, tiny_model_path, "--train.max_steps=200", "--data.eval="), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while len(logged_steps(out)) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    last = logged_steps(out)[-1]
+    assert 2 <= last < 200                                  # it finished the step it was in, then stopped
+    assert f"{sig.name} received: stopped after step {last}" in stdout
+    ckpt = os.path.join(out, f"checkpoint-{last}")
+    assert torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=True)["step"] == last
+    if sig == signal.SIGTERM:                               # and the run continues from there
+        resumed = subprocess.run(command(out, tiny_model_path, f"--train.max_steps={last + 2}", "--data.eval=",
+                                         "--train.resume=auto"), cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"resumed from {ckpt} at step {last}" in resumed.stdout
+        assert logged_steps(out) == list(range(1, last + 3))
+
+
+def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path, tiny_model_path):
+    # A model with one NaN in its final norm: every loss is NaN. Each update is skipped (the
+    # weights and AdamW state untouched), logged, and the third in a row saves and stops, exit 2.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(tiny_model_path):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(tiny_model_path, name), broken / name)
+    weights = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    out = str(tmp_path / "run")
+    proc = subprocess.run(command(out, broken, "--train.max_steps=10", "--data.eval="), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: optim.lr: 3 updates in a row had a non-finite loss or gradient norm (steps 1-3)")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["skipped_steps"] for r in rows] == [1, 1, 1]
+    saved = load_file(os.path.join(out, "checkpoint-3", "model.safetensors"))
+    for name, tensor in weights.items():
+        torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0, equal_nan=True, msg=name)
+    # AdamW's moments never saw a gradient (saving a full optimizer state initializes them at 0)
+    optimizer = torch.load(os.path.join(out, "checkpoint-3", "optimizer.pt"), weights_only=True)
+    assert all(not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in optimizer["state"].values())
+
+
+def test_a_context_the_model_cannot_hold_is_one_line_exit_2(tmp_path, tiny_model_path):
+    # the tiny model has 1024 positions: 1000 prompt + 100 new tokens do not fit
+    proc = subprocess.run(command(str(tmp_path / "run"), tiny_model_path, "--data.max_prompt_tokens=1000",
+                                  "--rollout.max_new_tokens=100"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stdout.strip() == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: data.max_prompt_tokens (1000) + rollout.max_new_tokens (100) = 1100 exceeds the model's "
+        "max_position_embeddings (1024); lower one of them"]
