@@ -26,13 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
-from pspo.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
+from pspo.tiny import CHAT_TEMPLATE, build_tiny_tokenizer, save_model_folder
 
 VERSION = 1                   # part of the cache key: bump it whenever the build below changes
 HIDDEN_SIZE = 192
@@ -116,20 +114,6 @@ def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, se
     model.generation_config = GenerationConfig(**special)
     dtype = getattr(torch, str(real.get("torch_dtype") or real.get("dtype") or "float32"))
     model.to(dtype)                                                  # stored like the real checkpoint (bf16)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=os.path.dirname(path))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "pspo_standin.json"), "w") as f:
-            json.dump({"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed,
-                       "parameters": sum(p.numel() for p in model.parameters())}, f, indent=2)
-        try:
-            os.rename(tmp, path)                                     # atomic: the folder appears complete
-        except OSError:
-            if not os.path.isdir(path):
-                raise
-            log(f"another process built {path} first: using it")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    info = {"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed,
+            "parameters": sum(p.numel() for p in model.parameters())}
+    return save_model_folder(path, model, tokenizer, "pspo_standin.json", info, log)

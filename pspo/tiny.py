@@ -180,11 +180,21 @@ def ensure_tiny_model(cache_dir: str | None = None, tie_word_embeddings: bool = 
             "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
             "greedy_test_accuracy": accuracy, "build_seconds": round(time.perf_counter() - start, 1)}
     log(f"  tiny model built in {info['build_seconds']} s: greedy accuracy {accuracy:.3f} on builtin test")
+    return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
+
+
+def save_model_folder(path: str, model, tokenizer, info_name: str, info: dict, log=print) -> str:
+    """save_pretrained of a built model, its tokenizer and a JSON of how it was built, atomically.
+
+    The folder is written under a temporary name and renamed into place, so it either is complete
+    or does not exist; when two processes build at once, the later rename fails and that process
+    uses the folder that won."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=os.path.dirname(path))
     try:
         model.save_pretrained(tmp)                     # config, generation_config, safetensors
         tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "pspo_build.json"), "w") as f:
+        with open(os.path.join(tmp, info_name), "w") as f:
             json.dump(info, f, indent=2)
         try:
             os.rename(tmp, path)                       # atomic: the folder appears complete

@@ -15,7 +15,8 @@ from pspo.distributed import Dist
 from pspo.model import build_policy, load_tokenizer
 from pspo.rollout import HFEngine
 from pspo.sequences import batch_inputs, sequence_seeds
-from train import lr_lambda, policy_update
+from pspo.update import policy_update
+from train import lr_lambda
 
 CPU = Dist(0, 1, torch.device("cpu"))
 
