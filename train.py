@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from pspo import checkpoint, distributed
+from pspo.checkpoint import CheckpointError
 from pspo.advantages import group_advantages, smoothed_advantages, zero_variance
 from pspo.config import Config, ConfigError, load_config, save_config
 from pspo.data import DataError, PromptSet, load_examples, prompt_set
@@ -300,7 +301,8 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError, FileNotFoundError, ImportError, SyncError, NonFiniteError) as e:
+    except (ConfigError, DataError, ModelError, CheckpointError, FileNotFoundError, ImportError, SyncError,
+            NonFiniteError) as e:
         print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -121,12 +121,29 @@ def resolve_resume(resume: str, output_dir: str) -> str | None:
     return resume
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read back; one line naming the file (train.py: exit code 2)."""
+
+
+def _load(path: str, name: str, **kwargs):
+    """torch.load(weights_only=True) of one checkpoint file, any failure as one CheckpointError line."""
+    file = os.path.join(path, name)
+    try:
+        return torch.load(file, weights_only=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt or foreign files raise many types
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"train.resume: cannot read {file} ({type(e).__name__}: {first}); "
+                              "resume from another checkpoint") from None
+
+
 def load_trainer_state(path: str, rank: int) -> dict:
     """The trainer state, with this rank's RNG states restored."""
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-    rng_file = os.path.join(path, f"rng-rank{rank}.pt")
-    if os.path.exists(rng_file):                                 # absent when resuming on more ranks
-        rng = torch.load(rng_file, weights_only=True)
+    state = _load(path, "trainer_state.pt")
+    if not isinstance(state, dict) or not {"step", "scheduler", "sampler"} <= set(state):
+        raise CheckpointError(f"train.resume: {os.path.join(path, 'trainer_state.pt')} is not a pspo trainer state")
+    rng_file = f"rng-rank{rank}.pt"
+    if os.path.exists(os.path.join(path, rng_file)):             # absent when resuming on more ranks
+        rng = _load(path, rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
@@ -134,8 +151,12 @@ def load_trainer_state(path: str, rank: int) -> dict:
 
 
 def load_optimizer(path: str, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    state = torch.load(os.path.join(path, "optimizer.pt"), weights_only=True, map_location="cpu")
-    distributed.load_full_optimizer_state(policy, optimizer, state)
+    state = _load(path, "optimizer.pt", map_location="cpu")
+    try:
+        distributed.load_full_optimizer_state(policy, optimizer, state)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"train.resume: {os.path.join(path, 'optimizer.pt')} does not match the model "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _prune(output_dir: str, keep: int) -> None:

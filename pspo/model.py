@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -54,7 +55,7 @@ def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Modul
     """float32 master weights; bf16 is applied by autocast at compute time (model.bf16)."""
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:   # missing, corrupt, foreign
         raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} ({_first_line(e)})") from None
 
 

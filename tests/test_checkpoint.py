@@ -1,4 +1,4 @@
-"""The replicated-state digest that checkpoints compare across ranks."""
+"""The replicated-state digest that checkpoints compare across ranks, and unreadable checkpoint files."""
 import torch
 
 from pspo.checkpoint import state_digest
@@ -27,3 +27,16 @@ def test_digest_is_equal_for_equal_state_and_sensitive_to_any_change():
     s3, e3 = build()
     s3.sample(1)                                                             # RNG and step counter move
     assert state_digest(state(s3, e3)) != d
+
+
+def test_a_corrupt_checkpoint_file_is_one_line(tmp_path):
+    # a truncated/garbage trainer_state.pt must not end in a traceback: one line naming the file
+    import pytest
+    from pspo.checkpoint import CheckpointError, load_trainer_state
+    (tmp_path / "trainer_state.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="train.resume: cannot read .*trainer_state.pt") as e:
+        load_trainer_state(str(tmp_path), 0)
+    assert "\n" not in str(e.value)
+    torch.save({"something": 1}, tmp_path / "trainer_state.pt")      # readable, but not ours
+    with pytest.raises(CheckpointError, match="is not a pspo trainer state"):
+        load_trainer_state(str(tmp_path), 0)

@@ -73,3 +73,14 @@ def test_a_chat_turns_end_stops_generation_even_when_eos_is_another_token(tiny_m
     assert stop_token_ids(tokenizer) == sorted([vocab["<|endoftext|>"], vocab["<|im_end|>"]])
     assert stop_token_ids(tokenizer, [7, vocab["<|im_end|>"]]) == sorted([7, vocab["<|endoftext|>"],
                                                                           vocab["<|im_end|>"]])
+
+
+def test_a_corrupt_weights_file_is_one_line(tmp_path, tiny_model_path):
+    import shutil
+    from pspo.model import load_causal_lm
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    (folder / "model.safetensors").write_bytes(b"xx")                  # a truncated download
+    with pytest.raises(ModelError, match="cannot load a causal LM from .*header too small") as e:
+        load_causal_lm(str(folder))
+    assert "\n" not in str(e.value)
