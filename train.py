@@ -66,6 +66,18 @@ def lr_lambda(cfg: Config):
     return factor
 
 
+def adopt_optim_config(optimizer: torch.optim.Optimizer, scheduler, cfg: Config) -> None:
+    """After a resume, AdamW's settings come from the config like every other field (the saved
+    optimizer state would otherwise restore its old lr, betas and weight decay), and the learning
+    rate is the config's at the restored step of the schedule."""
+    o = cfg.optim
+    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group.update(initial_lr=o.lr, lr=o.lr * factor, betas=(o.adam_beta1, o.adam_beta2),
+                     weight_decay=o.weight_decay)
+
+
 def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
     """Turn rank-summed statistics into the logged means (README, "Metrics")."""
     n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
@@ -164,6 +176,7 @@ def main(argv: list[str]) -> None:
         state = checkpoint.load_trainer_state(resume_from, dist_.rank)
         checkpoint.load_optimizer(resume_from, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
+        adopt_optim_config(optimizer, scheduler, cfg)
         load_replicated_state(state, sampler, ers, cfg)
         step = state["step"]
         print0(f"resumed from {resume_from} at step {step}")
@@ -290,10 +303,11 @@ def main(argv: list[str]) -> None:
 
     bar.close()
     logger.close()
-    if first_eval and last_eval:
+    finished = step == cfg.train.max_steps                                        # not preempted
+    if finished and first_eval and last_eval:
         print0(f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> {last_eval['eval_accuracy']:.3f} after "
                f"(greedy, {len(eval_set)} problems)")
-    elif last_eval:
+    elif finished and last_eval:
         print0(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
     print0(f"metrics: {os.path.join(out, 'metrics.jsonl')}   TensorBoard: tensorboard --logdir {out}")
 

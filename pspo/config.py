@@ -118,6 +118,7 @@ class TrainConfig:
     keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
     resume: str = ""                    # "" (fresh), "auto" (latest in output_dir), or a path
     progress: bool = True               # tqdm bar on rank 0
+    memory_check: bool = True           # stop at start-up when the memory plan (plan.py) says the GPU is too small
 
 
 @dataclass

@@ -10,8 +10,8 @@ thousands written `32,\!348`. What it does not parse as meant, and what we give 
 - `27.0`, a number (AMC23) -> `27`;
 - `['$\frac{1}{2}$']`, a list of `$...$` items (OlympiadBench) -> `\frac{1}{2}` (items joined by ", ");
 - bare LaTeX or a number: its extractor looks for delimiters -> wrapped in `$...$`.
-The e-notation rewrite is applied to a completion's boxed answer too (`answer_latex`), so
-`\boxed{7.2e-7}` and `\boxed{7.2 \times 10^{-7}}` both match the gold `7.2e-7`.
+Against an e-notation gold, the rewrite is applied to a completion's boxed answer too
+(`answer_latex`), so `\boxed{7.2e-7}` and `\boxed{7.2 \times 10^{-7}}` both match the gold `7.2e-7`.
 tests/test_golds.py scores every form above with right and wrong boxed answers.
 """
 from __future__ import annotations
@@ -23,15 +23,18 @@ from typing import Any
 _E_NOTATION = r"(-?\d+(?:\.\d+)?)[eE]([+-]?\d+)"                        # 7.2e-7, 3E8, -1.5e+03
 _GOLD_E_NOTATION = re.compile(_E_NOTATION)
 _BOXED_E_NOTATION = re.compile(r"(\\boxed\{\s*)" + _E_NOTATION + r"(\s*\})")
+_SCIENTIFIC_GOLD = re.compile(r"-?\d+(?:\.\d+)?\s*(?:[eE][+-]?\d|\\(?:times|cdot)\s*10\s*\^)")
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 
 def gold_text(value: Any) -> str:
-    """A dataset's stored answer as text: "" for a missing value (None), a whole float without
+    """A dataset's stored answer as text: "" for a missing value (None, NaN), a whole float without
     its ".0", a list as its items without their `$...$`, joined with ", "."""
     if value is None:
         return ""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+    if isinstance(value, float) and not math.isfinite(value):
+        return ""                                                       # a missing value in a float column
+    if isinstance(value, float) and value.is_integer():
         return str(int(value))                                          # AMC23 stores 27.0
     if isinstance(value, (list, tuple)):                                # OlympiadBench final_answer
         return ", ".join(_strip_dollars(gold_text(item)) for item in value)
@@ -55,6 +58,10 @@ def gold_latex(gold: str) -> str:
     return f"${gold}$"
 
 
-def answer_latex(answer: str) -> str:
-    """A completion's answer part with a boxed e-notation number written as `a\\times10^{b}`."""
+def answer_latex(answer: str, gold: str) -> str:
+    """A completion's answer part, with a boxed e-notation number written as `a\\times10^{b}` when
+    the gold itself is in scientific notation (7.2e-7, 1.3 \\times 10^{-2}). Only then: `\\boxed{2e-1}` may mean 2e - 1 (Euler's e), and
+    rewriting it against any gold could turn a wrong answer into a right one."""
+    if not _SCIENTIFIC_GOLD.match(gold.strip()):
+        return answer
     return _BOXED_E_NOTATION.sub(r"\1\2\\times10^{\3}\4", answer)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from safetensors import SafetensorError
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
@@ -36,7 +35,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     """Left-padding tokenizer (generation pads prompts on the left); pad falls back to eos."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
         raise ModelError(f"model.name_or_path: cannot load a tokenizer from {path!r} ({_first_line(e)})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -47,7 +46,7 @@ def load_model_config(path: str, trust_remote_code: bool = False):
     """The model's transformers config (config.json) alone: cheap, no weights."""
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
         raise ModelError(f"model.name_or_path: cannot load a model config from {path!r} ({_first_line(e)})") from None
 
 
@@ -55,7 +54,7 @@ def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Modul
     """float32 master weights; bf16 is applied by autocast at compute time (model.bf16)."""
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:   # missing, corrupt, foreign
+    except Exception as e:  # noqa: BLE001 - missing, corrupt (SafetensorError), foreign or rejected
         raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} ({_first_line(e)})") from None
 
 
@@ -117,6 +116,21 @@ def check_plain_head(lm: torch.nn.Module) -> None:
                              "lm_head); pspo supports plain lm_head logits only")
 
 
+def disable_dropout(lm: torch.nn.Module) -> None:
+    """Dropout off everywhere, as RL fine-tuning codes do: the update runs in train mode (for
+    checkpointing) while π_old, π_ref and generation run in eval mode, and dropout would make the
+    two disagree (ρ != 1 on the first iteration). Covers nn.Dropout modules and the attention
+    dropout rate transformers passes to its attention kernels."""
+    for module in lm.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if isinstance(getattr(lm.config, key, None), float):
+            setattr(lm.config, key, 0.0)
+
+
 def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """data.max_prompt_tokens + rollout.max_new_tokens must fit the model's positions."""
     limit = getattr(config, "max_position_embeddings", None)
@@ -136,6 +150,7 @@ def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bo
     """
     lm = load_causal_lm(path, trust_remote_code)
     check_plain_head(lm)
+    disable_dropout(lm)
     if gradient_checkpointing and trainable:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = Policy(lm, chunk_tokens, bf16).eval()

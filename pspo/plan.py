@@ -110,13 +110,20 @@ def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = Fal
         candidates = [(path, path)]
     else:
         candidates = [(path, f"{path} (local Hugging Face cache)")]
-        if os.path.isfile(standin) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path):   # a hub id, not a path
+        # The stand-in describes the model its recipe folder is named for (configs/qwen2.5-math-1.5b/
+        # <-> Qwen/Qwen2.5-Math-1.5B): another hub id must not borrow it and get a wrong plan.
+        recipe_model = os.path.basename(os.path.dirname(os.path.abspath(config_file))).lower()
+        if (os.path.isfile(standin) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path)
+                and name_or_path.rsplit("/", 1)[1].lower() == recipe_model):
             candidates.append((standin, f"{os.path.relpath(standin)} (stand-in for {name_or_path})"))
     for source, label in candidates:
         try:
             config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError):
-            continue
+        except Exception as e:  # noqa: BLE001 - not cached (OSError), or a config.json transformers rejects
+            if source != standin and not os.path.isdir(source):
+                continue                                        # not in the cache: try the stand-in
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise PlanError(f"model.name_or_path: cannot read {source}'s config.json ({first})") from None
         return arch_from_config(config, trust_remote_code), label
     fallback = "" if os.path.isfile(standin) else f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
     raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the local "
@@ -274,7 +281,8 @@ def check_fits(plan: Plan, cfg: Config) -> None:
              "" if cfg.model.gradient_checkpointing else "model.gradient_checkpointing=true",
              "rollout.sleep=true" if any(k == "vllm" for k, *_ in plan.rows) and not cfg.rollout.sleep else "",
              "more GPUs"]
-    raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} (train.py --config ... --plan)")
+    raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} (train.py --config ... --plan); "
+                    "the plan is an upper bound: train.memory_check=false starts anyway")
 
 
 def host_memory() -> int:
@@ -289,14 +297,16 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
     """
     try:
         a = arch_from_config(load_model_config(model_path, cfg.model.trust_remote_code), cfg.model.trust_remote_code)
-    except PlanError as e:                   # an architecture the plan cannot read: train anyway
-        return f"memory plan: unavailable ({e})"
+    except Exception as e:  # noqa: BLE001 - an architecture the plan cannot read: train anyway, say why
+        return f"memory plan: unavailable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
     on_gpu = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
     plan = make_plan(cfg, a, world_size, total, engine_name(cfg.rollout.engine))
-    if on_gpu:
+    if on_gpu and cfg.train.memory_check:
         check_fits(plan, cfg)
         return one_line(plan)
+    if on_gpu:
+        return one_line(plan) + " (train.memory_check=false: not enforced)"
     return one_line(plan) + " (CPU run: not enforced)"
 
 

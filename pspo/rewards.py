@@ -103,14 +103,14 @@ def _parse_answer(answer: str) -> tuple:
     # Parsing (~2.4 ms) dominates verify (~0.1 ms), and one answer recurs under many golds.
     if _bracket_depth(answer) > MAX_BRACKET_DEPTH:
         return ()
-    return tuple(parse(answer_latex(answer), parsing_timeout=None))
+    return tuple(parse(answer, parsing_timeout=None))
 
 
 @functools.lru_cache(maxsize=65536)
 def _is_correct(answer: str, gold: str) -> bool:
     """The pure, memoized check: verify(parse(gold), parse(answer)). Gold first: it is the target."""
     target = _parse_gold(gold)                          # raises GoldAnswerError before any 0.0
-    predicted = _parse_answer(answer)
+    predicted = _parse_answer(answer_latex(answer, gold))
     return bool(predicted) and verify(list(target), list(predicted), timeout_seconds=None)
 
 

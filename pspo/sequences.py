@@ -1,7 +1,8 @@
 """What the engines, the trainer and the model share: the `Rollout` record, counter-based seeds,
 and padding. It imports nothing from the rest of pspo, so imports flow one way:
 
-    sequences  <-  model  <-  vllm_engine  <-  rollout (HFEngine, build_engine)  <-  train / eval
+    sequences  <-  vllm_engine (which also imports model)  <-  rollout (HFEngine, build_engine)
+    sequences  <-  update, evaluation, train, eval
 
 Seeds are counter-based: one int64 per completion, a hash of (run seed, step, prompt key,
 sample index), so a completion's randomness does not depend on which prompts share its batch or

@@ -74,5 +74,20 @@ def test_gold_latex_rewrites():
     assert gold_latex("2e-1x") == "$2e-1x$"                     # not a bare number: left alone
     assert gold_latex("$\\frac{1}{2}$") == "$\\frac{1}{2}$"      # already delimited
     assert gold_latex("\\boxed{7}") == "\\boxed{7}"
-    assert answer_latex("so \\boxed{ 7.2e-7 } m") == "so \\boxed{ 7.2\\times10^{-7} } m"
-    assert answer_latex("\\boxed{2e-1x}") == "\\boxed{2e-1x}"
+    assert answer_latex("so \\boxed{ 7.2e-7 } m", "7.2e-7") == "so \\boxed{ 7.2\\times10^{-7} } m"
+    assert answer_latex("\\boxed{2e-1x}", "7.2e-7") == "\\boxed{2e-1x}"
+    assert answer_latex("\\boxed{2e-1}", "0.2") == "\\boxed{2e-1}"      # gold not in e-notation: untouched
+
+
+def test_e_notation_is_read_as_a_power_of_ten_only_against_an_e_notation_gold():
+    # \boxed{2e-1} against gold 0.2: as written it is 2e - 1 (Euler's e) = 4.44, wrong; reading it
+    # as 2 x 10^-1 would make it right by our rewrite alone. Against gold 2e-1 (a Minerva-style
+    # number, 0.2) it is read as 0.2.
+    assert accuracy_reward("", "\\boxed{2e-1}", "0.2") == 0.0
+    assert accuracy_reward("", "\\boxed{2e-1}", "2e-1") == 1.0
+    assert accuracy_reward("", "\\boxed{0.2}", "2e-1") == 1.0
+
+
+def test_a_missing_float_is_no_gold():
+    # parquet / pandas store a missing number as NaN: it must not become the gold "nan"
+    assert gold_text(float("nan")) == "" and gold_text(float("inf")) == ""

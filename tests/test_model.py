@@ -84,3 +84,17 @@ def test_a_corrupt_weights_file_is_one_line(tmp_path, tiny_model_path):
     with pytest.raises(ModelError, match="cannot load a causal LM from .*header too small") as e:
         load_causal_lm(str(folder))
     assert "\n" not in str(e.value)
+
+
+def test_dropout_is_off_so_train_mode_scores_like_eval_mode():
+    # A model configured with attention dropout 0.5: in train mode its log-probs are random
+    # unless dropout is disabled, and the update (train mode) would disagree with π_old (eval).
+    from pspo.model import Policy, disable_dropout
+    torch.manual_seed(0)
+    lm = tiny_qwen2(attention_dropout=0.5)
+    policy = Policy(lm, chunk_tokens=64)
+    ids, mask = torch.randint(0, 32, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    eval_logp = policy.eval()(ids, mask, 3)[0]
+    assert not torch.allclose(policy.train()(ids, mask, 3)[0], eval_logp)   # dropout active: differs
+    disable_dropout(lm)
+    torch.testing.assert_close(policy.train()(ids, mask, 3)[0], eval_logp, atol=1e-6, rtol=0)

@@ -210,3 +210,12 @@ def test_plan_cli_bad_model_path(tmp_path):
     proc = run_plan("--model.name_or_path=/no/such/model", home=str(tmp_path))
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
+
+
+def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(tmp_path):
+    # The recipe folder's model_config.json describes Qwen2.5-Math-1.5B only: a 70B model that is
+    # not in the local cache must not be planned (and declared to fit) with the 1.5B architecture.
+    proc = run_plan("--model.name_or_path=meta-llama/Llama-3.1-70B", home=str(tmp_path))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "meta-llama/Llama-3.1-70B" in lines[0], lines
+    assert "fits" not in proc.stdout

@@ -12,6 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pspo.config import load_config
+from train import lr_lambda
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
          "--train.progress=false", "--rollout.engine=hf"]
@@ -47,12 +50,18 @@ def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, t
     ckpt = os.path.join(out, f"checkpoint-{last}")
     assert torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=True)["step"] == last
     if sig == signal.SIGTERM:                               # and the run continues from there
-        resumed = subprocess.run(command(out, tiny_model_path, f"--train.max_steps={last + 2}", "--data.eval=",
-                                         "--train.resume=auto"), cwd=ROOT, capture_output=True, text=True,
-                                 timeout=300)
+        # with a new learning rate: the config's lr applies at the restored step of the schedule
+        # (the saved AdamW state must not bring back the old one)
+        overrides = [f"--train.max_steps={last + 2}", "--data.eval=", "--optim.lr=5e-4"]
+        resumed = subprocess.run(command(out, tiny_model_path, *overrides, "--train.resume=auto"), cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"resumed from {ckpt} at step {last}" in resumed.stdout
         assert logged_steps(out) == list(range(1, last + 3))
+        cfg = load_config("configs/grpo.yaml", SMALL + overrides)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            lr = [json.loads(line)["lr"] for line in f][last]            # step last + 1
+        assert lr == pytest.approx(5e-4 * lr_lambda(cfg)(last + 1), rel=1e-9)
 
 
 def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path, tiny_model_path):
