@@ -13,7 +13,12 @@ transformers). It reads the same config as train.py (data.eval / data.eval_split
 length, eval.* sampling settings) and runs the same evaluation code train.py runs periodically.
 Rows whose gold answer does not parse and prompts longer than data.max_prompt_tokens are left out
 at load time (one report line per set; data.bad_gold=error stops instead); the table's and the
-JSON's `skipped` counts them, `n` counts the rows evaluated.
+JSON's `skipped` counts them, `n` counts the rows evaluated. On knights-and-knaves puzzles
+(`--data.eval=builtin:knights`, or a file in the hub's or PaddleNLP's K&K layout) accuracy is the
+exact match of every role, and the table and JSON add the greedy accuracy per number of people,
+`greedy_2ppl` .. `greedy_8ppl` (pspo/evaluation.py):
+
+    python eval.py --config configs/grpo.yaml --model.name_or_path=CKPT --data.eval=builtin:knights
 """
 from __future__ import annotations
 

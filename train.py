@@ -86,7 +86,8 @@ def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
     metrics = {
         "reward_mean": sums["reward"] / n, "reward_std": math.sqrt(reward_var),
         "accuracy": sums["accuracy"] / n, "format_rate": sums["format"] / n,
-        "adv_abs_mean": sums["adv_abs"] / n, "adv_std": math.sqrt(max(sums["adv_sq"] / n, 0.0)),
+        "adv_abs_mean": sums["adv_abs"] / sums["adv_count"],
+        "adv_std": math.sqrt(max(sums["adv_sq"] / sums["adv_count"], 0.0)),
         "zero_std_frac": sums["zero_std_groups"] / groups,
         "loss": sums["pg_loss"] / iters, "kl": sums["kl"] / tok, "clip_frac": sums["clipped_tokens"] / tok,
         "entropy": sums["entropy"] / tok, "response_length": sums["tokens"] / iters / n,
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> None:
                           m.gradient_checkpointing).to(dist_.device)
     policy = distributed.shard(policy, dist_.world_size)
     ref = None
-    if cfg.algo.beta > 0:
+    if cfg.algo.needs_reference:                  # the k3 loss term (β > 0) or REINFORCE++'s KL reward (§6)
         ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
     d = cfg.data                       # rows without a usable gold and too-long prompts are left out, reported
@@ -209,10 +210,10 @@ def main(argv: list[str]) -> None:
     G, r, a = cfg.rollout.num_generations, cfg.rollout, cfg.algo
     B_local = B // dist_.world_size
     mine = slice(dist_.rank * B_local, (dist_.rank + 1) * B_local)                # this rank's rows of the batch
-    # accuracy and format are always scored (logged even at weight 0); cosine only when weighted
+    # accuracy and format are always scored (logged even at weight 0; on K&K golds they are the K&K
+    # exact match and tag check, rewards.py); cosine and knights only when weighted
     weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
-    if cfg.reward.cosine:
-        weights["cosine"] = cfg.reward.cosine
+    weights.update({k: getattr(cfg.reward, k) for k in ("cosine", "knights") if getattr(cfg.reward, k)})
     last_eval = first_eval
     skipped_in_a_row = 0                                                          # non-finite updates
     preemption = distributed.PreemptionSignal()                                   # SIGTERM / SIGUSR1
@@ -239,14 +240,18 @@ def main(argv: list[str]) -> None:
             ers_mean, ers_std = ers.update(problems, rewards)                     # (B,), (B,)
             advantages = smoothed_advantages(rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
         bookkeeping_s += time.perf_counter() - t1
-        pg_advantages = advantages * is_weights[:, None]                          # (B, G) IS weight, PG term only
+        # (B, G) the PPS IS weight, PG term only. REINFORCE++ (§6) computes per-token A from the raw
+        # rewards inside policy_update (it needs the π_old / π_ref log-probs) and multiplies them by w alone.
+        token_level = a.advantage != "grpo"
+        pg_advantages = (torch.ones_like(advantages) if token_level else advantages) * is_weights[:, None]
         input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
                                                  rollout.mask, tokenizer.pad_token_id)
         device = dist_.device
         if separate_engine:
             engine.sleep()                                                        # GPU: free it for the update
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
-                               rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_)
+                               rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_,
+                               rewards[mine].reshape(-1).to(device) if token_level else None)
         step += 1
         skipped_in_a_row = skipped_in_a_row + 1 if update["skipped_steps"] else 0
         sync_metrics = sync_engine(engine, policy, [train_ids[i] for i in local[:4]], step, r, cfg.train.seed,
@@ -260,13 +265,14 @@ def main(argv: list[str]) -> None:
         gen_tokens = rollout.mask.sum().item()
         my_rewards, my_adv = rewards[mine], advantages[mine]
         local_sums = {
-            **update, "completions": my_rewards.numel(), "groups": B_local,
+            "completions": my_rewards.numel(), "groups": B_local,
             "reward": my_rewards.sum(), "reward_sq": (my_rewards ** 2).sum(),
             "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
-            "adv_abs": my_adv.abs().sum(), "adv_sq": (my_adv ** 2).sum(),
+            "adv_abs": my_adv.abs().sum(), "adv_sq": (my_adv ** 2).sum(), "adv_count": my_adv.numel(),
             "zero_std_groups": zero_variance(my_rewards).sum(), "truncated": rollout.truncated.sum(),
             "reward_failures": sum(scored.failures.values()),
             "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
+            **update,                                                             # REINFORCE++: token-level adv_*
         }
         metrics = step_metrics(distributed.reduce_sums(local_sums, device), cfg)
         metrics["lr"] = scheduler.get_last_lr()[0]

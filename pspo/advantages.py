@@ -1,14 +1,26 @@
-"""Advantages from rewards: pure tensor functions, ALGORITHMS.md §1.
+"""Advantages from rewards: pure tensor functions, ALGORITHMS.md §1 and §6.
 
 GRPO:      A_i = (r_i - μ) / (s + ε)     μ, s = mean and sample std (Bessel, G-1) of the group
 Dr. GRPO:  A_i =  r_i - μ                (scale = False)
 ERS (§2):  A_i = (r_i - m_q) / (sqrt(v_q) + ε)   m_q, v_q = the prompt's smoothed statistics
-
 One value per completion; the loss broadcasts it over the completion's tokens.
+
+REINFORCE++ (§6, SEED_METHODS.md §A), one value per token:
+    r_t = -kl_coef·(logπ_old - logπ_ref)_t + 1[t = last]·clip(R_i, ±clip_score)
+    G_t = Σ_{t'≥t} r_t'                         (γ = 1)
+    A_t = (G_t - mean) / sqrt(var + 1e-8)       mean, var over every valid token of the global batch
+REINFORCE++-baseline: R_i <- R_i - mean of its group first, then the same.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+from pspo import distributed
+
+ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline")   # algo.advantage
+WHITENINGS = ("bessel", "population")                            # algo.whiten: PaddleNLP | OpenRLHF
+WHITEN_EPS = 1e-8                                                # added to the variance, as PaddleNLP
 
 
 def zero_variance(rewards: Tensor) -> Tensor:
@@ -46,3 +58,66 @@ def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool 
     if not scale:
         return centered
     return centered / (std[:, None] + eps)
+
+
+def whiten(values: Tensor, mask: Tensor, variance: str = "bessel") -> Tensor:
+    """(values - mean) / sqrt(var + 1e-8), times the mask; mean and var over the valid tokens of
+    every rank (one all-reduce of the sum, the sum of squares and the count; a world of one needs none).
+
+    values, mask (N, T) -> (N, T). variance: "bessel" divides by count - 1 (PaddleNLP's masked_var),
+    "population" by count (OpenRLHF). A batch of one valid token has no spread: its advantage is 0.
+    """
+    if variance not in WHITENINGS:
+        raise ValueError(f"algo.whiten: expected one of {', '.join(WHITENINGS)}, got {variance!r}")
+    keep = mask.bool()
+    x = values.to(torch.float64).masked_fill(~keep, 0.0)                 # (N, T) float64: Σx² - n·mean² is exact enough
+    sums = distributed.all_reduce_sum(torch.stack([x.sum(), (x ** 2).sum(), keep.sum().to(torch.float64)]))
+    total, total_sq, count = sums.unbind()
+    count = count.clamp(min=1.0)
+    mean = total / count
+    dof = count - 1 if variance == "bessel" else count
+    var = ((total_sq - count * mean ** 2) / dof.clamp(min=1.0)).clamp(min=0.0)
+    return ((x - mean) * torch.rsqrt(var + WHITEN_EPS)).masked_fill(~keep, 0.0).to(values.dtype)
+
+
+def reinforce_pp_returns(rewards: Tensor, mask: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
+                         kl_coef: float, clip_score: float, group_size: int | None = None) -> Tensor:
+    """REINFORCE++ returns G_t = Σ_{t'≥t} r_t' (γ = 1), zero past the mask. (N, T)
+
+    rewards (N,) one scalar per completion; mask (N, T) its valid (completion) tokens; old_logp,
+    ref_logp (N, T) log-probs of the rollout policy and the reference (both may be None when
+    kl_coef == 0). group_size G: REINFORCE++-baseline, rows are prompt-major (G consecutive rows
+    per prompt) and each R_i first loses its group's mean; None: plain REINFORCE++.
+    """
+    keep = mask.bool()                                                   # (N, T)
+    N, T = keep.shape
+    if group_size is not None:                                           # baseline: R_i - mean_g(R), no std
+        if N % group_size:
+            raise ValueError(f"group_size: {N} rows are not whole groups of {group_size}")
+        grouped = rewards.view(N // group_size, group_size)              # (N/G, G)
+        rewards = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(N)
+    token_rewards = torch.zeros(N, T, dtype=torch.float32, device=keep.device)   # (N, T) r_t
+    if kl_coef != 0:
+        if old_logp is None or ref_logp is None:
+            raise ValueError("kl_coef: the KL penalty needs both old_logp and ref_logp")
+        # Padding may hold any log-prob (inf - inf = NaN): it is zeroed before the difference.
+        k1 = old_logp.float().masked_fill(~keep, 0.0) - ref_logp.float().masked_fill(~keep, 0.0)  # (N, T)
+        token_rewards -= kl_coef * k1
+    last = (torch.arange(T, device=keep.device) * keep).argmax(dim=1)    # (N,) index of the last valid token
+    has_tokens = keep.any(dim=1)                                         # (N,) an empty completion gets no score
+    score = rewards.float().clamp(-clip_score, clip_score) * has_tokens  # (N,) only the score is clipped
+    token_rewards[torch.arange(N, device=keep.device), last] += score
+    return token_rewards.flip(1).cumsum(1).flip(1) * keep                # (N, T) G_t
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
+                            kl_coef: float, clip_score: float, group_size: int | None = None,
+                            variance: str = "bessel") -> Tensor:
+    """REINFORCE++(-baseline) token-level advantages, ALGORITHMS.md §6 / SEED_METHODS.md §A. (N, T)
+
+    The returns of `reinforce_pp_returns` (same arguments), whitened over every valid token of
+    every rank's batch (`whiten`, "bessel" as PaddleNLP or "population" as OpenRLHF): every rank
+    must call this together.
+    """
+    returns = reinforce_pp_returns(rewards, mask, old_logp, ref_logp, kl_coef, clip_score, group_size)
+    return whiten(returns, mask, variance)

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from pspo.advantages import ADVANTAGES, WHITENINGS
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import PRIORITIES
 
@@ -65,18 +66,28 @@ class RewardConfig:
     accuracy: float = 1.0               # weight of the math-verify accuracy reward (§5)
     format: float = 0.0                 # weight of the <think>..</think> format reward (§5)
     cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
+    knights: float = 0.0                # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (SEED_METHODS.md §A)
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
 
 
 @dataclass
 class AlgoConfig:
+    advantage: str = "grpo"             # grpo (§1, per completion; ERS/Dr. GRPO through the keys below) | reinforce_pp | reinforce_pp_baseline (§6, per token)
     scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
-    beta: float = 0.04                  # β, weight of the k3 KL to the reference policy
+    beta: float = 0.04                  # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
     eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
     eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
     adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
+    kl_coef: float = 0.0                # REINFORCE++ (§6): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref) (the seed: 1e-3)
+    clip_score: float = 10.0            # REINFORCE++: the reward is clipped to ±clip_score before it enters the last token
+    whiten: str = "bessel"              # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The frozen reference model is built and scored: the k3 loss term, or REINFORCE++'s KL reward."""
+        return self.beta > 0 or (self.advantage != "grpo" and self.kl_coef > 0)
 
 
 @dataclass
@@ -252,6 +263,19 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
     _check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
     _check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
+    _check(a.advantage in ADVANTAGES, "algo.advantage", " | ".join(ADVANTAGES), a.advantage)
+    _check(a.kl_coef >= 0, "algo.kl_coef", ">= 0", a.kl_coef)
+    _check(a.clip_score > 0, "algo.clip_score", "> 0", a.clip_score)
+    _check(a.whiten in WHITENINGS, "algo.whiten", " | ".join(WHITENINGS), a.whiten)
+    if a.advantage == "grpo":
+        _check(a.kl_coef == 0, "algo.kl_coef", "0 with algo.advantage=grpo (the KL in the reward is "
+               "REINFORCE++'s; GRPO's KL is the loss term algo.beta)", a.kl_coef)
+    else:
+        _check(a.beta == 0, "algo.beta", f"0 with algo.advantage={a.advantage} (REINFORCE++ has no KL loss "
+               "term; its KL is in the reward, algo.kl_coef)", a.beta)
+        _check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths the "
+               "group statistics of GRPO advantages; REINFORCE++ whitens over the whole batch's tokens)",
+               cfg.ers.enabled)
     _check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
     p = cfg.pps
     _check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
@@ -269,7 +293,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
     for key in ("eval_steps", "save_steps", "keep_checkpoints"):
         _check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
-    weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine")}
+    weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights")}
     _check(any(w != 0 for w in weights.values()), "reward", "at least one non-zero weight", weights)
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "> 0", cfg.reward.timeout_s)
     _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)

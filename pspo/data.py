@@ -4,6 +4,8 @@ Every dataset becomes a list of `Example(problem, answer)`; `format_prompt` turn
 the model's chat prompt (with the reference recipes' R1 system prompt, or none). Answers are
 checked by the math-verify accuracy reward (ALGORITHMS.md §5), so an answer is plain text such as
 "82" or "\\frac{1}{2}" (pspo/golds.py turns stored numbers and lists into such text).
+The second built-in task, `builtin:knights` (knights-and-knaves puzzles, pspo/knights.py), has
+golds "(1) Zoey is a knight\\n(2) ..." that the K&K reward checks instead (pspo/rewards.py).
 
 `prompt_set` then decides, once at load time, which rows are used (row numbers count from 0):
 - a row without a problem, or whose gold answer is missing or does not parse with math-verify,
@@ -52,6 +54,7 @@ class DataError(ValueError):
 class Example:
     problem: str      # the question text the prompt is built from
     answer: str       # gold answer text, e.g. "82" or "\\frac{1}{2}"
+    chat_formatted: bool = False   # problem is already the whole chat prompt (PaddleNLP K&K src): used as is
 
 
 def _arithmetic_example(a: int, b: int) -> Example:
@@ -86,29 +89,40 @@ def warmup_examples(num_examples: int = 500, seed: int = 1234) -> list[Example]:
 def load_examples(name: str, split: str = "train", problem_field: str = "problem",
                   answer_field: str = "answer", max_examples: int | None = None,
                   config: str | None = None) -> list[Example]:
-    """`builtin:arithmetic` | a local .jsonl/.json/.parquet file | a hub dataset name -> examples.
+    """`builtin:arithmetic` | `builtin:knights` | a local .jsonl/.json/.parquet file | a hub dataset
+    name -> examples.
 
-    A local file is a single split: `split` is ignored for it. Answers become text by `gold_text`
+    A local file is a single split: `split` is ignored for it. A file (or hub dataset) whose fields
+    are a knights-and-knaves layout (the hub's quiz/names/solution, PaddleNLP's src/tgt) is read as
+    K&K whatever problem_field/answer_field say (pspo/knights.py). Answers become text by `gold_text`
     (datasets store numeric answers as int or float, OlympiadBench a list); a missing value (None)
     becomes "", which `prompt_set` reports and leaves out. `config` is a hub dataset's
     configuration name (e.g. "main" for openai/gsm8k)."""
     if max_examples is not None and max_examples < 1:
         raise DataError(f"{name}: max_examples must be >= 1 or None (all), got {max_examples}")
+    from pspo import knights   # knights builds on Example and DataError from here
     if name == BUILTIN_ARITHMETIC:
         examples = builtin_arithmetic(split)
+    elif name == knights.BUILTIN_KNIGHTS:
+        examples = knights.builtin_knights(split)
     else:
         rows = _load_rows(name, split, config)
-        columns = list(rows.column_names)
-        for field in (problem_field, answer_field):
-            if field not in columns:
-                raise DataError(f"{name}: no field {field!r}; the fields are: {', '.join(columns) or '(none)'}")
-        examples = [Example("" if p is None else str(p), gold_text(a))
-                    for p, a in zip(rows[problem_field], rows[answer_field])]
+        layout = knights.file_layout(list(rows.column_names))
+        examples = (knights.examples_from_rows(rows, layout) if layout is not None
+                    else _field_examples(name, rows, problem_field, answer_field))
     if max_examples is not None:
         examples = examples[:max_examples]
     if not examples:
         raise DataError(f"{name}: the dataset (split {split!r}) is empty")
     return examples
+
+
+def _field_examples(name: str, rows, problem_field: str, answer_field: str) -> list[Example]:
+    columns = list(rows.column_names)
+    for field in (problem_field, answer_field):
+        if field not in columns:
+            raise DataError(f"{name}: no field {field!r}; the fields are: {', '.join(columns) or '(none)'}")
+    return [Example("" if p is None else str(p), gold_text(a)) for p, a in zip(rows[problem_field], rows[answer_field])]
 
 
 def _load_rows(name: str, split: str, config: str | None = None):
@@ -194,7 +208,9 @@ def prompt_set(label: str, examples: list[Example], tokenizer, system_prompt: st
     if bad:
         print0(f"{label}: left out {len(bad)} of {len(examples)} rows without a usable problem and gold "
                f"answer (data.bad_gold=skip): {_listed(bad)}")
-    texts = [format_prompt(tokenizer, examples[row].problem, system_prompt) for row in usable]
+    # a chat-formatted problem (PaddleNLP's K&K src) is the prompt itself: never templated twice
+    texts = [examples[row].problem if examples[row].chat_formatted else
+             format_prompt(tokenizer, examples[row].problem, system_prompt) for row in usable]
     # verbose=False: transformers would warn about prompts longer than the model; they are dropped next
     ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
     kept = [i for i, prompt in enumerate(ids) if len(prompt) <= max_prompt_tokens]

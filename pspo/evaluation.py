@@ -4,6 +4,10 @@ Shared by eval.py (a checkpoint or any from_pretrained path) and train.py (perio
 Each rank scores a strided slice of the prompts; slices are padded to equal length so that every
 rank makes the same number of generate calls (required under FSDP), and padded rows are not
 counted. Sums are reduced over ranks, so the result is the same for any number of ranks.
+
+On knights-and-knaves puzzles (every gold a K&K solution, pspo/knights.py) accuracy is the K&K
+exact match (rewards.accuracy_reward), and the greedy accuracy is also reported per number of
+people, `greedy_{n}ppl` for each n present (2..8), as K&K results are reported.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from tqdm import tqdm
 from pspo import distributed
 from pspo.data import Example
 from pspo.distributed import Dist
-from pspo.rewards import score_completions
+from pspo.rewards import knights_people, score_completions
 from pspo.sequences import sequence_seeds
 
 EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every training step
@@ -24,12 +28,16 @@ EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every
 def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: list[Example],
              max_new_tokens: int, num_samples: int, temperature: float, top_p: float, seed: int,
              dist_: Dist, batch_size: int, timeout_s: float = 5.0, progress: bool = True) -> dict[str, float]:
-    """Returns {"greedy_accuracy", and with num_samples = k > 0: f"mean@{k}", f"pass@{k}"}."""
+    """Returns {"greedy_accuracy", and with num_samples = k > 0: f"mean@{k}", f"pass@{k}";
+    on K&K puzzles also f"greedy_{n}ppl" for each number of people n present}."""
     mine = list(range(dist_.rank, len(prompt_ids), dist_.world_size))
     per_rank = math.ceil(len(prompt_ids) / dist_.world_size)
     real = len(mine)
     mine += [mine[0] if mine else 0] * (per_rank - real)          # padding rows, not counted
     sums = {"greedy_correct": 0.0, "sampled_correct": 0.0, "any_correct": 0.0}
+    people = [knights_people(ex.answer) for ex in examples]                 # None: not a K&K gold
+    sizes = sorted(set(people)) if people and None not in people else []    # the same on every rank
+    sums.update({f"{key}_{n}": 0.0 for n in sizes for key in ("correct", "count")})
     chunks = range(0, per_rank, batch_size)
     bar = tqdm(chunks, desc="eval", disable=not (progress and dist_.is_main), leave=False)
     for start in bar:
@@ -41,6 +49,9 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
         greedy = engine.generate(ids, 1, 1.0, 1.0, max_new_tokens, seeds=None)
         correct = _accuracy(texts, greedy.texts, golds, timeout_s)
         sums["greedy_correct"] += correct[:counted].sum().item()
+        for i, ok in zip(idx[:counted] if sizes else [], correct.tolist()):
+            sums[f"correct_{people[i]}"] += ok
+            sums[f"count_{people[i]}"] += 1
         if num_samples > 0:
             seeds = sequence_seeds(seed, EVAL_STEP_KEY, torch.tensor(idx), num_samples)
             sampled = engine.generate(ids, num_samples, temperature, top_p, max_new_tokens, seeds=seeds)
@@ -51,6 +62,7 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
     total = distributed.reduce_sums({**sums, "n": float(real)}, dist_.device)
     n = max(total["n"], 1.0)
     result = {"greedy_accuracy": total["greedy_correct"] / n}
+    result.update({f"greedy_{k}ppl": total[f"correct_{k}"] / max(total[f"count_{k}"], 1.0) for k in sizes})
     if num_samples > 0:
         result[f"mean@{num_samples}"] = total["sampled_correct"] / n
         result[f"pass@{num_samples}"] = total["any_correct"] / n

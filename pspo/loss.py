@@ -4,6 +4,7 @@
     pg_it = -min(ρ_it·Â_i, clip(ρ_it, 1-ε_low, 1+ε_high)·Â_i)
     kl_it = exp(logπ_ref - logπ_θ) - (logπ_ref - logπ_θ) - 1      (k3)
     ℓ_it  = pg_it + β·kl_it
+Â_i is one value per completion (GRPO, ERS); REINFORCE++ (§6) gives one per token, Â_it.
 
 Aggregation is a per-sequence weight w_i computed from GLOBAL counts (every micro-batch and rank
 of the optimizer step), so the step loss Σ_i w_i Σ_t mask_it ℓ_it is a plain sum over sequences
@@ -76,13 +77,13 @@ def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_lo
                       eps_high: float) -> tuple[Tensor, Tensor]:
     """pg_it = -min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), ALGORITHMS.md §1.
 
-    logp, old_logp (N, T); advantages (N,) one per completion, broadcast over its tokens.
-    Returns pg (N, T) and is_clipped (N, T) bool: where the clipped term is the strict minimum,
-    i.e. ρ > 1+ε_high with Â > 0 or ρ < 1-ε_low with Â < 0, the tokens whose gradient the clip
-    zeroes.
+    logp, old_logp (N, T); advantages (N,) one per completion (GRPO: broadcast over its tokens)
+    or (N, T) one per token (REINFORCE++, §6). Returns pg (N, T) and is_clipped (N, T) bool:
+    where the clipped term is the strict minimum, i.e. ρ > 1+ε_high with Â > 0 or ρ < 1-ε_low
+    with Â < 0, the tokens whose gradient the clip zeroes.
     """
     ratio = torch.exp(logp - old_logp)                                    # (N, T) ρ
-    adv = advantages[:, None]                                             # (N, 1)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages   # (N, 1) or (N, T)
     unclipped = ratio * adv                                               # (N, T)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv         # (N, T)
     pg = -torch.min(unclipped, clipped)                                   # (N, T)
@@ -113,7 +114,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advanta
                 eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = Σ_i w_i Σ_t mask_it ℓ_it, ℓ_it = pg_it + β·kl_it (ALGORITHMS.md §1), and stats.
 
-    logp, old_logp, ref_logp, mask (N, T); advantages, seq_weights (N,). The KL term enters the
+    logp, old_logp, ref_logp, mask (N, T); seq_weights (N,); advantages (N,) per completion or
+    (N, T) per token (REINFORCE++), the PPS IS weight already multiplied in. The KL term enters the
     loss only when beta != 0 and ref_logp is given. Summing the returned loss over micro-batches
     and ranks gives the aggregated loss of the optimizer step.
 

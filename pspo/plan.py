@@ -6,7 +6,7 @@ train.py's start-up prints the same plan in one line and stops (exit 2) when it 
 Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master weights
 (model.py) and bf16 autocast when model.bf16:
 - parameters, gradients (fp32) and AdamW's m and v (2 x fp32), each sharded 1/N, and the frozen
-  reference model when algo.beta > 0 (built like the policy: fp32, sharded 1/N);
+  reference model when algo.beta > 0 or REINFORCE++'s kl_coef > 0 (built like the policy: fp32, sharded 1/N);
 - FSDP2's unsharded parameters in flight (N > 1): the root (embeddings, final norm, an untied
   head) stays gathered from forward to backward, with its unsharded gradient; two decoder layers
   (the current one and the prefetched next) and one layer's unsharded gradient;
@@ -225,8 +225,9 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
     rows = [("params", f"parameters (fp32, 1/{N})", 4 * P // N, "both"),
             ("grads", f"gradients (fp32, 1/{N})", 4 * P // N, "update"),
             ("adam", f"AdamW m, v (2 x fp32, 1/{N})", 8 * P // N, "both")]
-    if cfg.algo.beta > 0:
-        rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0)", 4 * P // N, "both"))
+    if cfg.algo.needs_reference:
+        rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0 or REINFORCE++ kl_coef > 0)", 4 * P // N,
+                     "both"))
     if N > 1:
         rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad", 4 * (2 * a.root_params + 3 * L),
                      "update"))

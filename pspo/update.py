@@ -1,5 +1,7 @@
 """The policy update of one rollout batch: ALGORITHMS.md §1's clipped surrogate + β·KL, micro-batched
 with gradient accumulation, then the grad-norm clip and the AdamW step (num_iterations times).
+REINFORCE++ (§6) computes its token-level advantages here, from the π_old / π_ref log-probs
+scored for the update anyway.
 
 Modes: π_old and π_ref are scored in eval mode; the forward/backward passes run in train mode, the
 only mode in which transformers recomputes checkpointed layers (model.gradient_checkpointing);
@@ -14,6 +16,7 @@ import math
 import torch
 
 from pspo import distributed
+from pspo.advantages import reinforce_pp_advantages
 from pspo.config import Config
 from pspo.distributed import Dist
 from pspo.loss import policy_loss, sequence_weights
@@ -27,11 +30,15 @@ def score_logprobs(model, input_ids, attention_mask, T, temperature, micro) -> t
 
 
 def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, mask, advantages,
-                  cfg: Config, dist_: Dist) -> dict[str, float]:
+                  cfg: Config, dist_: Dist, rewards: torch.Tensor | None = None) -> dict[str, float]:
     """num_iterations optimizer steps on one rollout batch; returns summed stats for logging.
 
     input_ids/attention_mask (N, P+T); mask (N, T) completion tokens; advantages (N,), already
     multiplied by the PPS importance weight (the weight touches the policy-gradient term only).
+    REINFORCE++ (algo.advantage reinforce_pp*): `rewards` (N,) are the raw rewards, from which
+    the token-level advantages (N, T) are computed here, and `advantages` (N,) holds the PPS IS
+    weights alone, which multiply them per sequence; sums then carry "adv_abs", "adv_sq" and
+    "adv_count" over the valid tokens.
     π_old and π_ref are scored in eval mode; the update runs in train mode (so gradient
     checkpointing recomputes) and the policy is back in eval mode on return, for generation.
     A non-finite loss or gradient norm (on any rank) skips that optimizer step: the weights and
@@ -42,10 +49,22 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     num_seqs = mask.shape[0] * dist_.world_size                         # every rank holds N rows
     num_tokens = int(distributed.all_reduce_sum(mask.sum()).item())
     weights = sequence_weights(mask, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
-    # π_old: with one iteration it is the current policy (ρ ≡ 1), else scored once, up front.
-    old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, micro) if a.num_iterations > 1 else None
-    ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, micro) if a.beta > 0 else None
+    # π_old: with one iteration it is the current policy (ρ ≡ 1), else scored once, up front;
+    # REINFORCE++'s KL reward needs it up front too.
+    token_level = a.advantage != "grpo"
+    if token_level and rewards is None:
+        raise ValueError(f"rewards: algo.advantage={a.advantage} computes its advantages from the raw rewards")
+    needs_old = a.num_iterations > 1 or (token_level and a.kl_coef > 0)
+    old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, micro) if needs_old else None
+    ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, micro) if a.needs_reference else None
     sums: dict[str, float] = {"skipped_steps": 0.0}
+    if token_level:                                                     # §6, whitened over every rank's tokens
+        group = cfg.rollout.num_generations if a.advantage == "reinforce_pp_baseline" else None
+        token_adv = reinforce_pp_advantages(rewards, mask, old_logp, ref_logp, a.kl_coef, a.clip_score, group,
+                                            a.whiten)                   # (N, T)
+        sums.update(adv_abs=float(token_adv.abs().sum()), adv_sq=float((token_adv ** 2).sum()),
+                    adv_count=float(mask.sum()))
+        advantages = token_adv * advantages[:, None]                    # (N, T) times the PPS IS weight
     policy.train()
     try:
         for _ in range(a.num_iterations):

@@ -29,7 +29,7 @@ def test_step_metrics_from_rank_sums_hand_worked():
     from train import step_metrics
     cfg = load_config(None, ["--algo.num_iterations=2"])
     sums = {"completions": 4, "groups": 2, "tokens": 10, "reward": 3, "reward_sq": 3, "accuracy": 3,
-            "format": 4, "adv_abs": 2, "adv_sq": 2, "zero_std_groups": 1, "pg_loss": .6, "kl": 1,
+            "format": 4, "adv_abs": 2, "adv_sq": 2, "adv_count": 4, "zero_std_groups": 1, "pg_loss": .6, "kl": 1,
             "clipped_tokens": 2, "entropy": 5, "truncated": 1, "grad_norm": 3, "reward_failures": 0,
             "gen_tokens_per_s": 100, "skipped_steps": 1}
     m = step_metrics(sums, cfg)
