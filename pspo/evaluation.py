@@ -19,7 +19,8 @@ from tqdm import tqdm
 from pspo import distributed
 from pspo.data import Example
 from pspo.distributed import Dist
-from pspo.rewards import knights_people, score_completions
+from pspo.knights_reward import knights_people
+from pspo.rewards import score_completions
 from pspo.sequences import sequence_seeds
 
 EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every training step

@@ -27,6 +27,10 @@ _SCIENTIFIC_GOLD = re.compile(r"-?\d+(?:\.\d+)?\s*(?:[eE][+-]?\d|\\(?:times|cdot
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 
 
+
+class GoldAnswerError(ValueError):
+    """A gold answer math-verify cannot parse (or not a K&K solution): an error in the data, never scored."""
+
 def gold_text(value: Any) -> str:
     """A dataset's stored answer as text: "" for a missing value (None, NaN), a whole float without
     its ".0", a list as its items without their `$...$`, joined with ", "."""

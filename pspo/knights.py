@@ -21,7 +21,7 @@ Each puzzle becomes an `Example`: the problem is the puzzle text followed by KNI
 (a problem suffix, not a system prompt: the prompt asks for the seed's `<think>..</think>
 <answer>..</answer>` layout under any data.system_prompt, and the arithmetic task is untouched);
 the gold is the seed's `tgt` text "(1) Michael is a knight\\n(2) Zoey is a knave", one line per
-person, so the number of people is its line count (rewards.knights_people). Local files in the
+person, so the number of people is its line count (knights_reward.knights_people). Local files in the
 hub data set's layout and in PaddleNLP's src/tgt layout load through `examples_from_rows`.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Verifiable rewards of the reference recipes, ALGORITHMS.md §5: accuracy (math-verify), format
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and the PaddleNLP
-seed's knights-and-knaves reward (SEED_METHODS.md §A), `knights`.
+seed's knights-and-knaves reward (SEED_METHODS.md §A), `knights` (pspo/knights_reward.py).
 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
@@ -49,7 +49,8 @@ import torch
 from math_verify import parse, verify
 from torch import Tensor
 
-from pspo.golds import answer_latex, gold_latex
+from pspo.golds import GoldAnswerError, answer_latex, gold_latex
+from pspo.knights_reward import assistant_turn, knights_format_ok, knights_people, knights_reward
 
 # Our guard replaces math-verify's, so its "timeout is disabled" notice is noise (one per rank).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -57,10 +58,6 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 MAX_ANSWER_CHARS = 300       # characters of the answer part math-verify sees (a 300-char sum: ~0.5 s)
 MAX_BRACKET_DEPTH = 10       # deeper ( [ { nesting in the answer part scores 0 without parsing
 COSINE_MAX_LEN = 1000        # L_max of the cosine reward, characters (§5)
-
-
-class GoldAnswerError(ValueError):
-    """A gold answer math-verify cannot parse: an error in the data, never scored."""
 
 
 class _RewardTimeout(BaseException):
@@ -157,10 +154,10 @@ def format_reward(prompt: str, completion: str, gold: str) -> float:
     whitespace, `<think>`, anything (possibly empty), `</think>`, then the answer part; (3) the
     last `\\boxed{` of the answer part has a matching `}` and non-blank content between them.
     Text around the box in the answer part is allowed; a box inside the think block does not count.
-    A knights-and-knaves gold: 1.0 iff the K&K format check passes (`knights_reward`).
+    A knights-and-knaves gold: 1.0 iff the K&K format check passes (pspo/knights_reward.py).
     """
     if knights_people(gold) is not None:
-        return 1.0 if _knights_format_ok(_assistant_turn(prompt, completion)) else 0.0
+        return 1.0 if knights_format_ok(assistant_turn(prompt, completion)) else 0.0
     if completion.count("<think>") != 1 or completion.count("</think>") != 1:
         return 0.0
     layout = _THINK_LAYOUT.fullmatch(completion)
@@ -179,85 +176,6 @@ def cosine_reward(prompt: str, completion: str, gold: str, max_len: int = COSINE
     cos = math.cos(math.pi * min(len(completion), max_len) / max_len)
     correct = accuracy_reward(prompt, completion, gold) == 1.0
     return 0.75 + 0.25 * cos if correct else -0.25 + 0.25 * cos
-
-
-# ---- knights and knaves (SEED_METHODS.md §A) --------------------------------------------------
-
-KNIGHTS_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-ASSISTANT_MARK = "<|im_start|>assistant"
-_GOLD_ROLE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)   # the seed's, per gold line
-
-
-@functools.lru_cache(maxsize=4096)
-def _knights_gold(gold: str) -> tuple[tuple[str, str], ...] | None:
-    """The seed's ground truth: on each line, the first alphabetic word followed later by knight or
-    knave gives (name, role), a later line overriding an earlier one of the same name. None unless
-    every non-blank line has one (a math gold never does)."""
-    lines = [line.strip() for line in gold.split("\n") if line.strip()]
-    matches = [_GOLD_ROLE.search(line) for line in lines]
-    if not lines or not all(matches):
-        return None
-    return tuple({m.group(1): m.group(2).lower() for m in matches}.items())
-
-
-def knights_people(gold: str) -> int | None:
-    """Number of people of a knights-and-knaves gold ("(1) Zoey is a knight\n..."), None for any other gold."""
-    roles = _knights_gold(gold)
-    return None if roles is None else len(roles)
-
-
-def _assistant_turn(prompt: str, completion: str) -> str:
-    """The text the seed scores: what follows "<|im_start|>assistant". The seed scores a whole
-    decoded sequence and prepends "\n<|im_start|>assistant\n<think>" when that mark is absent,
-    because its prompts end with "<|im_start|>assistant\n<think>". Our completions never hold the
-    chat prefix and our prompts end where the assistant starts, so the equivalent is: a
-    completion holding the mark (a whole sequence) is scored after its first one, as the seed
-    does; otherwise the completion is scored, preceded by "<think>" only when the prompt ends
-    with "<think>" (PaddleNLP's src). A model answering our own prompts writes its <think> itself."""
-    if ASSISTANT_MARK in completion:
-        return completion.split(ASSISTANT_MARK, 1)[1]
-    return ("<think>" if prompt.rstrip().endswith("<think>") else "") + completion
-
-
-def _knights_format_ok(text: str) -> bool:
-    """Each of <think>, </think>, <answer>, </answer> exactly once, in that order."""
-    if any(text.count(tag) != 1 for tag in KNIGHTS_TAGS):
-        return False
-    positions = [text.find(tag) for tag in KNIGHTS_TAGS]
-    return positions == sorted(positions)
-
-
-def _knights_answer(answer: str, roles: tuple[tuple[str, str], ...]) -> bool | None:
-    """None if the answer does not parse (the lower-case count of "knight" plus "knave" is not the
-    number of people, or a name lacks "NAME is a knight|knave"); else whether every role is right."""
-    lower = answer.lower()
-    if lower.count("knight") + lower.count("knave") != len(roles):
-        return None
-    predicted = {}
-    for name, _ in roles:
-        found = re.search(rf"\b{re.escape(name)}\b\s+is\s+a\s+\b(knight|knave)\b", answer, re.IGNORECASE)
-        if found is None:
-            return None
-        predicted[name] = found.group(1).lower()
-    return predicted == dict(roles)
-
-
-def knights_reward(prompt: str, completion: str, gold: str) -> float:
-    """The K&K reward, SEED_METHODS.md §A: format +1 / -1 (`_knights_format_ok` on `_assistant_turn`)
-    plus answer +2 (exact), -1.5 (parses, wrong), -2 (does not parse, empty, or the format failed).
-    Totals: 3, -0.5, -1, -3. The answer is the last <answer> block's stripped content: with the
-    format passed there is exactly one. A gold that is not a K&K solution raises GoldAnswerError."""
-    roles = _knights_gold(gold)
-    if roles is None:
-        shown = gold if len(gold) <= 200 else gold[:200] + "..."
-        raise GoldAnswerError(f"gold answer {shown!r} is not a knights-and-knaves solution "
-                              "(expected lines like '(1) Zoey is a knight')")
-    text = _assistant_turn(prompt, completion)
-    if not _knights_format_ok(text):
-        return -1.0 - 2.0
-    answer = text[text.find("<answer>") + len("<answer>"):text.find("</answer>")].strip()
-    verdict = _knights_answer(answer, roles) if answer else None
-    return 1.0 + (-2.0 if verdict is None else 2.0 if verdict else -1.5)
 
 
 REWARD_FUNCTIONS: dict[str, Callable[[str, str, str], float]] = {
