@@ -314,6 +314,10 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
 def plan_cli(argv: list[str]) -> str:
     """`train.py --config X --plan [--gpus=N] [--gpu_gib=G] [overrides]` -> the table."""
     gpus, gpu_gib, rest = DEFAULT_GPUS, DEFAULT_GPU_GIB, []
+    argv = list(argv)
+    for i, arg in enumerate(argv):                  # "--gpus 4" as "--gpus=4"
+        if arg in ("--gpus", "--gpu_gib") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            argv[i:i + 2] = [f"{arg}={argv[i + 1]}"]
     for arg in argv:
         key, _, value = arg.partition("=")
         try:

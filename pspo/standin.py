@@ -49,12 +49,15 @@ def standin_config(real: dict, hidden_size: int = HIDDEN_SIZE, intermediate_size
     for key in ("model_type", "vocab_size", "max_position_embeddings", "num_attention_heads"):
         if key not in real:
             raise StandinError(f"the real model config has no {key!r}")
-    heads = hidden_size // head_dim
     kv_heads = real.get("num_key_value_heads", real["num_attention_heads"])
     ratio = real["num_attention_heads"] // kv_heads                  # query heads per KV head (GQA)
-    if hidden_size % head_dim or heads % ratio:
-        raise StandinError(f"hidden_size {hidden_size} / head_dim {head_dim} = {heads} query heads, "
-                           f"not a multiple of the real GQA ratio {ratio}")
+    if hidden_size % head_dim or real["num_attention_heads"] % kv_heads:
+        raise StandinError(f"hidden_size {hidden_size} is not a multiple of head_dim {head_dim}, or "
+                           f"{real['num_attention_heads']} heads are not a multiple of {kv_heads} KV heads")
+    # keep the GQA ratio: round the head count up to a multiple of it (1.5B: 12/2 -> 6 heads, hidden
+    # 192 as asked; 7B: 28/4 -> 7 heads, hidden 224)
+    heads = ratio * -(-(hidden_size // head_dim) // ratio)
+    hidden_size = heads * head_dim
     config = dict(real)
     config.update(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
                   num_attention_heads=heads, num_key_value_heads=heads // ratio)
