@@ -8,7 +8,8 @@ real `python train.py --config X` subprocess for 2 steps plus the final eval, wi
   becomes the stand-in built from the real config.json shipped beside it as model_config.json
   (pspo/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
-- the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe, the hf engine,
+- the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe, 14 eval puzzles
+  (2 per size) when the eval set is builtin:knights, the hf engine,
   no progress bar, the output under tmp_path.
 Everything else is the config's own: bf16 autocast, gradient checkpointing, rewards, ERS/PPS,
 optimizer, system prompt, max_prompt_tokens. The resolved config the run saved is compared with
@@ -27,7 +28,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from pspo.config import load_config, to_dict
-from pspo.standin import ensure_standin_model
+from pspo.standin import ensure_standin_model, standin_config
 from pspo.tiny import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +66,8 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str) -> dict[st
         name = getattr(cfg.data, key)
         if name and not name.startswith("builtin:"):
             over[f"data.{key}"] = _sample(name)
+    if cfg.data.eval == "builtin:knights":
+        over["data.max_eval_examples"] = "14"
     return over
 
 
@@ -125,6 +128,42 @@ def test_gpu_recipe_matches_reference(config):
     with open(os.path.join(ROOT, os.path.dirname(config), "model_config.json")) as f:
         positions = json.load(f)["max_position_embeddings"]
     assert cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens == positions     # 512 + 3584 = 4096
+
+
+# The PaddleNLP seed's llm/config/qwen/reinforce_plus_plus_argument.yaml, in our keys (README, "K&K
+# with a 7B model"): global_batch_size 8 prompts x rollout_n 8, per_device_train_batch_size 8,
+# kl_coeff 1e-3, kl_loss_coeff 0, clip_range_ratio 0.2/0.2, clip_range_score 10, constant lr 5e-7.
+SEED_7B = {
+    "model.name_or_path": "Qwen/Qwen2.5-7B-Instruct-1M", "data.max_prompt_tokens": 512,
+    "rollout.num_generations": 8, "rollout.temperature": 0.7, "rollout.top_p": 1.0, "rollout.max_new_tokens": 4096,
+    "reward.knights": 1.0, "reward.accuracy": 0.0, "algo.advantage": "reinforce_pp", "algo.kl_coef": 1e-3,
+    "algo.beta": 0.0, "algo.clip_score": 10.0, "algo.whiten": "bessel", "algo.aggregation": "token_mean",
+    "algo.eps_low": 0.2, "algo.eps_high": 0.2, "algo.num_iterations": 1, "optim.lr": 5e-7,
+    "optim.weight_decay": 0.01, "optim.adam_beta1": 0.9, "optim.adam_beta2": 0.999, "optim.warmup_steps": 0,
+    "optim.min_lr_ratio": 1.0, "optim.max_grad_norm": 1.0, "train.seed": 42, "train.max_steps": 3600,
+    "train.prompts_per_step": 8, "train.micro_batch_size": 8, "train.eval_steps": 20, "train.save_steps": 300,
+    "model.bf16": True, "model.gradient_checkpointing": True,
+}
+
+
+@pytest.mark.parametrize("folder, heads, kv_heads, hidden", [
+    ("qwen2.5-math-1.5b", 6, 1, 192),          # 12 / 2 = ratio 6: 6 heads of 32 = hidden 192, as asked
+    ("qwen2.5-7b-instruct-1m", 7, 1, 224),     # 28 / 4 = ratio 7: 6 heads rounded up to 7 -> 7 x 32 = 224
+])
+def test_standin_keeps_the_gqa_ratio(folder, heads, kv_heads, hidden):
+    with open(os.path.join(ROOT, "configs", folder, "model_config.json")) as f:
+        real = json.load(f)
+    small = standin_config(real)
+    assert (small["num_attention_heads"], small["num_key_value_heads"], small["hidden_size"]) == (heads, kv_heads, hidden)
+    assert small["num_attention_heads"] // small["num_key_value_heads"] == \
+        real["num_attention_heads"] // real["num_key_value_heads"]
+    for key in ("vocab_size", "max_position_embeddings", "tie_word_embeddings", "rope_theta"):
+        assert small[key] == real[key]
+
+
+def test_7b_preset_matches_the_seed():
+    cfg = load_config(os.path.join(ROOT, "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml"))
+    assert {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SEED_7B} == SEED_7B
 
 
 def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path):

@@ -219,3 +219,16 @@ def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(tmp_pat
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "meta-llama/Llama-3.1-70B" in lines[0], lines
     assert "fits" not in proc.stdout
+
+
+def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
+    # Qwen2.5-7B-Instruct-1M (7.6B parameters) with the seed's batch: on 8 GPUs of 80 GiB it fits
+    # only because vLLM sleeps during the update (its 0.3 x 80 = 24 GiB is freed); on 1 GPU the
+    # whole 7.6B x 16 bytes of fp32 params + grads + AdamW (113 GiB) alone does not fit.
+    preset = "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml"
+    text = plan.plan_cli(["--config", preset, "--plan"])
+    assert "7.616B parameters" in text and "asleep in update" in text
+    assert "fits" in text and "does not fit" not in text
+    one = plan.plan_cli(["--config", preset, "--plan", "--gpus", "1"])           # "--gpus 1" == "--gpus=1"
+    assert "on 1 GPUs" in one and "does not fit" in one
+    assert one == plan.plan_cli(["--config", preset, "--plan", "--gpus=1"])
