@@ -314,11 +314,13 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
 def plan_cli(argv: list[str]) -> str:
     """`train.py --config X --plan [--gpus=N] [--gpu_gib=G] [overrides]` -> the table."""
     gpus, gpu_gib, rest = DEFAULT_GPUS, DEFAULT_GPU_GIB, []
-    argv = list(argv)
-    for i, arg in enumerate(argv):                  # "--gpus 4" as "--gpus=4"
-        if arg in ("--gpus", "--gpu_gib") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            argv[i:i + 2] = [f"{arg}={argv[i + 1]}"]
+    joined: list[str] = []                          # "--gpus 4" -> "--gpus=4"
     for arg in argv:
+        if joined and joined[-1] in ("--gpus", "--gpu_gib") and not arg.startswith("--"):
+            joined[-1] += f"={arg}"
+        else:
+            joined.append(arg)
+    for arg in joined:
         key, _, value = arg.partition("=")
         try:
             if key == "--gpus":
