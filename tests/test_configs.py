@@ -71,6 +71,11 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str) -> dict[st
     return over
 
 
+def _values(cfg, keys) -> dict:
+    """{"section.key": the loaded config's value} for each dotted key."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in keys}
+
+
 def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
     args = [sys.executable, os.path.join(ROOT, script), "--config", os.path.join(ROOT, config), *flags]
     args += [f"--{k}={v}" for k, v in overrides.items()]
@@ -123,15 +128,14 @@ REFERENCE = {
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("configs/qwen2.5-math-1.5b/")])
 def test_gpu_recipe_matches_reference(config):
     cfg = load_config(os.path.join(ROOT, config))
-    got = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in REFERENCE}
-    assert got == REFERENCE
+    assert _values(cfg, REFERENCE) == REFERENCE
     with open(os.path.join(ROOT, os.path.dirname(config), "model_config.json")) as f:
         positions = json.load(f)["max_position_embeddings"]
     assert cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens == positions     # 512 + 3584 = 4096
 
 
-# The PaddleNLP seed's llm/config/qwen/reinforce_plus_plus_argument.yaml, in our keys (README, "K&K
-# with a 7B model"): global_batch_size 8 prompts x rollout_n 8, per_device_train_batch_size 8,
+# The PaddleNLP seed's llm/config/qwen/reinforce_plus_plus_argument.yaml, in our keys (README, "GPU preset:
+# REINFORCE++ on K&K"): global_batch_size 8 prompts x rollout_n 8, per_device_train_batch_size 8,
 # kl_coeff 1e-3, kl_loss_coeff 0, clip_range_ratio 0.2/0.2, clip_range_score 10, constant lr 5e-7.
 SEED_7B = {
     "model.name_or_path": "Qwen/Qwen2.5-7B-Instruct-1M", "data.max_prompt_tokens": 512,
@@ -163,7 +167,7 @@ def test_standin_keeps_the_gqa_ratio(folder, heads, kv_heads, hidden):
 
 def test_7b_preset_matches_the_seed():
     cfg = load_config(os.path.join(ROOT, "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml"))
-    assert {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in SEED_7B} == SEED_7B
+    assert _values(cfg, SEED_7B) == SEED_7B
 
 
 def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path):
