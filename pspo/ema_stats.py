@@ -103,8 +103,11 @@ class EMAStats:
                 "seen_frac": len(self) / num_prompts}
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The per-prompt statistics; alpha comes from the config (it may change on resume, like lr)."""
-        return {"keys": self.keys, "mean": self.mean, "var": self.var, "visits": self.visits}
+        """The per-prompt statistics (copies: a saved state never changes with later updates);
+        alpha comes from the config (it may change on resume, like lr)."""
+        return {"keys": self.keys.clone(), "mean": self.mean.clone(), "var": self.var.clone(),
+                "visits": self.visits.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.keys, self.mean, self.var, self.visits = state["keys"], state["mean"], state["var"], state["visits"]
+        """Adopt copies of the given tensors, so two trackers loaded from one state stay independent."""
+        self.keys, self.mean, self.var, self.visits = (state[k].clone() for k in ("keys", "mean", "var", "visits"))

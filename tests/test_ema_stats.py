@@ -70,6 +70,23 @@ def test_state_dict_round_trip(tmp_path):
         assert torch.equal(x, y)
 
 
+def test_trackers_loaded_from_one_state_do_not_share_storage():
+    # Before the fix, load_state_dict adopted the tensors: after one update of `first`, `second`
+    # (loaded from the same dict) also showed visits 2 for "a". Now each has its own copy.
+    ers = EMAStats(0.5)
+    ers.update(["a"], torch.tensor([[1., 0]]))          # "a": visits 1, mean 0.5
+    state = ers.state_dict()
+    first, second = EMAStats(0.5), EMAStats(0.5)
+    first.load_state_dict(state)
+    second.load_state_dict(state)
+    first.update(["a"], torch.tensor([[1., 1]]))        # first: mean 0.5*1 + 0.5*0.5 = 0.75, visits 2
+    assert first.visits_of(["a"]).tolist() == [2]
+    assert second.visits_of(["a"]).tolist() == [1] and float(second.mean[0]) == 0.5
+    assert state["visits"].tolist() == [1] and float(state["mean"][0]) == 0.5   # the saved state is untouched
+    ers.update(["a"], torch.tensor([[0., 0]]))          # nor does the source's own later update reach it
+    assert state["visits"].tolist() == [1]
+
+
 def test_memory_per_prompt():
     # 10^6 distinct prompts must fit in well under ~100 MB: 8 (key) + 8 + 8 + 4 = 28 bytes each.
     ers = EMAStats(0.9)
