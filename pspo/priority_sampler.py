@@ -102,21 +102,35 @@ class PrioritySampler:
     def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
         """B distinct prompt indices (B,) and their normalized IS weights (B,) float32.
 
-        Successive sampling without replacement: draws whose prompt was already taken (or, by
-        rounding, a padding leaf) are discarded and redrawn.
+        Successive sampling without replacement, in rounds: a round draws as many prompts as are
+        still missing from the tree, keeps each new one in draw order (a repeat is discarded,
+        which is the same as redrawing from the prompts not yet taken), then sets the kept
+        leaves to 0 so that later rounds cannot hit them. Every round keeps at least one prompt
+        and costs O(missing · log N), whatever the priorities (before, a loop redrew taken
+        prompts and took seconds when most mass sat on fewer than B prompts). The zeroed leaves
+        get their priorities back at the end.
         """
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of {self.num_prompts}")
-        taken: dict[int, None] = {}
-        draws = 0
+        leaves = self.tree.numpy()[self.size:]                                 # view: zeroing shows here
+        taken, values, draws = [], [], 0
         while len(taken) < batch_size:
-            for q in self._draw(batch_size - len(taken)).tolist():
-                draws += 1
-                if q < self.num_prompts and q not in taken:
-                    taken[q] = None
-                    if len(taken) == batch_size:
-                        break
-        indices = torch.tensor(list(taken), dtype=torch.int64)
+            drawn = self._draw(batch_size - len(taken)).numpy()                 # (missing,)
+            draws += len(drawn)
+            drawn = drawn[leaves[drawn] > 0]                # padding leaves and (by rounding) taken ones
+            first = np.sort(np.unique(drawn, return_index=True)[1])            # first occurrences, in draw order
+            kept = drawn[first]
+            if len(kept):
+                taken.extend(kept.tolist())
+                values.append(leaves[kept].copy())
+                self._set(torch.from_numpy(kept), torch.zeros(len(kept), dtype=torch.float64))
+            elif self.tree[1] <= 0:                         # only zero-priority prompts are left (eps = 0)
+                done = set(taken)
+                rest = [q for q in np.flatnonzero(leaves[:self.num_prompts] == 0).tolist() if q not in done]
+                taken.extend(rest[:batch_size - len(taken)])
+        indices = torch.tensor(taken, dtype=torch.int64)
+        zeroed = indices[:sum(len(v) for v in values)]                          # the fallback's were 0 already
+        self._set(zeroed, torch.from_numpy(np.concatenate(values)) if values else torch.zeros(0, dtype=torch.float64))
         probs = self.tree[indices + self.size] / self.tree[1]                   # P(q)
         weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P)^-β
         self.steps += 1

@@ -1,4 +1,5 @@
 """PPS: priorities, probabilities, normalized IS weights, unseen prompts, β annealing, resume."""
+import pytest
 import torch
 
 from pspo.priority_sampler import PrioritySampler
@@ -62,6 +63,29 @@ def test_draws_follow_the_priorities_chi_square():
     assert (((counts - n / 10) ** 2) / (n / 10)).sum().item() > 1000
 
 
+def test_sample_without_replacement_follows_successive_sampling_chi_square():
+    # Priorities 1, 2, 3 (α = 1, Σ = 6), B = 2. Successive sampling gives each pair
+    #   P{i,j} = (p_i/6)·p_j/(6 - p_i) + (p_j/6)·p_i/(6 - p_j):
+    #   {0,1}: (1/6)(2/5) + (2/6)(1/4) = 1/15 + 1/12 = 0.15
+    #   {0,2}: (1/6)(3/5) + (3/6)(1/3) = 1/10 + 1/6  = 0.26667
+    #   {1,2}: (2/6)(3/4) + (3/6)(2/3) = 1/4 + 1/3   = 0.58333
+    # and the first index alone is p_i/6 = 1/6, 2/6, 3/6. 6,000 samples; chi-square, 2 dof < 13.82 (p = .001).
+    s = PrioritySampler(3, alpha=1.0, eps=0.0, seed=0)
+    s.update(torch.arange(3), rows(1.0, 2.0, 3.0))
+    n = 6_000
+    pairs, firsts = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for _ in range(n):
+        idx, _ = s.sample(2)
+        pairs[int(idx.sum()) - 1] += 1                     # {0,1} -> 0, {0,2} -> 1, {1,2} -> 2
+        firsts[int(idx[0])] += 1
+    for counts, probs in ((pairs, [0.15, 4 / 15, 7 / 12]), (firsts, [1 / 6, 2 / 6, 3 / 6])):
+        expected = torch.tensor(probs, dtype=torch.float64) * n
+        assert ((counts - expected) ** 2 / expected).sum().item() < 13.82, counts
+    # drawing with replacement and keeping the draw order would give {0,1} 2·(1/6)(2/6) / (1 - Σp²) = 0.2;
+    # the 0.15 above is what distinguishes successive sampling
+    assert abs(pairs[0] / n - 0.15) < abs(pairs[0] / n - 0.2)
+
+
 def test_sample_is_distinct_and_never_padding():
     s = PrioritySampler(5, seed=1)                                       # S = 8: three padding leaves
     for _ in range(50):
@@ -118,9 +142,27 @@ def test_batch_stats_hand_worked():
 
 
 def test_repeat_fraction_counts_redrawn_duplicates():
-    # One prompt holds almost all the mass: drawing 2 distinct prompts means redrawing prompt 0 many
-    # times, so the fraction of raw draws that were repeats is close to 1.
+    # One prompt holds almost all the mass (p = 1 and 1e-3). Round 1 draws 2 prompts: both are
+    # prompt 0 with probability (1/1.001)^2 = 0.998; the first is kept, the second is a repeat.
+    # Prompt 0's leaf is then 0, so round 2's single draw is prompt 1. Draws 3, kept 2:
+    # repeat_frac = 1 - 2/3 = 1/3.
     s = PrioritySampler(2, alpha=1.0, eps=0.0, seed=0)
     s.update(torch.arange(2), rows(1.0, 1e-3))
-    s.sample(2)
-    assert s.batch_stats()["repeat_frac"] > 0.9
+    indices, _ = s.sample(2)
+    assert sorted(indices.tolist()) == [0, 1]
+    assert s.batch_stats()["repeat_frac"] == pytest.approx(1 / 3)
+
+
+def test_sampling_with_mass_on_few_prompts_is_bounded_and_restores_the_tree():
+    # The case that took 13 s before: N = B = 100, half the prompts at the floor (1e-6 ** 0.6 ≈ 2.5e-4
+    # against ~1). Every round keeps at least one new prompt, so at most B rounds of draws happen:
+    # the raw draws are at most B + B(B-1)/2 = 5050 (each round draws what is still missing).
+    s = PrioritySampler(100, alpha=0.6, seed=3)
+    s.update(torch.arange(50), torch.zeros(50, 4))          # floor: (0 + 1e-6) ** 0.6
+    s.update(torch.arange(50, 100), torch.ones(50, 4))      # 1.0
+    before = s.tree.clone()
+    indices, weights = s.sample(100)
+    assert sorted(indices.tolist()) == list(range(100))
+    assert s._last["draws"] <= 5050
+    assert torch.equal(s.tree, before)                      # zeroed leaves got their priorities back
+    assert weights.max() == 1.0 and bool((weights > 0).all())
