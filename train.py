@@ -163,7 +163,7 @@ def main(argv: list[str]) -> None:
                               f"{d.train} has {N}")
         p = cfg.pps
         sampler = PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, cfg.train.seed,
-                                  None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps)
+                                  None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps, p.is_norm)
     else:
         sampler = UniformSampler(N, cfg.train.seed)
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None

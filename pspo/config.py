@@ -17,7 +17,7 @@ import yaml
 
 from pspo.advantages import ADVANTAGES, WHITENINGS
 from pspo.loss import AGGREGATIONS
-from pspo.priority_sampler import PRIORITIES
+from pspo.priority_sampler import IS_NORMS, PRIORITIES
 
 
 class ConfigError(ValueError):
@@ -104,6 +104,7 @@ class PPSConfig:
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
     priority: str = "mean_abs"          # group statistic of |A^GRPO|: mean_abs | max_abs | last_abs
+    is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
 
 
 @dataclass
@@ -283,6 +284,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(p.beta_end == -1 or p.beta_end >= 0, "pps.beta_end", ">= 0, or -1 for a constant β", p.beta_end)
     _check(p.eps > 0, "pps.eps", "> 0", p.eps)
     _check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
+    _check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     _check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)

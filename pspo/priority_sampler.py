@@ -29,16 +29,21 @@ import torch
 from torch import Tensor
 
 PRIORITIES = ("mean_abs", "max_abs", "last_abs")
+IS_NORMS = ("batch_max", "mean", "none")   # w / max over the batch | w / mean over the batch | w as is
 
 
 class PrioritySampler:
     def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
-                 priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None, total_steps: int = 1):
+                 priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None, total_steps: int = 1,
+                 is_norm: str = "batch_max"):
         if priority not in PRIORITIES:
             raise ValueError(f"pps.priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
+        if is_norm not in IS_NORMS:
+            raise ValueError(f"pps.is_norm: expected one of {', '.join(IS_NORMS)}, got {is_norm!r}")
         if num_prompts < 1:
             raise ValueError("PrioritySampler: the dataset has no prompts")
         self.num_prompts, self.alpha, self.beta, self.eps, self.priority = num_prompts, alpha, beta, eps, priority
+        self.is_norm = is_norm
         self.beta_end = beta if beta_end is None else beta_end
         self.total_steps = max(1, total_steps)
         self.size = 1 << max(0, (num_prompts - 1).bit_length())                 # S, a power of two ≥ N
@@ -100,7 +105,9 @@ class PrioritySampler:
         return self.beta + (self.beta_end - self.beta) * frac
 
     def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
-        """B distinct prompt indices (B,) and their normalized IS weights (B,) float32.
+        """B distinct prompt indices (B,) and their IS weights (B,) float32, normalised by `is_norm`
+        (ALGORITHMS.md §3b): batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is
+        GRPO's), none w as is (the reference code's).
 
         Successive sampling without replacement, in rounds: a round draws as many prompts as are
         still missing from the tree, keeps each new one in draw order (a repeat is discarded,
@@ -135,7 +142,8 @@ class PrioritySampler:
         weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P)^-β
         self.steps += 1
         self._last = {"draws": draws, "raw_weights": weights, "revisit": float(self.seen[indices].float().mean())}
-        return indices, (weights / weights.max()).float()
+        norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
+        return indices, (weights / norm).float()
 
     def batch_stats(self) -> dict[str, float]:
         """Diagnostics of the last `sample` and of the current priorities (logged each step).

@@ -58,6 +58,7 @@ def test_base_inheritance_and_presets():
     ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs, got 'last'"),
     ("", ["--pps.beta_end=-0.5"], "pps.beta_end: expected >= 0, or -1 for a constant β"),
     ("", ["--pps.eps=0"], "pps.eps: expected > 0"),
+    ("", ["--pps.is_norm=max"], "pps.is_norm: expected batch_max | mean | none, got 'max'"),
     ("pps:\n  enabled: maybe\n", [], "pps.enabled: expected bool"),
 ])
 def test_errors_name_the_key(tmp_path, yaml_text, overrides, message):

@@ -23,6 +23,19 @@ def test_probabilities_and_normalized_weights_hand_worked():
     torch.testing.assert_close(w, expected, atol=1e-5, rtol=0)
 
 
+def test_is_norm_mean_and_none_hand_worked():
+    # The same P = [.1,.2,.3,.4], β=.5: raw (N·P)^-β = [1.58114, 1.11803, .91287, .79057]
+    #   none: as is;  mean: / 1.10065 (their mean) = [1.43655, 1.01579, .82939, .71827] (mean 1)
+    raw = torch.tensor([1.58114, 1.11803, .91287, .79057])
+    for norm, expected in (("none", raw), ("mean", torch.tensor([1.43655, 1.01579, .82939, .71827]))):
+        s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0, is_norm=norm)
+        s.update(torch.arange(4), rows(1, 2, 3, 4))
+        idx, w = s.sample(4)
+        torch.testing.assert_close(w, expected[idx], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="pps.is_norm: expected one of batch_max, mean, none, got 'max'"):
+        PrioritySampler(4, is_norm="max")
+
+
 def test_alpha_and_eps_shape_the_priority():
     # α=.6, ε=1e-6: mean |A| = [0, .5, 2] -> (x+1e-6)^.6 = [2.5e-4, .65975, 1.51572]
     s = PrioritySampler(3, alpha=0.6, eps=1e-6)
