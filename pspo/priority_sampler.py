@@ -11,8 +11,9 @@ weights them as prioritized experience replay does:
 
 Departures from the reference code, on purpose: sampling follows the live priorities every step
 (the reference effectively froze them per epoch); the weights are normalized by the batch max
-(the reference's reach ~27); the priority is the group's mean |A| (`priority: mean_abs`), the
-expected value of the reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
+(the reference's reach ~27; `is_norm: none` keeps them so, `mean` divides by the batch mean);
+the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
+reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
 
 Priorities live in a sum-tree (one float64 array, leaves at [S, S+N)), so a draw is a
