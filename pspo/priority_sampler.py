@@ -121,24 +121,22 @@ class PrioritySampler:
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of {self.num_prompts}")
         leaves = self.tree.numpy()[self.size:]                                 # view: zeroing shows here
-        taken, values, draws = [], [], 0
+        taken, values, draws = [], [np.zeros(0)], 0
+        restore = lambda: self._set(torch.tensor(taken, dtype=torch.int64), torch.from_numpy(np.concatenate(values)))
         while len(taken) < batch_size:
+            if self.tree[1] <= 0:                           # the rest have priority 0 (only with eps = 0)
+                restore()
+                raise ValueError(f"PrioritySampler: {batch_size} distinct prompts asked, but only "
+                                 f"{len(taken)} have a priority above 0")
             drawn = self._draw(batch_size - len(taken)).numpy()                 # (missing,)
             draws += len(drawn)
             drawn = drawn[leaves[drawn] > 0]                # padding leaves and (by rounding) taken ones
-            first = np.sort(np.unique(drawn, return_index=True)[1])            # first occurrences, in draw order
-            kept = drawn[first]
-            if len(kept):
-                taken.extend(kept.tolist())
-                values.append(leaves[kept].copy())
-                self._set(torch.from_numpy(kept), torch.zeros(len(kept), dtype=torch.float64))
-            elif self.tree[1] <= 0:                         # only zero-priority prompts are left (eps = 0)
-                done = set(taken)
-                rest = [q for q in np.flatnonzero(leaves[:self.num_prompts] == 0).tolist() if q not in done]
-                taken.extend(rest[:batch_size - len(taken)])
+            kept = drawn[np.sort(np.unique(drawn, return_index=True)[1])]       # first occurrences, in draw order
+            taken.extend(kept.tolist())
+            values.append(leaves[kept].copy())
+            self._set(torch.from_numpy(kept), torch.zeros(len(kept), dtype=torch.float64))
         indices = torch.tensor(taken, dtype=torch.int64)
-        zeroed = indices[:sum(len(v) for v in values)]                          # the fallback's were 0 already
-        self._set(zeroed, torch.from_numpy(np.concatenate(values)) if values else torch.zeros(0, dtype=torch.float64))
+        restore()                                                               # priorities back
         probs = self.tree[indices + self.size] / self.tree[1]                   # P(q)
         weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P)^-β
         self.steps += 1

@@ -99,6 +99,22 @@ def test_sample_without_replacement_follows_successive_sampling_chi_square():
     assert abs(pairs[0] / n - 0.15) < abs(pairs[0] / n - 0.2)
 
 
+def test_sample_refuses_more_prompts_than_have_a_priority():
+    # With eps = 0 a prompt can reach priority 0 and is never drawn: asking for more distinct
+    # prompts than have p > 0 is an error, not an endless loop. Priorities [1, 0, 0]: 1 drawable.
+    s = PrioritySampler(3, alpha=1.0, eps=0.0)
+    s.update(torch.arange(3), rows(1.0, 0.0, 0.0))
+    assert s.sample(1)[0].tolist() == [0]
+    before = s.tree.clone()
+    with pytest.raises(ValueError, match="2 distinct prompts asked, but only 1 have a priority above 0"):
+        s.sample(2)
+    assert torch.equal(s.tree, before)                      # prompt 0's priority is back
+    none = PrioritySampler(2, alpha=1.0, eps=0.0)
+    none.update(torch.arange(2), rows(0.0, 0.0))
+    with pytest.raises(ValueError, match="but only 0 have a priority above 0"):
+        none.sample(1)
+
+
 def test_sample_is_distinct_and_never_padding():
     s = PrioritySampler(5, seed=1)                                       # S = 8: three padding leaves
     for _ in range(50):
