@@ -97,6 +97,19 @@ def assert_same_state(a, b, atol=0.0):
                 assert va == vb, f"{part}.{key}"
 
 
+def test_pps_is_norm_reaches_the_update(tmp_path, few_prompts):
+    # Step 1: every prompt is unseen at priority 1, so P = 1/N and every raw weight (N·P)^-β is 1:
+    # batch_max and none give the same weights, hence the same grad norm. Later steps have raw
+    # weights != 1, which batch_max divides by their max and none leaves as they are.
+    runs = {}
+    for norm in ("batch_max", "none"):
+        out = str(tmp_path / norm)
+        pspo(out, few_prompts, "--train.max_steps=3", f"--pps.is_norm={norm}",)
+        runs[norm] = [row["grad_norm"] for row in metrics(out) if "grad_norm" in row]
+    assert runs["batch_max"][0] == pytest.approx(runs["none"][0], rel=1e-5)
+    assert runs["batch_max"][1:] != pytest.approx(runs["none"][1:], rel=1e-3)
+
+
 def test_pspo_logs_ers_and_pps_diagnostics(tmp_path, few_prompts):
     out = str(tmp_path / "run")
     pspo(out, few_prompts, "--train.max_steps=3")
