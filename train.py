@@ -38,6 +38,7 @@ from pspo.model import (ModelError, build_policy, check_context, load_model_conf
                         resolve_model_path)
 from pspo.plan import plan_cli, startup_check
 from pspo.priority_sampler import PrioritySampler
+from pspo.reference_sampler import ReferenceSampler
 from pspo.rewards import score_completions
 from pspo.rollout import HFEngine, build_engine
 from pspo.sequences import batch_inputs, sequence_seeds
@@ -104,7 +105,8 @@ def load_replicated_state(state: dict, sampler, ers: EMAStats | None, cfg: Confi
     Their hyperparameters (ers.alpha, pps.alpha, beta, ...) come from the config and may change on
     resume like any other field; an exact continuation needs the same config.
     """
-    for key, on, was_on in (("pps.enabled", cfg.pps.enabled, "priorities" in state["sampler"]),
+    pps_state = "priorities" in state["sampler"] or "reference_priorities" in state["sampler"]
+    for key, on, was_on in (("pps.enabled", cfg.pps.enabled, pps_state),
                             ("ers.enabled", cfg.ers.enabled, state.get("ers") is not None)):
         if on != was_on:
             raise ConfigError(f"{key}: the checkpoint was trained with {key}={str(was_on).lower()}; "
@@ -159,11 +161,18 @@ def main(argv: list[str]) -> None:
     N, B = len(train_set), cfg.train.prompts_per_step
     if cfg.pps.enabled:
         if B > N:
-            raise ConfigError(f"train.prompts_per_step: PPS draws {B} distinct prompts per step, "
+            raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
+                              f"{'of an epoch of N draws' if cfg.pps.mode == 'reference' else 'distinct'}), "
                               f"{d.train} has {N}")
         p = cfg.pps
-        sampler = PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, cfg.train.seed,
-                                  None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps, p.is_norm)
+        if p.mode == "reference":                 # §3a: the released code's epoch-frozen sampler
+            first_row: dict[str, int] = {}
+            leaf_of = torch.tensor([first_row.setdefault(ex.problem, i) for i, ex in enumerate(train_set)])
+            sampler = ReferenceSampler(N, p.alpha, p.beta, cfg.train.seed, leaf_of)
+        else:
+            sampler = PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, cfg.train.seed,
+                                      None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps, p.is_norm,
+                                      p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho, p.skip_min)
     else:
         sampler = UniformSampler(N, cfg.train.seed)
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None
@@ -233,8 +242,11 @@ def main(argv: list[str]) -> None:
         rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G), dist_.device)   # (B, G)
         t1 = time.perf_counter()
         advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps)       # (B, G) §1
-        if cfg.pps.enabled:                                                       # §3: p_q from the raw |A|
-            sampler.update(indices, advantages.abs())
+        is_weights = is_weights[:, None].expand(B, G)                             # (B, G)
+        if cfg.pps.enabled:           # §3: p_q from the raw |A| (or the accuracy, posterior); §3a's w per completion
+            successes = distributed.all_gather_rows(scored.components["accuracy"].view(B_local, G), dist_.device) \
+                if cfg.pps.priority == "posterior" else None                      # (B, G) r̂ in [0, 1]
+            is_weights = sampler.update(indices, advantages.abs(), successes)
         if ers is not None:                                                       # §2: m_q, v_q after the update
             problems = [train_set[i].problem for i in indices.tolist()]
             ers_mean, ers_std = ers.update(problems, rewards)                     # (B,), (B,)
@@ -243,7 +255,7 @@ def main(argv: list[str]) -> None:
         # (B, G) the PPS IS weight, PG term only. REINFORCE++ (§6) computes per-token A from the raw
         # rewards inside policy_update (it needs the π_old / π_ref log-probs) and multiplies them by w alone.
         token_level = a.advantage != "grpo"
-        pg_advantages = (torch.ones_like(advantages) if token_level else advantages) * is_weights[:, None]
+        pg_advantages = (torch.ones_like(advantages) if token_level else advantages) * is_weights
         input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
                                                  rollout.mask, tokenizer.pad_token_id)
         device = dist_.device
@@ -282,6 +294,7 @@ def main(argv: list[str]) -> None:
                                                                       distinct_problems).items()})
         if cfg.pps.enabled:
             metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
+            metrics["rollouts_saved"] = metrics.get("pps_skipped", 0.0) * G              # skipped before generation
         metrics["bookkeeping_s"] = bookkeeping_s
         metrics.update(sync_metrics)
         metrics["step_time_s"] = time.perf_counter() - t0

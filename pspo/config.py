@@ -18,6 +18,7 @@ import yaml
 from pspo.advantages import ADVANTAGES, WHITENINGS
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import IS_NORMS, PRIORITIES
+PPS_MODES = ("paper", "reference")     # ALGORITHMS.md §3 (+ §3b options) | §3a
 
 
 class ConfigError(ValueError):
@@ -103,8 +104,14 @@ class PPSConfig:
     beta: float = 0.4                   # β, IS-weight exponent w = (N·P)^-β at the first step
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
-    priority: str = "mean_abs"          # group statistic of |A^GRPO|: mean_abs | max_abs | last_abs
+    mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
+    priority: str = "mean_abs"          # |A^GRPO| statistic mean_abs | max_abs | last_abs, or posterior (§3b)
     is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
+    uniform_mix: float = 0.0            # u: P' = (1-u)·P + u/N, no prompt below u/N (§3b)
+    posterior_decay: float = 0.9        # λ of priority=posterior: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
+    skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
+    skip_min: float = 0.01              # s_min
 
 
 @dataclass
@@ -285,6 +292,17 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(p.eps > 0, "pps.eps", "> 0", p.eps)
     _check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
     _check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
+    _check(p.mode in PPS_MODES, "pps.mode", " | ".join(PPS_MODES), p.mode)
+    _check(0 <= p.uniform_mix < 1, "pps.uniform_mix", "in [0, 1)", p.uniform_mix)
+    _check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
+    _check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
+    _check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
+    if p.mode == "reference":                     # §3a is one fixed procedure: the §3b options do not apply
+        paper_only = {"beta_end": -1.0, "priority": "mean_abs", "is_norm": "batch_max", "uniform_mix": 0.0,
+                      "skip": False, "eps": 1e-6}
+        for key, default in paper_only.items():
+            _check(getattr(p, key) == default, f"pps.{key}", f"{default} (unset) with pps.mode=reference, "
+                   "the released code's fixed procedure (ALGORITHMS.md §3a)", getattr(p, key))
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     _check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)

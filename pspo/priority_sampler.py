@@ -16,6 +16,18 @@ the priority is the group's mean |A| (`priority: mean_abs`), the expected value 
 reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
 
+The fixes of ALGORITHMS.md §3b, each off by default (the paper's method):
+  uniform_mix u    P'(q) = (1-u)·P(q) + u/N: no prompt falls below u/N. Drawn as P' ∝ p_q + c with
+                   c = u·Σp / ((1-u)·N), through a second tree that counts the live leaves.
+  priority posterior   a_q <- λ·a_q + Σ_i r̂_i, b_q <- λ·b_q + Σ_i (1-r̂_i) (a = b = 1 at the start),
+                   p̂ = a/(a+b), p_q = (p̂(1-p̂) + ε_p)^α: the prompt's learnability; one all-wrong
+                   group lowers it without abandoning the prompt. r̂ is the accuracy in [0, 1].
+                   λ applies when the prompt is scored (old evidence counts less than new); an
+                   unvisited prompt keeps its counts (decaying all N every step would cost O(N)).
+  skip             a drawn prompt whose last k ≥ 1 groups all had zero variance is kept with
+                   probability max(ρ^k, s_min), else skipped before any rollout and replaced by
+                   another draw (GRESO-style); the skips are counted.
+
 Priorities live in a sum-tree (one float64 array, leaves at [S, S+N)), so a draw is a
 vectorized descent of log2(N) levels: B of N = 10^6 costs well under a millisecond
 (bench/priority_sampler.py). When the running maximum rises, the unseen leaves are raised with it
@@ -29,14 +41,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-PRIORITIES = ("mean_abs", "max_abs", "last_abs")
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")
 IS_NORMS = ("batch_max", "mean", "none")   # w / max over the batch | w / mean over the batch | w as is
 
 
 class PrioritySampler:
     def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None, total_steps: int = 1,
-                 is_norm: str = "batch_max"):
+                 is_norm: str = "batch_max", uniform_mix: float = 0.0, posterior_decay: float = 1.0,
+                 skip: bool = False, skip_rho: float = 0.5, skip_min: float = 0.01):
         if priority not in PRIORITIES:
             raise ValueError(f"pps.priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
         if is_norm not in IS_NORMS:
@@ -44,17 +57,26 @@ class PrioritySampler:
         if num_prompts < 1:
             raise ValueError("PrioritySampler: the dataset has no prompts")
         self.num_prompts, self.alpha, self.beta, self.eps, self.priority = num_prompts, alpha, beta, eps, priority
-        self.is_norm = is_norm
+        if not 0 <= uniform_mix < 1:
+            raise ValueError(f"pps.uniform_mix: expected a value in [0, 1), got {uniform_mix}")
+        self.is_norm, self.uniform_mix, self.decay = is_norm, uniform_mix, posterior_decay
+        self.skip, self.skip_rho, self.skip_min = skip, skip_rho, skip_min
         self.beta_end = beta if beta_end is None else beta_end
         self.total_steps = max(1, total_steps)
         self.size = 1 << max(0, (num_prompts - 1).bit_length())                 # S, a power of two ≥ N
         self.depth = self.size.bit_length() - 1
         self.tree = torch.zeros(2 * self.size, dtype=torch.float64)             # node i: children 2i, 2i+1
+        self.count = torch.zeros(2 * self.size, dtype=torch.float64)            # live leaves under node i
         self.seen = torch.zeros(num_prompts, dtype=torch.bool)
-        self.max_priority = 1.0
+        self.posterior_a = torch.ones(num_prompts, dtype=torch.float64)         # decayed Beta counts
+        self.posterior_b = torch.ones(num_prompts, dtype=torch.float64)
+        self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)          # zero-variance groups in a row
+        # posterior: every prompt starts at the prior's learnability .25, the largest possible
+        self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
         self.steps = 0                                                          # sample() calls so far
         self.generator = torch.Generator().manual_seed(seed)
         self.tree[self.size:self.size + num_prompts] = self.max_priority
+        self.count[self.size:self.size + num_prompts] = 1.0
         self._rebuild()
 
     # ---- the sum-tree ----
@@ -62,31 +84,41 @@ class PrioritySampler:
         lo = self.size
         while lo > 1:
             hi, lo = lo, lo // 2
-            self.tree[lo:hi] = self.tree[2 * lo:2 * hi:2] + self.tree[2 * lo + 1:2 * hi:2]
+            for t in (self.tree, self.count):
+                t[lo:hi] = t[2 * lo:2 * hi:2] + t[2 * lo + 1:2 * hi:2]
 
-    def _set(self, indices: Tensor, values: Tensor) -> None:
-        """Set leaves and re-sum their ancestors, one level at a time (numpy view of the tree).
+    def _set(self, indices: np.ndarray, values: np.ndarray, live: float | None = None) -> None:
+        """Set leaves (and, given `live`, their live counts) and re-sum their ancestors, one level
+        at a time (numpy views of the trees).
 
         A parent shared by several leaves is written several times with the same sum: harmless.
         """
-        tree = self.tree.numpy()
-        nodes = indices.numpy() + self.size
-        tree[nodes] = values.numpy()
-        for _ in range(self.depth):
-            nodes = nodes // 2
-            tree[nodes] = tree[2 * nodes] + tree[2 * nodes + 1]
+        nodes = np.asarray(indices, dtype=np.int64) + self.size
+        for tree, leaf in ((self.tree.numpy(), values), (self.count.numpy(), live)):
+            if leaf is None:
+                continue
+            tree[nodes] = leaf
+            up = nodes
+            for _ in range(self.depth):
+                up = up // 2
+                tree[up] = tree[2 * up] + tree[2 * up + 1]
 
-    def _draw(self, n: int) -> Tensor:
-        """n independent draws (with replacement) with P(q) = p_q / Σ p. (n,)
+    def _mix_constant(self) -> float:
+        """c such that p_q + c ∝ P'(q) = (1-u)·p_q/Σp + u/N: c = u·Σp / ((1-u)·N) (0 without the mix)."""
+        u = self.uniform_mix
+        return u * float(self.tree[1]) / ((1 - u) * self.num_prompts) if u > 0 else 0.0
 
-        The descent runs in numpy on a view of the tree: the same float64 arithmetic as torch,
+    def _draw(self, n: int, c: float = 0.0) -> Tensor:
+        """n independent draws (with replacement) with P(q) ∝ p_q + c over the live leaves. (n,)
+
+        The descent runs in numpy on views of the trees: the same float64 arithmetic as torch,
         at a fraction of the per-op overhead (log2 N tiny ops dominate the cost).
         """
-        tree = self.tree.numpy()                                                # shares memory
-        u = torch.rand(n, dtype=torch.float64, generator=self.generator).numpy() * tree[1]
+        tree, count = self.tree.numpy(), self.count.numpy()                     # share memory
+        u = torch.rand(n, dtype=torch.float64, generator=self.generator).numpy() * (tree[1] + c * count[1])
         node = np.ones(n, dtype=np.int64)
         for _ in range(self.depth):                                             # descend one level
-            left = tree[2 * node]
+            left = tree[2 * node] + c * count[2 * node]
             right = u >= left
             u = np.where(right, u - left, u)
             node = 2 * node + right
@@ -98,12 +130,21 @@ class PrioritySampler:
         return self.tree[self.size:self.size + self.num_prompts].clone()
 
     def probabilities(self) -> Tensor:
-        return self.priorities() / self.tree[1]
+        """P'(q) = (p_q + c) / (Σp + c·N), the draw probability of each prompt (P(q) without the mix). (N,)"""
+        c = self._mix_constant()
+        return (self.priorities() + c) / (self.tree[1] + c * self.num_prompts)
 
     def current_beta(self) -> float:
         """β for the next draw: linear from beta (first draw) to beta_end (draw number total_steps)."""
         frac = min(1.0, self.steps / max(1, self.total_steps - 1))
         return self.beta + (self.beta_end - self.beta) * frac
+
+    def _keep(self, drawn: np.ndarray) -> np.ndarray:
+        """pps.skip: which drawn prompts are kept. A prompt whose last k groups all had zero
+        variance is kept with probability max(ρ^k, s_min); k = 0 always. (n,) bool"""
+        k = self.zero_streak[torch.from_numpy(drawn)].double()
+        keep_prob = torch.where(k > 0, torch.clamp(self.skip_rho ** k, min=self.skip_min), torch.ones_like(k))
+        return (torch.rand(len(drawn), dtype=torch.float64, generator=self.generator) < keep_prob).numpy()
 
     def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
         """B distinct prompt indices (B,) and their IS weights (B,) float32, normalised by `is_norm`
@@ -111,77 +152,118 @@ class PrioritySampler:
         GRPO's), none w as is (the reference code's).
 
         Successive sampling without replacement, in rounds: a round draws as many prompts as are
-        still missing from the tree, keeps each new one in draw order (a repeat is discarded,
-        which is the same as redrawing from the prompts not yet taken), then sets the kept
-        leaves to 0 so that later rounds cannot hit them. Every round keeps at least one prompt
-        and costs O(missing · log N), whatever the priorities (before, a loop redrew taken
-        prompts and took seconds when most mass sat on fewer than B prompts). The zeroed leaves
-        get their priorities back at the end.
+        still missing, keeps each new one in draw order (a repeat is discarded, which is the same
+        as redrawing from the prompts not yet taken), then zeroes the kept leaves (value and live
+        count) so that later rounds cannot hit them. Every round keeps at least one prompt and
+        costs O(missing · log N), whatever the priorities. With pps.skip, a drawn prompt may be
+        skipped instead: its leaf is zeroed too, so the next round replaces it; if the prompts
+        run out first, the skipped ones are taken back in draw order. All leaves are restored
+        at the end.
         """
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of {self.num_prompts}")
-        leaves = self.tree.numpy()[self.size:]                                 # view: zeroing shows here
-        taken, values, draws = [], [np.zeros(0)], 0
-        restore = lambda: self._set(torch.tensor(taken, dtype=torch.int64), torch.from_numpy(np.concatenate(values)))
+        c = self._mix_constant()                                                # from the full tree
+        leaves = self.tree.numpy()[self.size:]                                  # views: zeroing shows here
+        live = self.count.numpy()[self.size:]
+        taken, skipped, draws = [], [], 0
+        removed, values = [], []                                                # zeroed leaves, their values
         while len(taken) < batch_size:
-            if self.tree[1] <= 0:                           # the rest have priority 0 (only with eps = 0)
-                restore()
+            if self.tree[1] + c * self.count[1] <= 0:                           # nothing drawable is left
+                if self.skip and skipped:
+                    back = batch_size - len(taken)
+                    taken.extend(skipped[:back])
+                    skipped = skipped[back:]
+                    continue
+                self._set(np.array(removed, dtype=np.int64), np.array(values), 1.0)
                 raise ValueError(f"PrioritySampler: {batch_size} distinct prompts asked, but only "
                                  f"{len(taken)} have a priority above 0")
-            drawn = self._draw(batch_size - len(taken)).numpy()                 # (missing,)
+            drawn = self._draw(batch_size - len(taken), c).numpy()              # (missing,)
             draws += len(drawn)
-            drawn = drawn[leaves[drawn] > 0]                # padding leaves and (by rounding) taken ones
-            kept = drawn[np.sort(np.unique(drawn, return_index=True)[1])]       # first occurrences, in draw order
-            taken.extend(kept.tolist())
-            values.append(leaves[kept].copy())
-            self._set(torch.from_numpy(kept), torch.zeros(len(kept), dtype=torch.float64))
+            drawn = drawn[(leaves[drawn] + c * live[drawn]) > 0]                # padding and taken ones (rounding)
+            drawn = drawn[np.sort(np.unique(drawn, return_index=True)[1])]      # first occurrences, in draw order
+            removed.extend(drawn.tolist())
+            values.extend(leaves[drawn].tolist())
+            self._set(drawn, np.zeros(len(drawn)), 0.0)
+            keep = self._keep(drawn) if self.skip else np.ones(len(drawn), dtype=bool)
+            taken.extend(drawn[keep].tolist())
+            skipped.extend(drawn[~keep].tolist())
         indices = torch.tensor(taken, dtype=torch.int64)
-        restore()                                                               # priorities back
-        probs = self.tree[indices + self.size] / self.tree[1]                   # P(q)
-        weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P)^-β
+        self._set(np.array(removed, dtype=np.int64), np.array(values), 1.0)    # priorities back
+        probs = (self.tree[indices + self.size] + c) / (self.tree[1] + c * self.num_prompts)   # P'(q)
+        weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P')^-β
         self.steps += 1
-        self._last = {"draws": draws, "raw_weights": weights, "revisit": float(self.seen[indices].float().mean())}
+        self._last = {"draws": draws, "raw_weights": weights, "revisit": float(self.seen[indices].float().mean()),
+                      "skipped": len(skipped)}
         norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
-        return indices, (weights / norm).float()
+        self._weights = (weights / norm).float()
+        return indices, self._weights
 
     def batch_stats(self) -> dict[str, float]:
         """Diagnostics of the last `sample` and of the current priorities (logged each step).
 
-        entropy: H(P) / ln N, 1 for uniform priorities, lower as sampling concentrates.
-        is_max / is_min: the unnormalized (N·P)^-β of the batch (the loss uses w = these / is_max).
+        entropy: H(P') / ln N, 1 for uniform priorities, lower as sampling concentrates.
+        is_max / is_min: the unnormalized (N·P')^-β of the batch (the loss uses w = these / is_max).
         ess: effective sample size of the batch's weights, (Σw)² / Σw², out of B.
         repeat_frac: fraction of raw draws that hit a prompt already in the batch (redrawn).
         revisit_frac: fraction of the batch's prompts that were scored in an earlier step.
+        skipped: prompts drawn and skipped before generation (pps.skip; 0 without it).
         """
         raw = self._last["raw_weights"]
         probs = self.probabilities()
         probs = probs[probs > 0]
         entropy = float(-(probs * probs.log()).sum()) / math.log(self.num_prompts) if self.num_prompts > 1 else 1.0
         ess = float(raw.sum() ** 2 / (raw ** 2).sum())
-        repeat = 1.0 - len(raw) / self._last["draws"]
+        repeat = 1.0 - (len(raw) + self._last["skipped"]) / self._last["draws"]
         return {"entropy": entropy, "is_max": float(raw.max()), "is_min": float(raw.min()), "ess": ess,
-                "repeat_frac": repeat, "revisit_frac": self._last["revisit"]}
+                "repeat_frac": repeat, "revisit_frac": self._last["revisit"], "skipped": float(self._last["skipped"])}
 
-    def update(self, indices: Tensor, abs_advantages: Tensor) -> None:
-        """Set p_q = (stat_i |A_i| + ε)^α for the scored prompts. abs_advantages (B, G) ≥ 0."""
+    def update(self, indices: Tensor, abs_advantages: Tensor, successes: Tensor | None = None) -> Tensor:
+        """Set the scored prompts' priorities and return the batch's IS weights per completion (B, G).
+
+        abs_advantages (B, G) ≥ 0, the raw GRPO |A|: p_q = (stat_i |A_i| + ε)^α; `successes` (B, G)
+        in [0, 1] (the accuracy) feed the posterior instead when priority = posterior. Zero-variance
+        groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it.
+        """
         a = abs_advantages.detach().double().cpu()
-        stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1), "last_abs": lambda: a[:, -1]}[self.priority]()
-        values = (stat + self.eps) ** self.alpha                                # (B,)
         indices = indices.cpu().long()
+        if self.priority == "posterior":                                         # §3b: decayed Beta counts
+            if successes is None:
+                raise ValueError("pps.priority=posterior: update needs the completions' successes")
+            r = successes.detach().double().cpu().clamp(0, 1)                   # (B, G)
+            self.posterior_a[indices] = self.decay * self.posterior_a[indices] + r.sum(1)
+            self.posterior_b[indices] = self.decay * self.posterior_b[indices] + (1 - r).sum(1)
+            mean = self.posterior_a[indices] / (self.posterior_a[indices] + self.posterior_b[indices])
+            stat = mean * (1 - mean)                                            # p̂(1 - p̂) ≤ .25
+        else:
+            stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1), "last_abs": lambda: a[:, -1]}[self.priority]()
+        values = (stat + self.eps) ** self.alpha                                # (B,)
+        zero = a.amax(1) == 0
+        self.zero_streak[indices] = torch.where(zero, self.zero_streak[indices] + 1, 0)
         self.seen[indices] = True
-        self._set(indices, values)
+        self._set(indices.numpy(), values.numpy())
         new_max = float(values.max())
         if new_max > self.max_priority:                                         # unseen prompts follow the max
             self.max_priority = new_max
             leaves = self.tree[self.size:self.size + self.num_prompts]
             leaves[~self.seen] = new_max
             self._rebuild()
+        return self._weights_for(len(indices), a.shape[1])
+
+    def _weights_for(self, batch: int, groups: int) -> Tensor:
+        """The last sample's weights, one per completion (B, G): every completion of a group shares its prompt's."""
+        weights = getattr(self, "_weights", None)
+        if weights is None or len(weights) != batch:
+            return torch.ones(batch, groups)
+        return weights[:, None].expand(batch, groups).clone()
 
     def state_dict(self) -> dict:
         return {"priorities": self.priorities(), "seen": self.seen.clone(), "max_priority": self.max_priority,
-                "steps": self.steps, "rng": self.generator.get_state()}
+                "steps": self.steps, "rng": self.generator.get_state(), "posterior_a": self.posterior_a.clone(),
+                "posterior_b": self.posterior_b.clone(), "zero_streak": self.zero_streak.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        if "priorities" not in state:
+            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; resume with the same mode")
         if len(state["priorities"]) != self.num_prompts:
             raise ValueError(f"checkpoint sampler has {len(state['priorities'])} prompts, the dataset has "
                              f"{self.num_prompts}: resume with the same data.train")
@@ -190,3 +272,6 @@ class PrioritySampler:
         self._rebuild()
         self.seen, self.max_priority, self.steps = state["seen"].clone(), state["max_priority"], state["steps"]
         self.generator.set_state(state["rng"])
+        for key in ("posterior_a", "posterior_b", "zero_streak"):              # absent in older checkpoints
+            if key in state:
+                setattr(self, key, state[key].clone())

@@ -55,7 +55,7 @@ def test_base_inheritance_and_presets():
     ("", ["train.max_steps=3"], "overrides look like --section.key=value"),
     ("", ["--reward.accuracy=0"], "reward: expected at least one non-zero weight"),
     ("ers:\n  alpha: 0\n", [], "ers.alpha: expected in (0, 1], got 0.0"),
-    ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs, got 'last'"),
+    ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs | posterior, got 'last'"),
     ("", ["--pps.beta_end=-0.5"], "pps.beta_end: expected >= 0, or -1 for a constant β"),
     ("", ["--pps.eps=0"], "pps.eps: expected > 0"),
     ("", ["--pps.is_norm=max"], "pps.is_norm: expected batch_max | mean | none, got 'max'"),
@@ -96,3 +96,46 @@ def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
     assert proc.returncode == 2
     out = (proc.stdout + proc.stderr).strip().splitlines()
     assert out == ["error: optim.lr: expected float, got 'fast'"]
+
+
+@pytest.mark.parametrize("yaml_text, overrides, message", [
+    ("", ["--pps.mode=bogus"], "pps.mode: expected paper | reference, got 'bogus'"),
+    ("", ["--pps.uniform_mix=1"], "pps.uniform_mix: expected in [0, 1), got 1.0"),
+    ("", ["--pps.uniform_mix=-0.1"], "pps.uniform_mix: expected in [0, 1), got -0.1"),
+    ("", ["--pps.posterior_decay=0"], "pps.posterior_decay: expected in (0, 1], got 0.0"),
+    ("", ["--pps.skip_rho=1.5"], "pps.skip_rho: expected in (0, 1], got 1.5"),
+    ("", ["--pps.skip_min=0"], "pps.skip_min: expected in (0, 1], got 0.0"),
+    ("pps:\n  skip: sometimes\n", [], "pps.skip: expected bool"),
+    # pps.mode=reference is the released code's fixed procedure: the §3b options are refused
+    ("pps:\n  mode: reference\n", ["--pps.is_norm=mean"],
+     "pps.is_norm: expected batch_max (unset) with pps.mode=reference"),
+    ("", ["--pps.mode=reference", "--pps.skip=true"], "pps.skip: expected False (unset) with pps.mode=reference"),
+    ("", ["--pps.mode=reference", "--pps.uniform_mix=0.1"],
+     "pps.uniform_mix: expected 0.0 (unset) with pps.mode=reference"),
+    ("", ["--pps.mode=reference", "--pps.priority=posterior"],
+     "pps.priority: expected mean_abs (unset) with pps.mode=reference"),
+    ("", ["--pps.mode=reference", "--pps.beta_end=1"], "pps.beta_end: expected -1.0 (unset) with pps.mode=reference"),
+])
+def test_pps_option_errors_name_the_key(tmp_path, yaml_text, overrides, message):
+    path = write(tmp_path, "c.yaml", yaml_text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pps_options_load_and_reference_presets():
+    cfg = load_config(None, ["--pps.priority=posterior", "--pps.posterior_decay=0.5", "--pps.uniform_mix=0.1",
+                             "--pps.skip=true", "--pps.skip_rho=0.25", "--pps.skip_min=0.05"])
+    p = cfg.pps
+    assert (p.mode, p.priority, p.posterior_decay, p.uniform_mix, p.skip, p.skip_rho, p.skip_min) == \
+        ("paper", "posterior", 0.5, 0.1, True, 0.25, 0.05)
+    d = Config().pps                                       # the §3b options are off by default: the paper's method
+    assert (d.mode, d.uniform_mix, d.skip, d.priority, d.is_norm) == ("paper", 0.0, False, "mean_abs", "batch_max")
+    # pspo_reference: the pspo preset with pps.mode=reference, here and on GPU
+    for folder in ("configs", "configs/qwen2.5-math-1.5b"):
+        ref = load_config(os.path.join(ROOT, folder, "pspo_reference.yaml"))
+        pspo = load_config(os.path.join(ROOT, folder, "pspo.yaml"))
+        assert ref.pps.mode == "reference" and ref.pps.enabled and ref.ers == pspo.ers
+        assert (ref.pps.alpha, ref.pps.beta) == (0.6, 0.4)
+        assert (ref.algo, ref.optim, ref.rollout, ref.data) == (pspo.algo, pspo.optim, pspo.rollout, pspo.data)
+        assert "reference" in ref.train.output_dir

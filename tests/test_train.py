@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pspo.data import builtin_arithmetic
+from pspo.reference_sampler import ReferenceSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
@@ -192,3 +193,76 @@ def test_bad_data_file_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()                          # errors go to standard error
     assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.jsonl" in lines[0]
+
+
+@pytest.fixture
+def nine_prompts(tmp_path):
+    """9 rows, the last repeating the first's problem, 4 prompts per step: an epoch of pps.mode=reference
+    draws 9 rows and serves 2 steps (the 9th draw is dropped)."""
+    path = tmp_path / "nine.jsonl"
+    examples = builtin_arithmetic("train")[:8]
+    with open(path, "w") as f:
+        for ex in examples + examples[:1]:
+            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
+    return [f"--data.train={path}", "--train.prompts_per_step=4"]
+
+
+def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, nine_prompts):
+    # pspo_reference (ALGORITHMS.md §3a): 3 steps, then resumed to step 4, against 4 steps in one go.
+    # Epoch 0 serves steps 1-2, epoch 1 steps 3-4: the checkpoint at step 3 is mid-epoch (position 4 of
+    # its 9 draws), so the resume must bring back the frozen draws and the position, not just the RNG.
+    config = "configs/pspo_reference.yaml"
+    part, full = str(tmp_path / "part"), str(tmp_path / "full")
+    train(part, *nine_prompts, "--train.max_steps=3", config=config)
+    state3 = trainer_state(os.path.join(part, "checkpoint-3"))["sampler"]
+    assert (state3["position"], state3["epoch"], len(state3["order"])) == (4, 1, 9)
+    # row 8 repeats row 0's problem: its groups write row 0's priority (the reference keys priorities by
+    # problem), row 8's own stays 1. The seed's first epoch serves row 8 (checked here, so that the
+    # assertion below means something: a write of (|A| + 1e-6)^.6 is 1 only if |A| = 1 - 1e-6).
+    first = ReferenceSampler(9, seed=0)
+    assert 8 in first.sample(4)[0].tolist() + first.sample(4)[0].tolist()
+    assert state3["reference_priorities"][8].item() == 1.0 and state3["reference_priorities"][0].item() != 1.0
+    train(part, *nine_prompts, "--train.max_steps=4", "--train.resume=auto", config=config)
+    train(full, *nine_prompts, "--train.max_steps=4", config=config)
+    a, b = metrics(full), metrics(part)
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4]
+    assert [r["pps_epoch"] for r in a[1:]] == [0, 0, 1, 1]
+    for key in ("reward_mean", "loss", "grad_norm", "ers_gap", "pps_epoch", "pps_repeat_frac"):
+        assert a[4][key] == pytest.approx(b[4][key], rel=1e-6, abs=1e-9), key
+    sa, sb = trainer_state(os.path.join(full, "checkpoint-4")), trainer_state(os.path.join(part, "checkpoint-4"))
+    assert_same_state(sa, sb, atol=1e-9)
+    assert sa["sampler"]["position"] == 8 and torch.equal(sa["sampler"]["order"], state3["order"])
+    # a reference checkpoint does not resume under pps.mode=paper: one line, exit code 2
+    proc = train(part, *nine_prompts, "--train.max_steps=5", "--train.resume=auto", "--pps.mode=paper",
+                 config=config, check=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2
+    assert lines[-1] == "error: pps.mode: the checkpoint was trained with pps.mode=reference; resume with the same mode"
+
+
+def test_pps_options_run_and_log_skips(tmp_path, few_prompts):
+    # §3b options together: posterior priorities (λ = .9 default), GRESO-style skipping with ρ = .01
+    # (a prompt after a zero-variance group is kept 1% of the time), uniform_mix .1. 6 prompts, 4 per step.
+    out = str(tmp_path / "run")
+    G, lam = 4, 0.9
+    pspo(out, few_prompts, "--train.max_steps=4", "--pps.priority=posterior", "--pps.skip=true",
+         "--pps.uniform_mix=0.1", "--pps.skip_rho=0.01")
+    rows = metrics(out)[1:]
+    for r in rows:
+        assert r["rollouts_saved"] == G * r["pps_skipped"]
+        # skipped prompts are replaced by others, or taken back: at most N - B = 2 per step
+        assert r["pps_skipped"] in (0.0, 1.0, 2.0)
+    # about half the groups of this model have zero variance, so with ρ = .01 skips happen
+    assert any(r["zero_std_frac"] > 0 for r in rows) and sum(r["pps_skipped"] for r in rows) > 0
+    s = trainer_state(os.path.join(out, "checkpoint-4"))["sampler"]
+    # The posterior counts: a prompt scored k times has a + b = 2·λ^k + G·(1 + λ + ... + λ^(k-1)).
+    # Solve for k: every prompt's k is a whole number, and the k sum to the 4·4 = 16 groups scored.
+    a, b = s["posterior_a"], s["posterior_b"]
+    visits = []
+    for total in (a + b).tolist():
+        k = next(k for k in range(5) if abs(2 * lam ** k + G * (1 - lam ** k) / (1 - lam) - total) < 1e-9)
+        visits.append(k)
+    assert sum(visits) == 16 and s["seen"].tolist() == [k > 0 for k in visits]
+    assert all(int(z) <= k for z, k in zip(s["zero_streak"].tolist(), visits))
+    mean = a / (a + b)
+    torch.testing.assert_close(s["priorities"], (mean * (1 - mean) + 1e-6) ** 0.6, atol=1e-12, rtol=0)
