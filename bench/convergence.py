@@ -3,6 +3,8 @@
     python bench/convergence.py            # the study: 5 methods x 3 seeds x 100 steps (~35 min, 2-core CPU)
     python bench/convergence.py --quick    # a 2-minute smoke version for CI (does not touch RESULTS.md)
     python bench/convergence.py --methods pps,pspo --section pps-floor -- --pps.eps=0.05   # a side study
+    python bench/convergence.py --section pps-study --steps 60 \
+        --methods grpo,pspo,pspo_reference,pps_mix,pps_posterior,pps_skip,grpo_skip     # issue 10's study
 
 Every run is `train.py --config configs/<method>.yaml` with the same seed, steps, batch,
 engine (`--engine`, default hf: the transformers engine, faster than vLLM on CPU for the tiny
@@ -11,6 +13,10 @@ each run's metrics.jsonl this reports, with mean and spread over seeds:
   final    greedy test accuracy after the last step
   AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)
   to thr   rollouts consumed until test accuracy first reaches --threshold (at an eval point)
+  R_X      (rollouts --baseline needs to reach its own final accuracy) / (rollouts this method
+           needs to reach it), interpolated between evaluations; > 1 is faster (mean ± sd over seeds)
+  train time to it   summed step times (evaluations excluded) to that accuracy, and its ratio
+  rollouts saved     prompts skipped before generation (pps.skip) x G, per run
   bookkeeping  drawing prompts + advantages + the ERS/PPS updates, as a fraction of step time
                (for grpo/dr_grpo: the uniform sampler and group advantages; the rest is ERS/PPS)
 It prints the table, writes it into bench/RESULTS.md (between the convergence markers) and
@@ -39,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
     ap.add_argument("--threshold", type=float, default=0.70, help="accuracy for the rollouts-to-threshold column")
+    ap.add_argument("--baseline", default="grpo", help="the method whose final accuracy the R_X column targets")
     ap.add_argument("--engine", default="hf", help="rollout.engine of every run (the tables were measured with hf)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each gets cores/jobs threads)")
     ap.add_argument("--out", default="", help="run folders (default runs/<section>, runs/<section>-quick)")
@@ -101,18 +108,70 @@ def rollouts_to(x: list[int], y: list[float], threshold: float) -> int | None:
     return next((xi for xi, yi in zip(x, y) if yi >= threshold), None)
 
 
+def crossing(x: list[float], y: list[float], target: float) -> float | None:
+    """Where y first reaches target, linearly interpolated between evaluation points (None: never)."""
+    for i, (xi, yi) in enumerate(zip(x, y)):
+        if yi >= target:
+            if i == 0:
+                return xi
+            return x[i - 1] + (xi - x[i - 1]) * (target - y[i - 1]) / (yi - y[i - 1])
+    return None
+
+
+def elapsed(rows: list[dict], rollouts_per_step: int, rollouts: float) -> float:
+    """Training wall time (the sum of step_time_s, evaluations excluded) until `rollouts` were
+    generated, interpolated within the step."""
+    steps = rollouts / rollouts_per_step
+    times = [r["step_time_s"] for r in rows if r["step"] > 0]
+    whole = int(steps)
+    return sum(times[:whole]) + (steps - whole) * (times[whole] if whole < len(times) else 0.0)
+
+
 def _mean_sd(values: list[float]) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
+def speedups(runs: dict[str, list[str]], baseline: str) -> dict[str, str]:
+    """R_X and time to the baseline's final accuracy, per method.
+
+    target = the baseline's final test accuracy (mean over its seeds); R_X of a seed = the rollouts
+    the baseline needs to first reach target (mean over its seeds) / the rollouts this seed needs
+    (interpolated between evaluations), so > 1 is faster; reported as mean ± sd over the seeds that
+    reach target. The same for training wall time (step times summed, evaluations excluded)."""
+    if baseline not in runs:
+        return {}
+    rows = {m: [_read(o) for o in outs] for m, outs in runs.items()}
+    per_step = {m: [_rollouts_per_step(o) for o in outs] for m, outs in runs.items()}
+    target = statistics.mean(curve(r, k)[1][-1] for r, k in zip(rows[baseline], per_step[baseline]))
+    base_x = [crossing(*curve(r, k), target) for r, k in zip(rows[baseline], per_step[baseline])]
+    base_t = [elapsed(r, k, x) for r, k, x in zip(rows[baseline], per_step[baseline], base_x) if x is not None]
+    base_x = [x for x in base_x if x is not None]
+    out = {}
+    for m in runs:
+        xs = [crossing(*curve(r, k), target) for r, k in zip(rows[m], per_step[m])]
+        ts = [elapsed(r, k, x) for r, k, x in zip(rows[m], per_step[m], xs) if x is not None]
+        xs = [x for x in xs if x is not None]
+        if not xs or not base_x:
+            out[m] = (f"not reached (0/{len(rows[m])})", "-")
+            continue
+        ratio = [statistics.mean(base_x) / max(x, 1.0) for x in xs]
+        tratio = [statistics.mean(base_t) / max(t, 1e-9) for t in ts]
+        out[m] = (f"{_mean_sd(ratio)} ({len(xs)}/{len(rows[m])})", f"{statistics.mean(ts):.0f} s, x{statistics.mean(tratio):.2f}")
+    out["_target"] = f"{target:.3f}"
+    return out
+
+
 def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str, dict]:
     """The markdown table and the per-method curves for the plot."""
-    lines = [f"| method | final test acc | AUC | rollouts to {args.threshold:.2f} | step time (s) | "
-             "bookkeeping / step |", "|---|---|---|---|---|---|"]
+    fast = speedups(runs, args.baseline)
+    target = fast.pop("_target", None)
+    extra = (f" R_X to {args.baseline}'s final {target} | train time to it |" if target else "")
+    lines = [f"| method | final test acc | AUC | rollouts to {args.threshold:.2f} |{extra} step time (s) | "
+             "bookkeeping / step | rollouts saved |", "|---|---|---|---|" + ("---|---|" if target else "") + "---|---|---|"]
     curves = {}
     for method, outs in runs.items():
-        finals, aucs, reached, step_s, book_s, per_seed = [], [], [], [], [], []
+        finals, aucs, reached, step_s, book_s, per_seed, saved = [], [], [], [], [], [], []
         for out in outs:
             rows = _read(out)
             train_rows = [r for r in rows if r["step"] > 0]
@@ -126,11 +185,13 @@ def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str
                 reached.append(hit)
             step_s.append(statistics.mean(r["step_time_s"] for r in train_rows))
             book_s.append(statistics.mean(r["bookkeeping_s"] for r in train_rows))
+            saved.append(sum(r.get("rollouts_saved", 0.0) for r in train_rows))
         to_thr = (f"{statistics.mean(reached) / 1000:.1f}k ({len(reached)}/{len(outs)} seeds)" if reached
                   else f"not reached (0/{len(outs)})")
         overhead = statistics.mean(book_s) / statistics.mean(step_s)
-        lines.append(f"| {method} | {_mean_sd(finals)} | {_mean_sd(aucs)} | {to_thr} | "
-                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% |")
+        speed = f" {fast[method][0]} | {fast[method][1]} |" if target else ""
+        lines.append(f"| {method} | {_mean_sd(finals)} | {_mean_sd(aucs)} | {to_thr} |{speed} "
+                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% | {statistics.mean(saved) / 1000:.1f}k |")
         curves[method] = per_seed
     return "\n".join(lines), curves
 

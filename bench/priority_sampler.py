@@ -5,7 +5,9 @@
 Table 1: B = 64 and 256 at N = 10^3..10^6 with priorities touched by a few updates. Table 2: the
 skewed cases that once made sampling slow (most of the mass on fewer than B prompts): half of N
 at the floor priority, and geometric priorities p_q = 0.5^q. It also prints how many raw draws
-and rounds a sample took.
+and rounds a sample took. Table 3: the §3b options and §3a's reference mode at N = 10^6, B = 256:
+sample + update per step (the reference mode's per-epoch draw of N rows is amortised over the
+N/B steps of an epoch and shown apart).
 """
 import os
 import statistics
@@ -16,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pspo.priority_sampler import PrioritySampler  # noqa: E402
+from pspo.reference_sampler import ReferenceSampler  # noqa: E402
 
 
 def median_ms(fn, repeats: int = 200) -> float:
@@ -27,13 +30,13 @@ def median_ms(fn, repeats: int = 200) -> float:
     return 1e3 * statistics.median(times)
 
 
-def touched(n: int, batch: int, groups: int = 8) -> PrioritySampler:
+def touched(n: int, batch: int, groups: int = 8, **options) -> PrioritySampler:
     """A sampler whose priorities have been through 20 steps of random |A| (so the tree is not flat)."""
-    s = PrioritySampler(n, seed=0)
+    s = PrioritySampler(n, seed=0, **options)
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         idx, _ = s.sample(batch)
-        s.update(idx, torch.rand(batch, groups, generator=g) * 0.5)
+        s.update(idx, torch.rand(batch, groups, generator=g) * 0.5, torch.rand(batch, groups, generator=g).round())
     return s
 
 
@@ -69,6 +72,24 @@ def main() -> None:
         s = skewed(n, kind)
         sample = median_ms(lambda: s.sample(batch), repeats=50)
         print(f"{kind:>10} {n:>10} {batch:>4} {sample:>10.3f} {s._last['draws']:>10}")
+    print()
+    n, batch = 10**6, 256
+    g = torch.Generator().manual_seed(2)
+    adv, acc = torch.rand(batch, G, generator=g) * 0.5, torch.rand(batch, G, generator=g).round()
+    print(f"{'option (N = 10^6, B = 256)':>42} {'sample + update ms':>19}")
+    for name, options in (("paper (mean_abs, batch_max)", {}), ("uniform_mix 0.2", {"uniform_mix": 0.2}),
+                          ("priority posterior", {"priority": "posterior", "posterior_decay": 0.9}),
+                          ("skip, half the prompts at streak 3", {"skip": True})):
+        s = touched(n, batch, **options)
+        if "skip" in options:
+            s.zero_streak[: n // 2] = 3
+        step = median_ms(lambda: s.update(s.sample(batch)[0], adv, acc))
+        print(f"{name:>42} {step:>19.3f}")
+    r = ReferenceSampler(n, seed=0)
+    step = median_ms(lambda: r.update(r.sample(batch)[0], adv), repeats=200)
+    epoch = median_ms(lambda: ReferenceSampler(n, seed=0).sample(batch), repeats=5)
+    print(f"{'reference (pps.mode), per step':>42} {step:>19.3f}")
+    print(f"{'reference: one epoch draw of N rows':>42} {epoch:>19.3f}")
 
 
 if __name__ == "__main__":
