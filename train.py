@@ -95,6 +95,8 @@ def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
         "truncation_rate": sums["truncated"] / n, "grad_norm": sums["grad_norm"] / iters,
         "reward_failures": sums["reward_failures"], "gen_tokens_per_s": sums["gen_tokens_per_s"],
         "skipped_steps": round(sums["skipped_steps"]),
+        # padded positions / all positions of the update's micro-batches (prompt + completion columns)
+        "padding_frac": 1.0 - sums["update_tokens"] / max(sums["update_positions"], 1.0),
     }
     return metrics
 
@@ -233,14 +235,17 @@ def main(argv: list[str]) -> None:
         bookkeeping_s = time.perf_counter() - t0
         local = indices[mine]
         seeds = sequence_seeds(cfg.train.seed, step, torch.arange(B)[mine], G)    # (B_local*G,)
+        t_gen = time.perf_counter()
         rollout = engine.generate([train_ids[i] for i in local], G, r.temperature, r.top_p,
                                   r.max_new_tokens, seeds)
+        t_reward = time.perf_counter()
         rows = [i for i in local.tolist() for _ in range(G)]                      # prompt-major
         scored = score_completions([train_texts[i] for i in rows], rollout.texts,
                                    [train_set[i].answer for i in rows], weights, cfg.reward.timeout_s)
         # The whole (B, G) reward matrix on every rank: ERS and PPS state stay identical everywhere.
         rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G), dist_.device)   # (B, G)
         t1 = time.perf_counter()
+        times = {"gen_s": t_reward - t_gen, "reward_s": t1 - t_reward}
         advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps)       # (B, G) §1
         is_weights = is_weights[:, None].expand(B, G)                             # (B, G)
         if cfg.pps.enabled:           # §3: p_q from the raw |A| (or the accuracy, posterior); §3a's w per completion
@@ -259,15 +264,19 @@ def main(argv: list[str]) -> None:
         input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
                                                  rollout.mask, tokenizer.pad_token_id)
         device = dist_.device
+        t_update = time.perf_counter()
         if separate_engine:
             engine.sleep()                                                        # GPU: free it for the update
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
                                rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_,
                                rewards[mine].reshape(-1).to(device) if token_level else None)
         step += 1
+        t_sync = time.perf_counter()
+        times["update_s"] = t_sync - t_update
         skipped_in_a_row = skipped_in_a_row + 1 if update["skipped_steps"] else 0
         sync_metrics = sync_engine(engine, policy, [train_ids[i] for i in local[:4]], step, r, cfg.train.seed,
                                    device) if separate_engine else {}
+        times["sync_s"] = time.perf_counter() - t_sync
         if sync_metrics.get("sync_gap_mean", 0.0) > r.sync_check_tol:                # stale engine: save, stop
             save()
             raise SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's "
@@ -286,7 +295,8 @@ def main(argv: list[str]) -> None:
             "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
             **update,                                                             # REINFORCE++: token-level adv_*
         }
-        metrics = step_metrics(distributed.reduce_sums(local_sums, device), cfg)
+        sums = distributed.reduce_sums(local_sums, device)
+        metrics = step_metrics(sums, cfg)
         metrics["lr"] = scheduler.get_last_lr()[0]
         # ERS/PPS diagnostics come from the replicated state: the same on every rank, not summed.
         if ers is not None:
@@ -297,10 +307,13 @@ def main(argv: list[str]) -> None:
             metrics["rollouts_saved"] = metrics.get("pps_skipped", 0.0) * G              # skipped before generation
         metrics["bookkeeping_s"] = bookkeeping_s
         metrics.update(sync_metrics)
-        metrics["step_time_s"] = time.perf_counter() - t0
+        metrics.update(times)                                                     # this rank's (rank 0 logs)
+        metrics["update_tokens_per_s"] = sums["update_tokens"] / max(times["update_s"], 1e-9)   # all ranks' tokens
+        metrics["step_time_s"] = time.perf_counter() - t0                         # evaluation excluded
         if eval_set and (step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0)):
+            t_eval = time.perf_counter()
             last_eval = run_eval()
-            metrics.update(last_eval)
+            metrics.update(last_eval, eval_s=time.perf_counter() - t_eval)
         logger.log(step, metrics)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",

@@ -132,6 +132,7 @@ class TrainConfig:
     max_steps: int = 100                # rollout steps
     prompts_per_step: int = 64          # B, global prompts per step (split over ranks)
     micro_batch_size: int = 64          # sequences per forward/backward on one rank
+    micro_batch_tokens: int = 0         # > 0: token-budget micro-batches of at most this many padded tokens
     eval_steps: int = 0                 # evaluate every N steps (0 = only before/after)
     save_steps: int = 0                 # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
@@ -311,6 +312,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(t.prompts_per_step >= world_size and t.prompts_per_step % world_size == 0,
            "train.prompts_per_step", f"a multiple of the {world_size} ranks", t.prompts_per_step)
     _check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
+    _check(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", ">= 0 (0 = fixed micro_batch_size)",
+           t.micro_batch_tokens)
     for key in ("eval_steps", "save_steps", "keep_checkpoints"):
         _check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
     weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights")}

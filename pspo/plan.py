@@ -218,6 +218,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
     seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
     seqs_per_gpu = cfg.train.prompts_per_step // N * r.num_generations
     micro = min(cfg.train.micro_batch_size, seqs_per_gpu)
+    if cfg.train.micro_batch_tokens:          # token budget: at most budget tokens at once, as many full-length rows
+        micro = min(seqs_per_gpu, max(1, cfg.train.micro_batch_tokens // seq))
     P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
     ckpt = m.gradient_checkpointing
     other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB

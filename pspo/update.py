@@ -1,5 +1,12 @@
 """The policy update of one rollout batch: ALGORITHMS.md §1's clipped surrogate + β·KL, micro-batched
 with gradient accumulation, then the grad-norm clip and the AdamW step (num_iterations times).
+
+Micro-batches: `train.micro_batch_size` rows at a time, padded to the step's longest sequence
+(train.micro_batch_tokens = 0); or token-budget micro-batches (micro_batch_tokens > 0): the rows
+sorted by length and packed so that rows x (longest prompt + longest completion) of each stays
+within the budget, each cut to its own widths. The loss is normalised by global counts
+(loss.sequence_weights), so the gradient is the same either way; every rank runs as many
+micro-batches as the busiest one (FSDP2's collectives must match), the spare ones empty.
 REINFORCE++ (§6) computes its token-level advantages here, from the π_old / π_ref log-probs
 scored for the update anyway.
 
@@ -12,6 +19,7 @@ AdamW state untouched) and is counted; the loop decides when to stop.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -22,11 +30,67 @@ from pspo.distributed import Dist
 from pspo.loss import policy_loss, sequence_weights
 
 
+@dataclass
+class MicroBatch:
+    rows: torch.Tensor        # (n,) row indices into the step's (N, P+T) batch
+    start: int                # first column kept: P - the longest prompt among the rows
+    width: int                # completion columns kept: the longest completion among the rows
+    spare: bool = False       # run only to keep the ranks' collectives matched: its loss is zeroed
+
+    def cut(self, x: torch.Tensor, P: int) -> torch.Tensor:
+        """The rows' (n, P+T) inputs cut to [start, P + width)."""
+        return x[self.rows, self.start:P + self.width]
+
+
+def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_batch_size: int,
+                       micro_batch_tokens: int) -> list[MicroBatch]:
+    """Micro-batches of the step's rows. attention_mask (N, P+T) left-padded prompts then
+    completions; mask (N, T) completion tokens.
+
+    micro_batch_tokens = 0: consecutive slices of micro_batch_size rows at full width (P + T).
+    Otherwise: rows sorted by prompt + completion length (longest first) and packed greedily
+    while n_rows x (longest prompt + longest completion) <= micro_batch_tokens (a row longer than
+    the budget goes alone). Every rank gets as many micro-batches as the busiest rank; the extra
+    ones repeat one real row and are marked spare (policy_update zeroes their loss).
+    """
+    N, T = mask.shape
+    P = attention_mask.shape[1] - T
+    if micro_batch_tokens <= 0:
+        return [MicroBatch(torch.arange(i, min(i + micro_batch_size, N)), 0, T) for i in range(0, N, micro_batch_size)]
+    prompt_len = attention_mask[:, :P].sum(1).tolist()
+    completion_len = [max(1, int(c)) for c in mask.sum(1).tolist()]
+    order = sorted(range(N), key=lambda i: prompt_len[i] + completion_len[i], reverse=True)
+    batches, rows, long_p, long_c = [], [], 0, 0
+    for i in order:
+        p, c = max(long_p, prompt_len[i]), max(long_c, completion_len[i])
+        if rows and (len(rows) + 1) * (p + c) > micro_batch_tokens:
+            batches.append(MicroBatch(torch.tensor(rows), P - long_p, long_c))
+            rows, p, c = [], prompt_len[i], completion_len[i]
+        rows.append(i)
+        long_p, long_c = p, c
+    if rows:
+        batches.append(MicroBatch(torch.tensor(rows), P - long_p, long_c))
+    most = int(distributed.all_reduce_max(torch.tensor(float(len(batches)), device=mask.device)))
+    last = batches[-1]
+    return batches + [MicroBatch(last.rows[:1], last.start, last.width, spare=True)] * (most - len(batches))
+
+
+def _forward(model, batch: MicroBatch, input_ids, attention_mask, T, temperature):
+    """log π and entropy of one micro-batch's completion columns, (n, width) each."""
+    P = input_ids.shape[1] - T
+    return model(batch.cut(input_ids, P), batch.cut(attention_mask, P), batch.width, temperature)
+
+
 @torch.no_grad()
-def score_logprobs(model, input_ids, attention_mask, T, temperature, micro) -> torch.Tensor:
-    """log π of the completion tokens under `model`, micro-batched, without grad. (N, T)"""
-    return torch.cat([model(input_ids[i:i + micro], attention_mask[i:i + micro], T, temperature)[0]
-                      for i in range(0, input_ids.shape[0], micro)])
+def score_logprobs(model, input_ids, attention_mask, T, temperature, plan: list[MicroBatch]) -> torch.Tensor:
+    """log π of the completion tokens under `model`, micro-batched, without grad. (N, T), 0 past each
+    micro-batch's width."""
+    out = torch.zeros(input_ids.shape[0], T, device=input_ids.device)
+    for batch in plan:
+        logp = _forward(model, batch, input_ids, attention_mask, T, temperature)[0]
+        if not batch.spare:
+            out[batch.rows, :batch.width] = logp.float()
+    return out
 
 
 def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, mask, advantages,
@@ -44,7 +108,7 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     A non-finite loss or gradient norm (on any rank) skips that optimizer step: the weights and
     AdamW state stay as they were, and sums["skipped_steps"] counts it.
     """
-    a, micro, T = cfg.algo, cfg.train.micro_batch_size, mask.shape[1]
+    a, T = cfg.algo, mask.shape[1]
     temperature = cfg.rollout.temperature
     num_seqs = mask.shape[0] * dist_.world_size                         # every rank holds N rows
     num_tokens = int(distributed.all_reduce_sum(mask.sum()).item())
@@ -55,9 +119,13 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     if token_level and rewards is None:
         raise ValueError(f"rewards: algo.advantage={a.advantage} computes its advantages from the raw rewards")
     needs_old = a.num_iterations > 1 or (token_level and a.kl_coef > 0)
-    old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, micro) if needs_old else None
-    ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, micro) if a.needs_reference else None
-    sums: dict[str, float] = {"skipped_steps": 0.0}
+    plan = plan_micro_batches(attention_mask, mask, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
+    old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, plan) if needs_old else None
+    ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, plan) if a.needs_reference else None
+    P = input_ids.shape[1] - T
+    positions = sum(len(b.rows) * (P - b.start + b.width) for b in plan if not b.spare)   # rows x width
+    sums: dict[str, float] = {"skipped_steps": 0.0, "update_positions": float(positions * a.num_iterations),
+                              "update_tokens": float(attention_mask.sum()) * a.num_iterations}
     if token_level:                                                     # §6, whitened over every rank's tokens
         group = cfg.rollout.num_generations if a.advantage == "reinforce_pp_baseline" else None
         token_adv = reinforce_pp_advantages(rewards, mask, old_logp, ref_logp, a.kl_coef, a.clip_score, group,
@@ -69,17 +137,18 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     try:
         for _ in range(a.num_iterations):
             finite = True
-            for i in range(0, mask.shape[0], micro):
-                rows = slice(i, i + micro)
-                logp, entropy = policy(input_ids[rows], attention_mask[rows], T, temperature)  # (n, T)
-                old = logp.detach() if old_logp is None else old_logp[rows]
-                ref_rows = None if ref_logp is None else ref_logp[rows]
-                loss, stats = policy_loss(logp, old, ref_rows, advantages[rows], mask[rows], weights[rows],
-                                          a.beta, a.eps_low, a.eps_high)
+            for batch in plan:
+                logp, entropy = _forward(policy, batch, input_ids, attention_mask, T, temperature)  # (n, w)
+                rows, cols = batch.rows, slice(0, batch.width)
+                m = mask[rows, cols] * (0.0 if batch.spare else 1.0)     # (n, w); a spare one: zero loss
+                adv = advantages[rows, cols] if advantages.dim() == 2 else advantages[rows]
+                old = logp.detach() if old_logp is None else old_logp[rows, cols]
+                ref_rows = None if ref_logp is None else ref_logp[rows, cols]
+                loss, stats = policy_loss(logp, old, ref_rows, adv, m, weights[rows], a.beta, a.eps_low, a.eps_high)
                 finite &= bool(torch.isfinite(loss))
                 # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
                 (loss * dist_.world_size).backward()
-                stats["entropy"] = (entropy * mask[rows]).sum()
+                stats["entropy"] = (entropy * m).sum()
                 for key, value in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             max_norm = cfg.optim.max_grad_norm or float("inf")

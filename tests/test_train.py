@@ -57,6 +57,11 @@ def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path):
     assert 0 <= rows[1]["accuracy"] <= 1 and rows[1]["grad_norm"] > 0
     assert rows[1]["kl"] == pytest.approx(0, abs=1e-6)      # the first step: policy == reference
     assert rows[3]["kl"] > 0                                  # after updates it has moved
+    # where the step went: the parts fit inside the step; the evaluation is timed apart
+    parts = ("gen_s", "reward_s", "update_s", "sync_s")
+    assert all(rows[1][k] >= 0 for k in parts) and sum(rows[1][k] for k in parts) <= rows[1]["step_time_s"]
+    assert rows[1]["update_s"] > 0 and rows[1]["gen_s"] > 0 and "eval_s" in rows[2] and "eval_s" not in rows[1]
+    assert 0 <= rows[1]["padding_frac"] < 1 and rows[1]["update_tokens_per_s"] > 0
     assert os.path.exists(os.path.join(out, "config.yaml")) and os.listdir(os.path.join(out, "tb"))
     ckpt = os.path.join(out, "checkpoint-3")
     model = AutoModelForCausalLM.from_pretrained(ckpt)        # a plain Hugging Face folder

@@ -1,0 +1,143 @@
+"""Token-budget micro-batches (train.micro_batch_tokens): the packing, and the same update as
+fixed-size micro-batches (the loss is normalised by global counts, so how the rows are grouped
+and how far each group is padded must not change the gradient)."""
+import copy
+
+import pytest
+import torch
+
+from pspo.config import load_config
+from pspo.model import build_policy
+from pspo.update import plan_micro_batches, policy_update
+from test_modes import CPU, rollout_batch
+from train import lr_lambda
+
+
+def masks(prompt_lens, completion_lens, P, T):
+    """attention (N, P+T) left-padded prompts then completions, and the completion mask (N, T)."""
+    attention = torch.zeros(len(prompt_lens), P + T, dtype=torch.long)
+    mask = torch.zeros(len(prompt_lens), T)
+    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+        attention[i, P - p:P + c] = 1
+        mask[i, :c] = 1
+    return attention, mask
+
+
+def test_packing_hand_worked():
+    # prompts [3, 1, 2, 2], completions [1, 4, 2, 1]; P = 3, T = 4; budget 10 padded tokens.
+    # lengths p + c = [4, 5, 4, 3] -> longest first (ties keep their order): rows 1, 0, 2, 3.
+    #   row 1 alone: 1 x (1 + 4) = 5 <= 10.  + row 0: 2 x (3 + 4) = 14 > 10 -> flush [1], start 3-1 = 2, width 4
+    #   row 0: 1 x (3 + 1) = 4.  + row 2: 2 x (3 + 2) = 10 <= 10.  + row 3: 3 x (3 + 2) = 15 > 10 -> flush [0, 2]
+    #   row 3 alone: start 3-2 = 1, width 1
+    attention, mask = masks([3, 1, 2, 2], [1, 4, 2, 1], 3, 4)
+    plan = plan_micro_batches(attention, mask, 64, 10)
+    assert [(b.rows.tolist(), b.start, b.width, b.spare) for b in plan] == [
+        ([1], 2, 4, False), ([0, 2], 0, 2, False), ([3], 1, 1, False)]
+    # every real token is inside its micro-batch's cut: nothing is lost by cutting
+    for b in plan:
+        assert int(b.cut(attention, 3).sum()) == int(attention[b.rows].sum())
+    # padded positions: 1x5 + 2x5 + 1x3 = 18 against 7 x 4 = 28 at the fixed full width
+    assert sum(len(b.rows) * (3 - b.start + b.width) for b in plan) == 18
+    # micro_batch_tokens = 0: consecutive rows at full width, micro_batch_size at a time
+    fixed = plan_micro_batches(attention, mask, 3, 0)
+    assert [(b.rows.tolist(), b.start, b.width) for b in fixed] == [([0, 1, 2], 0, 4), ([3], 0, 4)]
+
+
+def test_a_row_longer_than_the_budget_goes_alone():
+    attention, mask = masks([3, 3], [4, 4], 3, 4)                       # 7 tokens each, budget 5
+    plan = plan_micro_batches(attention, mask, 64, 5)
+    assert [b.rows.tolist() for b in plan] == [[0], [1]]
+
+
+def updated_parameters(path, batch, overrides):
+    """The policy after one policy_update with SGD(lr 1) and no clipping: θ - ∇L, so equal
+    parameters mean equal gradients."""
+    cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3", *overrides])
+    policy = build_policy(path, False, 64, False, False)
+    ref = build_policy(path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    _, _, input_ids, attention, mask, advantages = batch
+    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1])          # (12,) for REINFORCE++
+    before = copy.deepcopy([p.detach() for p in policy.parameters()])
+    sums = policy_update(policy, ref, optimizer, scheduler, input_ids, attention, mask,
+                         torch.ones(12) if cfg.algo.advantage != "grpo" else advantages, cfg, CPU,
+                         rewards if cfg.algo.advantage != "grpo" else None)
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(policy.parameters(), before))
+    return [p.detach().clone() for p in policy.parameters()], sums, moved
+
+
+@pytest.mark.parametrize("algo", [
+    [],                                                                          # GRPO, per-sequence A
+    ["--algo.beta=0.04", "--algo.num_iterations=2"],                             # + k3 KL, π_old scored
+    ["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.001"],                   # per-token A (N, T)
+    ["--algo.aggregation=token_mean"],
+])
+def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo):
+    tokenizer, ids, input_ids, attention, mask, advantages = rollout_batch(tiny_model_path)   # 12 sequences
+    # the tiny model's completions all run to 6 tokens: end row i after 1 + i % 6 of them (the rest
+    # becomes padding), so that lengths spread as they do in real steps
+    T = mask.shape[1]
+    for i in range(12):
+        mask[i, 1 + i % 6:] = 0
+        attention[i, attention.shape[1] - T + 1 + i % 6:] = 0
+    batch = (tokenizer, ids, input_ids, attention, mask, advantages)
+    fixed, fixed_sums, moved = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_size=4", *algo])
+    budget, budget_sums, _ = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_tokens=60", *algo])
+    assert moved > 1e-4                                                  # the update did something
+    for a, b in zip(fixed, budget):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    assert budget_sums["update_tokens"] == fixed_sums["update_tokens"]
+    # the budget cuts padding: fewer positions than 4-row slices padded to the step's longest
+    assert budget_sums["update_positions"] < fixed_sums["update_positions"]
+
+
+# ---------------------------------------------------------------- two FSDP2 ranks with unequal plans
+
+def _update_on_rank(rank, init_file, path, batch, out_dir):
+    import torch.distributed as dist
+    from pspo import distributed
+    from pspo.distributed import Dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    tokenizer, ids, input_ids, attention, mask, advantages = batch
+    rows = slice(0, 6) if rank == 0 else slice(6, 12)
+    cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3",
+                                            "--train.micro_batch_tokens=40"], world_size=2)
+    plan = plan_micro_batches(attention[rows], mask[rows], 64, 40)
+    policy = distributed.shard(build_policy(path, False, 64, False, False), 2)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    policy_update(policy, None, optimizer, scheduler, input_ids[rows], attention[rows], mask[rows], advantages[rows],
+                  cfg, Dist(rank, 2, torch.device("cpu")))
+    state = distributed.full_model_state(policy)
+    if rank == 0:
+        torch.save({"state": state, "spares": [sum(b.spare for b in plan)]}, f"{out_dir}/rank0.pt")
+    else:
+        torch.save({"spares": [sum(b.spare for b in plan)]}, f"{out_dir}/rank1.pt")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path, tmp_path):
+    import torch.multiprocessing as mp
+    tokenizer, ids, input_ids, attention, mask, advantages = rollout_batch(tiny_model_path)
+    T = mask.shape[1]
+    for i in range(6):                                     # rank 0's rows: 1-token completions -> few micro-batches
+        mask[i, 1:] = 0
+        attention[i, attention.shape[1] - T + 1:] = 0
+    batch = (tokenizer, ids, input_ids, attention, mask, advantages)
+    mp.spawn(_update_on_rank, args=(str(tmp_path / "init"), tiny_model_path, batch, str(tmp_path)), nprocs=2)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert r0["spares"][0] > 0 and r1["spares"][0] == 0    # rank 0 ran spare micro-batches to match rank 1
+    # the same update as one process with fixed micro-batches over all 12 rows
+    cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3",
+                                            "--train.micro_batch_size=4"])
+    policy = build_policy(tiny_model_path, False, 64, False, False)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    policy_update(policy, None, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
+    want = {k: v for k, v in policy.lm.state_dict().items()}
+    got = r0["state"]
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=1e-5)
