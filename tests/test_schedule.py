@@ -31,8 +31,9 @@ def test_step_metrics_from_rank_sums_hand_worked():
     sums = {"completions": 4, "groups": 2, "tokens": 10, "reward": 3, "reward_sq": 3, "accuracy": 3,
             "format": 4, "adv_abs": 2, "adv_sq": 2, "adv_count": 4, "zero_std_groups": 1, "pg_loss": .6, "kl": 1,
             "clipped_tokens": 2, "entropy": 5, "truncated": 1, "grad_norm": 3, "reward_failures": 0,
-            "gen_tokens_per_s": 100, "skipped_steps": 1}
+            "gen_tokens_per_s": 100, "skipped_steps": 1, "update_tokens": 30, "update_positions": 40}
     m = step_metrics(sums, cfg)
+    assert m["padding_frac"] == .25                     # 1 - 30 real tokens / 40 positions in the micro-batches
     assert m["skipped_steps"] == 1                     # one of the 2 optimizer steps was non-finite
     assert m["reward_mean"] == .75 and m["reward_std"] == pytest.approx(.43301, abs=1e-5)
     assert m["zero_std_frac"] == .5 and m["clip_frac"] == .2 and m["kl"] == .1
