@@ -37,13 +37,11 @@ from pspo.metrics import MetricsLogger
 from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
                         resolve_model_path)
 from pspo.plan import plan_cli, startup_check
-from pspo.priority_sampler import PrioritySampler
-from pspo.reference_sampler import ReferenceSampler
 from pspo.rewards import score_completions
 from pspo.rollout import HFEngine, build_engine
 from pspo.sequences import batch_inputs, sequence_seeds
 from pspo.update import policy_update
-from pspo.sampler import UniformSampler
+from pspo.sampler import build_sampler
 from pspo.vllm_engine import SyncError, sync_engine
 
 
@@ -161,22 +159,7 @@ def main(argv: list[str]) -> None:
                        tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold) if d.eval else PromptSet([], [], [])
     eval_set, eval_texts, eval_ids = evals.examples, evals.texts, evals.ids
     N, B = len(train_set), cfg.train.prompts_per_step
-    if cfg.pps.enabled:
-        if B > N:
-            raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
-                              f"{'of an epoch of N draws' if cfg.pps.mode == 'reference' else 'distinct'}), "
-                              f"{d.train} has {N}")
-        p = cfg.pps
-        if p.mode == "reference":                 # §3a: the released code's epoch-frozen sampler
-            first_row: dict[str, int] = {}
-            leaf_of = torch.tensor([first_row.setdefault(ex.problem, i) for i, ex in enumerate(train_set)])
-            sampler = ReferenceSampler(N, p.alpha, p.beta, cfg.train.seed, leaf_of)
-        else:
-            sampler = PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, cfg.train.seed,
-                                      None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps, p.is_norm,
-                                      p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho, p.skip_min)
-    else:
-        sampler = UniformSampler(N, cfg.train.seed)
+    sampler = build_sampler(cfg, [ex.problem for ex in train_set], d.train)     # uniform, PPS or §3a's
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None
     distinct_problems = len({ex.problem for ex in train_set})                   # ERS keys merge duplicates
     o = cfg.optim

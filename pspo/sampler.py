@@ -1,7 +1,8 @@
-"""Uniform prompt sampling: the GRPO baseline's data order.
+"""Uniform prompt sampling: the GRPO baseline's data order; and `build_sampler`, which picks the
+run's sampler from the config.
 
 The loop asks a sampler for the step's prompt indices and importance weights; PPS
-(priority_sampler.py) answers the same call. Here: epochs of a seeded permutation, every
+(priority_sampler.py, reference_sampler.py) answers the same call. Here: epochs of a seeded permutation, every
 prompt once per epoch, weights all 1. The state is two integers, so resuming reproduces the
 exact order, and every rank computes the same indices without communicating.
 """
@@ -9,6 +10,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from pspo.config import Config, ConfigError
+from pspo.priority_sampler import PrioritySampler
+from pspo.reference_sampler import ReferenceSampler
 
 
 class UniformSampler:
@@ -51,3 +56,22 @@ class UniformSampler:
             raise ValueError(f"checkpoint sampler has {state['num_prompts']} prompts, the dataset has "
                              f"{self.num_prompts}: resume with the same data.train")
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
+
+
+def build_sampler(cfg: Config, problems: list[str], label: str):
+    """The run's sampler over the train set's problems: uniform epochs, PPS (§3 with the §3b
+    options) or, with pps.mode=reference, the released code's (§3a; duplicate problems share the
+    first row's priority). `label` names the data set in errors."""
+    N, B, p, seed = len(problems), cfg.train.prompts_per_step, cfg.pps, cfg.train.seed
+    if not p.enabled:
+        return UniformSampler(N, seed)
+    if B > N:
+        raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
+                          f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), {label} has {N}")
+    if p.mode == "reference":
+        first_row: dict[str, int] = {}
+        leaf_of = torch.tensor([first_row.setdefault(problem, i) for i, problem in enumerate(problems)])
+        return ReferenceSampler(N, p.alpha, p.beta, seed, leaf_of)
+    return PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, seed, None if p.beta_end == -1 else p.beta_end,
+                           cfg.train.max_steps, p.is_norm, p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho,
+                           p.skip_min)
