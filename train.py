@@ -158,7 +158,7 @@ def main(argv: list[str]) -> None:
                                                             d.max_eval_examples or None),
                        tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold) if d.eval else PromptSet([], [], [])
     eval_set, eval_texts, eval_ids = evals.examples, evals.texts, evals.ids
-    N, B = len(train_set), cfg.train.prompts_per_step
+    B = cfg.train.prompts_per_step
     sampler = build_sampler(cfg, [ex.problem for ex in train_set], d.train)     # uniform, PPS or §3a's
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None
     distinct_problems = len({ex.problem for ex in train_set})                   # ERS keys merge duplicates
