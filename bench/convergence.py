@@ -1,12 +1,14 @@
-"""The convergence study: GRPO, Dr. GRPO, ERS, PPS and PSPO on the built-in task, several seeds.
+"""The convergence study: GRPO, Dr. GRPO, ERS, PPS and PSPO on a built-in task, several seeds.
 
     python bench/convergence.py            # the study: 5 methods x 3 seeds x 100 steps (~35 min, 2-core CPU)
     python bench/convergence.py --quick    # a 2-minute smoke version for CI (does not touch RESULTS.md)
+    python bench/convergence.py --task knights   # grpo, reinforce_pp(_baseline), pspo on K&K puzzles
     python bench/convergence.py --methods pps,pspo --section pps-floor -- --pps.eps=0.05   # a side study
     python bench/convergence.py --section pps-study --steps 60 \
         --methods grpo,pspo,pspo_reference,pps_mix,pps_posterior,pps_skip,grpo_skip     # issue 10's study
 
-Every run is `train.py --config configs/<method>.yaml` with the same seed, steps, batch,
+Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method>.yaml` with
+--task knights: the tiny K&K model on builtin:knights) with the same seed, steps, batch,
 engine (`--engine`, default hf: the transformers engine, faster than vLLM on CPU for the tiny
 model, and what the tables were measured with) and evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
 each run's metrics.jsonl this reports, with mean and spread over seeds:
@@ -17,6 +19,7 @@ each run's metrics.jsonl this reports, with mean and spread over seeds:
            needs to reach it), interpolated between evaluations; > 1 is faster (mean ± sd over seeds)
   train time to it   summed step times (evaluations excluded) to that accuracy, and its ratio
   rollouts saved     prompts skipped before generation (pps.skip) x G, per run
+  Nppl     (K&K) final greedy accuracy on the test puzzles of N people, as K&K results are reported
   bookkeeping  drawing prompts + advantages + the ERS/PPS updates, as a fraction of step time
                (for grpo/dr_grpo: the uniform sampler and group advantages; the rest is ERS/PPS)
 It prints the table, writes it into bench/RESULTS.md (between the convergence markers) and
@@ -35,28 +38,39 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ("grpo", "dr_grpo", "ers", "pps", "pspo")
+TASKS = {   # task -> (preset folder, default methods, default threshold)
+    "arithmetic": ("configs", ("grpo", "dr_grpo", "ers", "pps", "pspo"), 0.70),
+    "knights": ("configs/knights", ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pspo"), 0.35),
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default=",".join(METHODS), help="presets in configs/, comma-separated")
+    ap.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task (preset folder)")
+    ap.add_argument("--methods", default="", help="presets in the task's folder, comma-separated (default: all)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
-    ap.add_argument("--threshold", type=float, default=0.70, help="accuracy for the rollouts-to-threshold column")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="accuracy for the rollouts-to-threshold column (default: arithmetic 0.70, knights 0.35)")
     ap.add_argument("--baseline", default="grpo", help="the method whose final accuracy the R_X column targets")
     ap.add_argument("--engine", default="hf", help="rollout.engine of every run (the tables were measured with hf)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each gets cores/jobs threads)")
     ap.add_argument("--out", default="", help="run folders (default runs/<section>, runs/<section>-quick)")
-    ap.add_argument("--section", default="convergence",
+    ap.add_argument("--section", default="",
                     help="name of the RESULTS.md block and of the plot bench/<section>.png (side studies use their own)")
     ap.add_argument("--quick", action="store_true", help="tiny version for CI: 4 steps, B 16, 64 test problems")
     ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every run (after a lone --)")
     args = ap.parse_args(argv)
+    args.folder, methods, threshold = TASKS[args.task]
+    args.methods = args.methods or ",".join(methods)
+    args.threshold = threshold if args.threshold is None else args.threshold
+    args.section = args.section or ("convergence" if args.task == "arithmetic" else f"convergence-{args.task}")
     if args.quick:
         args.steps, args.eval_every = 4, 2
-        args.overrides = ["--train.prompts_per_step=16", "--data.max_eval_examples=64", *args.overrides]
+        quick = (["--train.prompts_per_step=16", "--data.max_eval_examples=64"] if args.task == "arithmetic"
+                 else ["--train.prompts_per_step=2", "--data.max_eval_examples=14"])   # 2 puzzles per size
+        args.overrides = [*quick, *args.overrides]
     args.out = args.out or os.path.join(ROOT, "runs", args.section + ("-quick" if args.quick else ""))
     return args
 
@@ -64,7 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run_one(method: str, seed: int, args: argparse.Namespace, threads: int) -> str:
     """Train one (method, seed); returns its output folder. Reuses a run finished with the same command."""
     out = os.path.join(args.out, f"{method}-s{seed}")
-    cmd = ["train.py", "--config", f"configs/{method}.yaml", f"--train.seed={seed}",
+    cmd = ["train.py", "--config", f"{args.folder}/{method}.yaml", f"--train.seed={seed}",
            f"--train.output_dir={out}", f"--train.max_steps={args.steps}", f"--train.eval_steps={args.eval_every}",
            "--train.progress=false", "--train.keep_checkpoints=1", f"--rollout.engine={args.engine}", *args.overrides]
     stamp = os.path.join(out, "bench_run.json")
@@ -167,8 +181,11 @@ def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str
     fast = speedups(runs, args.baseline)
     target = fast.pop("_target", None)
     extra = (f" R_X to {args.baseline}'s final {target} | train time to it |" if target else "")
+    sizes = sorted(int(k[len("eval_greedy_"):-3]) for k in _read(next(iter(runs.values()))[0])[-1]
+                   if k.startswith("eval_greedy_") and k.endswith("ppl"))                  # K&K: 2..8
     lines = [f"| method | final test acc | AUC | rollouts to {args.threshold:.2f} |{extra} step time (s) | "
-             "bookkeeping / step | rollouts saved |", "|---|---|---|---|" + ("---|---|" if target else "") + "---|---|---|"]
+             "bookkeeping / step | rollouts saved |" + "".join(f" {n}ppl |" for n in sizes),
+             "|---|---|---|---|" + ("---|---|" if target else "") + "---|---|---|" + "---|" * len(sizes)]
     curves = {}
     for method, outs in runs.items():
         finals, aucs, reached, step_s, book_s, per_seed, saved = [], [], [], [], [], [], []
@@ -190,8 +207,10 @@ def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str
                   else f"not reached (0/{len(outs)})")
         overhead = statistics.mean(book_s) / statistics.mean(step_s)
         speed = f" {fast[method][0]} | {fast[method][1]} |" if target else ""
+        by_size = [_mean_sd([_read(out)[-1][f"eval_greedy_{n}ppl"] for out in outs]) for n in sizes]
         lines.append(f"| {method} | {_mean_sd(finals)} | {_mean_sd(aucs)} | {to_thr} |{speed} "
-                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% | {statistics.mean(saved) / 1000:.1f}k |")
+                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% | {statistics.mean(saved) / 1000:.1f}k |"
+                     + "".join(f" {v} |" for v in by_size))
         curves[method] = per_seed
     return "\n".join(lines), curves
 
@@ -203,7 +222,7 @@ def _rollouts_per_step(out: str) -> int:
     return cfg["train"]["prompts_per_step"] * cfg["rollout"]["num_generations"]
 
 
-def plot(curves: dict, path: str, threshold: float) -> None:
+def plot(curves: dict, path: str, threshold: float, task: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -216,7 +235,7 @@ def plot(curves: dict, path: str, threshold: float) -> None:
         ax.fill_between(x, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.15)
     ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)
     ax.set_xlabel("rollouts consumed (thousands of completions)")
-    ax.set_ylabel("greedy test accuracy (built-in task)")
+    ax.set_ylabel(f"greedy test accuracy ({'built-in task' if task == 'arithmetic' else 'K&K, all sizes'})")
     ax.set_title("mean over seeds; band = min..max")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -246,8 +265,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
     for m in methods:
-        if not os.path.exists(os.path.join(ROOT, "configs", f"{m}.yaml")):
-            sys.exit(f"error: --methods: configs/{m}.yaml does not exist")
+        if not os.path.exists(os.path.join(ROOT, args.folder, f"{m}.yaml")):
+            sys.exit(f"error: --methods: {args.folder}/{m}.yaml does not exist")
     os.makedirs(args.out, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     print(f"{len(methods)} methods x {len(seeds)} seeds x {args.steps} steps, {args.jobs} parallel runs "
@@ -258,7 +277,7 @@ def main(argv: list[str]) -> None:
     runs = {m: [o for (jm, _), o in zip(jobs, outs) if jm == m] for m in methods}
     table, curves = summarize(runs, args)
     png = os.path.join(args.out if args.quick else os.path.join(ROOT, "bench"), f"{args.section}.png")
-    plot(curves, png, args.threshold)
+    plot(curves, png, args.threshold, args.task)
     rows_per_step = _rollouts_per_step(outs[0])
     run_s = sum(json.load(open(os.path.join(o, "bench_run.json")))["wall_s"] for o in outs)
     header = (f"{args.steps} steps x {rows_per_step} rollouts/step ({args.steps * rows_per_step / 1000:.1f}k rollouts "

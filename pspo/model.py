@@ -17,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from pspo.loss import token_logprobs
 from pspo.tiny import TINY_MODEL, ensure_tiny_model
+from pspo.tiny_knights import TINY_KNIGHTS_MODEL, ensure_tiny_knights_model
 
 
 hf_logging.disable_progress_bar()          # per-file "Loading weights" bars would drown the training bar
@@ -27,7 +28,10 @@ class ModelError(ValueError):
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """`builtin:tiny` -> the cached demo model (built on first use); anything else as given."""
+    """`builtin:tiny` / `builtin:tiny-knights` -> the cached demo model (built on first use); anything
+    else as given."""
+    if name_or_path == TINY_KNIGHTS_MODEL:
+        return ensure_tiny_knights_model()
     return ensure_tiny_model() if name_or_path == TINY_MODEL else name_or_path
 
 

@@ -4,7 +4,7 @@ than on a GPU node after an hour in the queue.
 Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this file) runs as a
 real `python train.py --config X` subprocess for 2 steps plus the final eval, with only what a
 2-core CPU cannot do replaced:
-- the model: the built-in presets' tiny model stays (conftest's cached copy); a GPU recipe's model
+- the model: the built-in presets' tiny models stay (conftest's cached copies); a GPU recipe's model
   becomes the stand-in built from the real config.json shipped beside it as model_config.json
   (pspo/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from pspo.config import load_config, to_dict
 from pspo.standin import ensure_standin_model, standin_config
 from pspo.tiny import TINY_MODEL
+from pspo.tiny_knights import TINY_KNIGHTS_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
@@ -48,13 +49,17 @@ def _sample(name: str) -> str:
     return path
 
 
-def rehearsal_overrides(config: str, output_dir: str, tiny_path: str) -> dict[str, str]:
+def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_path: str) -> dict[str, str]:
     """The few overrides that fit `config` on a 2-core CPU (see the module docstring)."""
     cfg = load_config(os.path.join(ROOT, config))
     over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
             "train.output_dir": output_dir}
     if cfg.model.name_or_path == TINY_MODEL:
         over["model.name_or_path"] = tiny_path
+        return over
+    if cfg.model.name_or_path == TINY_KNIGHTS_MODEL:
+        over["model.name_or_path"] = knights_path
+        over["data.max_eval_examples"] = "14"
         return over
     real_config = os.path.join(ROOT, os.path.dirname(config), "model_config.json")
     assert os.path.isfile(real_config), f"{config}: a GPU recipe needs its model's config.json beside it " \
@@ -84,9 +89,9 @@ def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> sub
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_config_rehearsal(config, tmp_path, tiny_model_path):
+def test_config_rehearsal(config, tmp_path, tiny_model_path, tiny_knights_model_path):
     out = str(tmp_path / "run")
-    over = rehearsal_overrides(config, out, tiny_model_path)
+    over = rehearsal_overrides(config, out, tiny_model_path, tiny_knights_model_path)
     proc = run("train.py", config, over)
     assert proc.returncode == 0, f"{config} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
 
@@ -174,7 +179,7 @@ def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path):
     # eval.py --benchmarks on the PSPO recipe, MATH-500 from its local sample, the stand-in model
     config = "configs/qwen2.5-math-1.5b/pspo.yaml"
     keep = ("model.name_or_path", "rollout.engine", "rollout.max_new_tokens", "train.progress")
-    over = {k: v for k, v in rehearsal_overrides(config, str(tmp_path / "run"), tiny_model_path).items() if k in keep}
+    over = {k: v for k, v in rehearsal_overrides(config, str(tmp_path / "run"), tiny_model_path, "").items() if k in keep}
     over["eval.output"] = str(tmp_path / "bench.json")
     math500 = _sample("HuggingFaceH4/MATH-500")
     proc = run("eval.py", config, over, f"--benchmarks=math500={math500}")

@@ -1,0 +1,196 @@
+"""The offline knights-and-knaves model: pspo/tiny.py's recipe on K&K puzzles (`builtin:tiny-knights`).
+
+Like `builtin:tiny`, it is built in code once and cached under $PSPO_CACHE (default ~/.cache/pspo)
+in a folder named by a hash of its build parameters, then loaded through `from_pretrained` as any
+hub model. The pieces are tiny.py's: Qwen2's tokenizer pipeline (NFC, Qwen2 split regex, byte-level
+BPE) with vocab and merges trained here on K&K text, so that every name and word of the puzzles is
+one token; the same 4-layer Qwen2 and ChatML template; `save_model_folder`. <think>, </think>,
+<answer>, </answer> are added tokens.
+
+The supervised warm-up teaches the seed's layout with an empty think block,
+"<think></think><answer>(1) Aaron is a knave\\n(2) Zoey is a knight</answer>" + <|im_end|>, on
+puzzles of `knights.warmup_examples` (after both builtin:knights splits, so neither is seen), with
+the loss on the completion only. The answer lists the people in alphabetical order, not the
+puzzle's: the reward reads each name's role wherever it stands (knights_reward.py), and in that
+order writing the names is a set operation (the puzzle's names not yet written, first in the
+alphabet), which this model learns in ~500 steps, while the puzzle's order needs an ordinal copy
+("the k-th name of the list") that it had not learned after 2000 steps (sessions 3-4, notes in
+bench/RESULTS.md). The warm-up stops early: the model writes the names and the layout but decides
+roles only partly, so its accuracy falls with the number of people and RL has room on every size.
+The accuracy per size measured at build time is in the folder's pspo_build.json.
+
+Two processes that need the model at once (the test session, a background build in .ci/run)
+serialise on a lock file beside the folder: the second waits for the first build and uses it.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import time
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from pspo.data import Example, format_prompt
+from pspo.knights import KNIGHTS_INSTRUCTION, NAMES, SIZES, builtin_knights, warmup_examples
+from pspo.knights_reward import _knights_gold, knights_people, knights_reward
+from pspo.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, _build_model, save_model_folder
+
+TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
+VERSION = 3                   # part of the cache key: bump it whenever the build below changes
+WARMUP_STEPS = 1000           # supervised steps (~6 min on 2 idle cores); accuracy by size in README
+BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
+SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
+LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0
+WARMUP_PER_SIZE = {2: 99, 3: 600, 4: 600, 5: 600, 6: 400, 7: 400, 8: 400}   # 2-person: all the stream has left
+VOCAB_SIZE = 1024             # BPE vocab cap
+EVAL_PER_SIZE = 20            # build-time check: the first 20 test puzzles of each size
+TAGS = ["<think>", "</think>", "<answer>", "</answer>"]     # added, not special: decoded
+
+
+def knights_completion(gold: str) -> str:
+    """What the warm-up teaches the model to write before <|im_end|>: the seed's layout, the people
+    in alphabetical order (module docstring), numbered from 1."""
+    roles = sorted(_knights_gold(gold))                       # ((name, "knight" | "knave"), ...)
+    lines = [f"({i + 1}) {name} is a {role}" for i, (name, role) in enumerate(roles)]
+    return "<think></think><answer>" + "\n".join(lines) + "</answer>"
+
+
+def build_knights_tokenizer(examples: list[Example]) -> PreTrainedTokenizerFast:
+    """tiny.py's byte-level BPE pipeline, merges learned from the puzzles, names, instruction and
+    answers, so that every name and the words of the puzzles are single tokens."""
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())   # all 256 bytes
+    # the tags are added tokens, so they stay out of the corpus (as in tiny.py)
+    corpus = [f"{ex.problem}\n{ex.answer}" for ex in examples]
+    corpus += ["system\n", "user\n", "assistant\n", KNIGHTS_INSTRUCTION, " ".join(NAMES)] * 50
+    bpe.train_from_iterator(corpus, trainer)
+    bpe.add_tokens(TAGS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=1024,
+        padding_side="left")
+
+
+def _rows(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> dict[int, list[tuple[list[int], list[int]]]]:
+    """(chat prompt ids, completion ids + eos) per number of people."""
+    prompts = tokenizer([format_prompt(tokenizer, ex.problem, "") for ex in examples], add_special_tokens=False)
+    answers = tokenizer([knights_completion(ex.answer) for ex in examples], add_special_tokens=False)
+    rows: dict[int, list[tuple[list[int], list[int]]]] = {}
+    for p, c, ex in zip(prompts["input_ids"], answers["input_ids"], examples):
+        rows.setdefault(knights_people(ex.answer), []).append((p, c + [tokenizer.eos_token_id]))
+    return rows
+
+
+def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Right-padded prompt + completion rows; the labels are the completion ids, -100 elsewhere."""
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), pad_id)                 # (B, T)
+    labels = torch.full((len(rows), width), -100)                # (B, T)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)  # (B, T)
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        attention[i, :len(p) + len(c)] = 1
+    return ids, labels, attention
+
+
+def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example], seed: int,
+            log) -> None:
+    """WARMUP_STEPS of AdamW on the completion's cross-entropy, batches of BATCH puzzles of one size
+    (sizes drawn with SIZE_WEIGHTS), LR after a linear warm-up, cosine decay to 0 at the end."""
+    rows = _rows(tokenizer, examples)
+    sizes = sorted(rows)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / LR_WARMUP)
+                                                 * 0.5 * (1 + math.cos(math.pi * step / WARMUP_STEPS)))
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, WARMUP_STEPS + 1):
+        size = rng.choices(sizes, [SIZE_WEIGHTS[n] for n in sizes])[0]
+        ids, labels, attention = _batch([rng.choice(rows[size]) for _ in range(BATCH)], tokenizer.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 100 == 0:
+            log(f"  warm-up step {step}/{WARMUP_STEPS}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)")
+    model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy_by_size(model, tokenizer, examples: list[Example], batch_size: int = 50,
+                            max_new_tokens: int = 96) -> dict[int, float]:
+    """Exact-match rate of greedy completions (knights_reward == 3, as training's accuracy), per
+    number of people."""
+    correct = {n: 0 for n in SIZES}
+    count = {n: 0 for n in SIZES}
+    model.eval()
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        prompts = [format_prompt(tokenizer, ex.problem, "") for ex in chunk]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)   # left-padded
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)   # (b, P + new)
+        texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        for prompt, text, ex in zip(prompts, texts, chunk):
+            n = knights_people(ex.answer)
+            count[n] += 1
+            correct[n] += knights_reward(prompt, text, ex.answer) == 3.0
+    return {n: round(correct[n] / count[n], 3) for n in SIZES if count[n]}
+
+
+def tiny_knights_path(cache_dir: str | None = None, seed: int = 0) -> str:
+    """Where the K&K model with these build parameters lives (built or not), as tiny.tiny_model_path."""
+    cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
+    key = json.dumps({"version": VERSION, "seed": seed}, sort_keys=True)
+    return os.path.join(cache_dir, f"tiny-knights-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+
+
+def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=print) -> str:
+    """Build the K&K model once and return its folder; later calls return the cached folder. A call
+    while another process builds it waits for that build (a lock beside the folder)."""
+    path = tiny_knights_path(cache_dir, seed)
+    if os.path.isdir(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:   # released when the file closes, also on a crash
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process to finish building {path}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(path):                  # built by the process we waited for
+            return path
+        return _build(path, seed, log)
+
+
+def _build(path: str, seed: int, log) -> str:
+    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, about 5 minutes on 2 cores)")
+    start = time.perf_counter()
+    examples = warmup_examples(WARMUP_PER_SIZE)
+    tokenizer = build_knights_tokenizer(examples)
+    model = _build_model(tokenizer, False, seed)
+    with torch.random.fork_rng(devices=[]):
+        _warmup(model, tokenizer, examples, seed, log)
+    accuracy = greedy_accuracy_by_size(model, tokenizer, builtin_knights("test", test_per_size=EVAL_PER_SIZE))
+    info = {"version": VERSION, "seed": seed, "warmup_steps": WARMUP_STEPS, "batch": BATCH, "lr": LR,
+            "size_weights": SIZE_WEIGHTS, "warmup_per_size": WARMUP_PER_SIZE,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "greedy_test_accuracy_by_size": accuracy, "build_seconds": round(time.perf_counter() - start, 1)}
+    log(f"  tiny K&K model built in {info['build_seconds']} s: greedy accuracy by size {accuracy}")
+    return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)

@@ -1,0 +1,82 @@
+"""The tiny knights-and-knaves model (pspo/tiny_knights.py): its warm-up target, the build lock, and
+the built model (conftest's cached copy): it loads through from_pretrained like a hub model, writes
+the seed's layout with the puzzle's own names, and its greedy accuracy falls with the number of people."""
+import json
+import os
+import threading
+
+import fcntl
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pspo.data import format_prompt
+from pspo.knights import builtin_knights
+from pspo.knights_reward import knights_people, knights_reward
+from pspo.model import resolve_model_path
+from pspo.tiny_knights import (TINY_KNIGHTS_MODEL, ensure_tiny_knights_model, greedy_accuracy_by_size,
+                               knights_completion, tiny_knights_path)
+
+
+def test_completion_lists_people_alphabetically_and_scores_full_reward():
+    gold = "(1) Zoey is a knight\n(2) Aaron is a knave\n(3) Mia is a knave"
+    completion = knights_completion(gold)
+    # sorted by name: Aaron < Mia < Zoey, renumbered from 1
+    assert completion == ("<think></think><answer>(1) Aaron is a knave\n(2) Mia is a knave\n"
+                          "(3) Zoey is a knight</answer>")
+    assert knights_reward("", completion, gold) == 3.0
+    # a role swapped in the gold: the same completion parses but is wrong (-0.5)
+    assert knights_reward("", completion, gold.replace("Mia is a knave", "Mia is a knight")) == -0.5
+
+
+def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
+    path = tiny_knights_path(str(tmp_path))
+    logged, result = [], []
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # "another process" is building
+        waiter = threading.Thread(target=lambda: result.append(
+            ensure_tiny_knights_model(str(tmp_path), log=logged.append)))
+        waiter.start()
+        waiter.join(timeout=2.0)
+        assert waiter.is_alive() and any("waiting for another process" in m for m in logged)
+        os.makedirs(path)                          # that build finishes, then releases the lock
+    waiter.join(timeout=10.0)
+    # the waiter used the finished folder instead of building again
+    assert result == [path] and not any(m.startswith("building") for m in logged)
+
+
+def test_resolves_to_the_cached_build(tiny_knights_model_path):
+    assert resolve_model_path(TINY_KNIGHTS_MODEL) == tiny_knights_model_path == tiny_knights_path()
+    with open(os.path.join(tiny_knights_model_path, "pspo_build.json")) as f:
+        info = json.load(f)
+    by_size = {int(n): acc for n, acc in info["greedy_test_accuracy_by_size"].items()}
+    assert sorted(by_size) == list(range(2, 9))
+    # the spread the presets rely on: 2-person puzzles right more often than 5+-person ones
+    assert by_size[2] > max(by_size[n] for n in range(5, 9))
+
+
+def test_writes_the_layout_with_the_puzzles_names(tiny_knights_model_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_knights_model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_knights_model_path, dtype=torch.float32)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert model.config.max_position_embeddings >= 256 + 80          # the presets' prompt + answer
+    test = [ex for ex in builtin_knights("test", test_per_size=10) if knights_people(ex.answer) <= 3]
+    prompts = [format_prompt(tokenizer, ex.problem, "") for ex in test]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=60)
+    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    scores = [knights_reward(p, t, ex.answer) for p, t, ex in zip(prompts, texts, test)]
+    # the format passes (no -3) and many answers parse: every name of the puzzle, one role each (3 or
+    # -0.5). The build writes 11 of these 20 right; a model that does not copy names parses none.
+    assert -3.0 not in scores, list(zip(texts, scores))[:4]
+    assert sum(s in (3.0, -0.5) for s in scores) >= 0.4 * len(test), list(zip(texts, scores))[:4]
+
+
+def test_accuracy_spreads_by_size(tiny_knights_model_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_knights_model_path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_knights_model_path, dtype=torch.float32)
+    test = builtin_knights("test", test_per_size=20)
+    two = [ex for ex in test if knights_people(ex.answer) == 2]
+    seven = [ex for ex in test if knights_people(ex.answer) == 7]
+    accuracy = greedy_accuracy_by_size(model, tokenizer, two + seven, batch_size=40)
+    assert accuracy[2] > accuracy[7]
