@@ -126,6 +126,37 @@ class HFEngine:
         return completion, logprobs[:, :completion.shape[1]], completion.shape[1]
 
 
+class CountingEngine:
+    """An engine's `generate`, counting every token it returns, for a comparison per generated token.
+
+    Fresh completions of prompts count as rollout_tokens, continuations of a prefix as mc_tokens
+    (SPO-chain's Monte Carlo values, SPO-tree's branches below the root); a token is one the mask
+    keeps (up to and including the stop token). Wrap only the generation that training pays for:
+    evaluation and the weight-sync check use the engine itself.
+    """
+
+    KEYS = ("rollout_tokens", "mc_tokens", "rollout_calls", "mc_calls", "rollout_gen_s", "mc_gen_s")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.counts = dict.fromkeys(self.KEYS, 0.0)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
+        out = self.engine.generate(prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=prefix_ids)
+        kind = "rollout" if prefix_ids is None else "mc"
+        self.counts[f"{kind}_tokens"] += float(out.mask.sum())
+        self.counts[f"{kind}_calls"] += 1
+        self.counts[f"{kind}_gen_s"] += out.gen_time_s
+        return out
+
+    def take(self) -> dict[str, float]:
+        """This rank's counts since the last take (then zeroed): tokens and calls of each kind, and
+        the seconds spent generating them."""
+        counts, self.counts = self.counts, dict.fromkeys(self.KEYS, 0.0)
+        return counts
+
+
 def _pad_right(x: Tensor, width: int, value) -> Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 

@@ -7,7 +7,7 @@ import torch
 
 from pspo.data import builtin_arithmetic, format_prompt
 from pspo.model import Policy, build_policy, load_tokenizer
-from pspo.rollout import HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise
+from pspo.rollout import CountingEngine, HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise
 from pspo.sequences import batch_inputs, child_seeds, continuation_inputs, prefix_seeds, sequence_seeds
 
 
@@ -189,3 +189,20 @@ def test_greedy_continuation_completes_the_greedy_completion(tiny):
         assert rest.texts == full.texts and torch.equal(rest.truncated, full.truncated)
         for i, q in enumerate(prefixes):
             assert rest.completion_ids[i, :lengths[i] - len(q)].tolist() == full.completion_ids[i, len(q):lengths[i]].tolist()
+
+
+def test_counting_engine_counts_every_returned_token_by_kind(tiny):
+    # a fresh rollout of 2 prompts x 2, then 3 continuations of 2 prefixes, then another rollout:
+    # rollout_tokens = the two rollouts' mask sums, mc_tokens = the continuations', calls 2 and 1
+    tokenizer, _, engine, ids = tiny
+    counter = CountingEngine(engine)
+    a = counter.generate(ids[:2], 2, 1.0, 1.0, 12, sequence_seeds(0, 0, torch.arange(2), 2))
+    prefixes = [a.completion_ids[0, :2].tolist(), a.completion_ids[2, :3].tolist()]
+    b = counter.generate(ids[:2], 3, 1.0, 1.0, 12, prefix_seeds(0, 0, [p + q for p, q in zip(ids, prefixes)], 3),
+                         prefix_ids=prefixes)
+    c = counter.generate(ids[2:3], 1, 1.0, 1.0, 12, sequence_seeds(0, 0, torch.arange(1), 1))
+    counts = counter.take()
+    assert counts["rollout_tokens"] == a.mask.sum() + c.mask.sum() and counts["mc_tokens"] == b.mask.sum() > 0
+    assert (counts["rollout_calls"], counts["mc_calls"]) == (2, 1)
+    assert counts["mc_gen_s"] == b.gen_time_s and counts["rollout_gen_s"] == a.gen_time_s + c.gen_time_s
+    assert set(counter.take().values()) == {0.0}                          # take() starts a new step
