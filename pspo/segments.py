@@ -44,7 +44,9 @@ def select_cuts(probs: Tensor, mask: Tensor, interval: int,
 
 
 def probability_mask(probs: Tensor, mask: Tensor, threshold: float = PROB_THRESHOLD) -> Tensor:
-    """M_t = m_t · 1[p_t < threshold], §B chain 6: the only tokens that get gradient. (N, T) float"""
+    """M_t = m_t · 1[p_t < threshold], §B chain 6: the only tokens that get gradient. (N, T) float
+
+    (The reference zeroes A where p_t > 0.9 and masks the loss where p_t >= 0.9; one rule here.)"""
     return mask.float() * (probs < threshold)
 
 
@@ -163,8 +165,9 @@ def tree_advantages(parent: Tensor, values: Tensor, scale: bool = False, eps: fl
     """A(node) = V(node) - V(parent), §B tree 3; 0 at the roots. (n,) float64
 
     scale (spo "grpo" option): divided by (std + eps), std the population std of the V of the node
-    and its siblings (np.std in the reference code). A difference within ZERO_TOL of 0 is set to 0:
-    float rounding of nested means (six rewards of 0.7 average to 0.6999999999999998) must not
+    and its siblings (np.std in the reference code). Departure from the reference code (exact
+    `!= 0`, harmless with its 0/1 rewards): a difference within ZERO_TOL of 0 is set to 0, so that
+    float rounding of nested means (six rewards of 0.7 average to 0.6999999999999998) does not
     keep an edge that exact arithmetic drops.
     """
     parent, values = parent.cpu(), values.cpu().to(torch.float64)
