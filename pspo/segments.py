@@ -93,26 +93,27 @@ def chain_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tensor
 
 
 def unique_prefixes(prompt_ids: list[list[int]], completion_ids: Tensor, rows: Tensor,
-                    cuts: Tensor) -> tuple[list[list[int]], list[list[int]], Tensor]:
-    """The distinct states to continue, §B chain 4: (prompts (U,), prefixes (U,), inverse (C,)).
+                    cuts: Tensor) -> tuple[Tensor, list[list[int]], Tensor]:
+    """The distinct states to continue, §B chain 4: (owners (U,), prefixes (U,), inverse (C,)).
 
     prompt_ids: one per completion row (N); completion_ids (N, T); rows, cuts (C,). The state of a
     cut is (prompt, completion[:c+1]); identical states (the same prompt and prefix, e.g. two
     samples that agree up to their first low-probability token) are continued once. Unique
-    states come in first-seen order; inverse[i] is cut i's unique index. Feed prompts and
-    prefixes to `engine.generate(prompts, N_mc, ..., prefix_ids=prefixes)`.
+    states come in first-seen order; owners[u] is the row of state u's first cut (its prompt and
+    answer), inverse[i] cut i's unique index. Continue them with
+    `engine.generate([prompt_ids[r] for r in owners], N_mc, ..., prefix_ids=prefixes)`.
     """
     index: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    prompts, prefixes, inverse = [], [], []
+    owners, prefixes, inverse = [], [], []
     for row, c in zip(rows.tolist(), cuts.tolist()):
         prefix = completion_ids[row, :c + 1].tolist()
         key = (tuple(prompt_ids[row]), tuple(prefix))
         if key not in index:
-            index[key] = len(prompts)
-            prompts.append(list(prompt_ids[row]))
+            index[key] = len(owners)
+            owners.append(row)
             prefixes.append(prefix)
         inverse.append(index[key])
-    return prompts, prefixes, torch.tensor(inverse, dtype=torch.long)
+    return torch.tensor(owners, dtype=torch.long), prefixes, torch.tensor(inverse, dtype=torch.long)
 
 
 def mc_values(rewards: Tensor, n: int, inverse: Tensor) -> Tensor:

@@ -80,8 +80,8 @@ def test_unique_prefixes_and_mc_values():
     prompts = [[1, 2], [1, 2], [3]]
     completions = torch.tensor([[5, 6, 7], [5, 6, 8], [5, 6, 7]])
     rows, cuts = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([-1, 1, -1, 1, 1])
-    u_prompts, u_prefixes, inverse = unique_prefixes(prompts, completions, rows, cuts)
-    assert u_prompts == [[1, 2], [1, 2], [3]] and u_prefixes == [[], [5, 6], [5, 6]]
+    owners, u_prefixes, inverse = unique_prefixes(prompts, completions, rows, cuts)
+    assert owners.tolist() == [0, 0, 2] and u_prefixes == [[], [5, 6], [5, 6]]
     assert inverse.tolist() == [0, 1, 0, 1, 2]
     # 2 continuations per state: rewards [1, 0 | 1, 1 | 0, 0] -> V = [.5, 1, 0] -> per cut [.5, 1, .5, 1, 0]
     values = mc_values(torch.tensor([1., 0, 1, 1, 0, 0]), 2, inverse)
