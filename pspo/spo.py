@@ -70,16 +70,14 @@ def _continue(engine, prompt_ids: list[list[int]], prefixes: list[list[int]], n:
 
 
 def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Tensor, pad_id: int,
-              cfg: Config, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """The trainer's log π_old of completions (logits / T): input_ids, attention_mask (N, P+T) on
-    `device` and old_logp (N, T) on the CPU. A forward pass: every rank must call it together."""
+              cfg: Config, device: torch.device) -> Tensor:
+    """The trainer's log π_old (logits / T) of completions (N, T) after `prompts`, on the CPU.
+    A forward pass, micro-batched as the update's: every rank must call it together."""
     input_ids, attention_mask = batch_inputs(prompts, completion_ids, mask, pad_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     t = cfg.train
     plan = plan_micro_batches(attention_mask, mask.to(device), t.micro_batch_size, t.micro_batch_tokens)
-    T = mask.shape[1]
-    return input_ids, attention_mask, score_logprobs(policy, input_ids, attention_mask, T, cfg.rollout.temperature,
-                                                     plan).cpu()
+    return score_logprobs(policy, input_ids, attention_mask, mask.shape[1], cfg.rollout.temperature, plan).cpu()
 
 
 # ---- SPO-chain ----
@@ -97,7 +95,7 @@ def chain_inputs(policy, engine, rollout: Rollout, rewards: Tensor, prompt_ids: 
     under lockstep, the continuation calls.
     """
     r, s, mask = cfg.rollout, cfg.spo, rollout.mask
-    _, _, old_logp = _old_logp(policy, prompt_ids, rollout.completion_ids, mask, pad_id, cfg, device)   # (N, T)
+    old_logp = _old_logp(policy, prompt_ids, rollout.completion_ids, mask, pad_id, cfg, device)   # (N, T)
     probs = old_logp.exp()                                                # (N, T) p_t, top-p ignored (§B chain 2)
     rows, cuts = select_cuts(probs, mask, s.cutpoint_interval)            # (C,), (C,)
     owners, prefixes, inverse = unique_prefixes(prompt_ids, rollout.completion_ids, rows, cuts)   # (U,), U, (C,)
@@ -110,7 +108,8 @@ def chain_inputs(policy, engine, rollout: Rollout, rewards: Tensor, prompt_ids: 
         mc_rewards = score([examples[o] for o in owners for _ in range(s.num_mc)], out.texts).rewards   # (U*N,)
         values = mc_values(mc_rewards, s.num_mc, inverse)                 # (C,)
     advantages, loss_mask = chain_advantages(rows, cuts, values, rewards.cpu(), probs, mask)   # (N, T) each
-    counts = {"spo_cuts": float(len(cuts)), "spo_states": float(len(owners)), "spo_mask_tokens": float(loss_mask.sum())}
+    counts = {"spo_cuts": float(len(cuts)), "spo_states": float(len(owners)),
+              "spo_mask_tokens": float(loss_mask.sum())}
     return ({"token_advantages": advantages.to(device), "loss_mask": loss_mask.to(device),
              "old_logp": old_logp.to(device)}, counts)
 
@@ -126,6 +125,33 @@ class Edge:
     segment: Tensor           # (L_s,) long, the node's own tokens
     old_logp: Tensor          # (L_s,) float32, the trainer's log π_old of the segment when it was generated
     advantage: float          # A(node) = V(node) - V(parent) [/ (sibling std + 1e-8)]
+
+
+@dataclass
+class _Forest:
+    """One rank's trees, flat (segments.py's layout): per node its parent (-1: a root, the prompt),
+    the prompt it grew from, its completion tokens so far, its seed, and how its segment ended."""
+    parent: Tensor            # (nodes,) long
+    owner: list[int]          # index of the node's prompt among the rank's prompts
+    tokens: list[list[int]]   # completion tokens from the prompt to the end of this node's segment
+    seed: list[int]           # the seed that generated the segment (its children's come from it)
+    truncated: list[bool]     # the segment hit its token budget without a stop token
+    leaf: list[bool]          # finished, or at the last depth: scored, not continued
+    text: list[str]           # the decoded completion so far (what a leaf is scored on)
+
+    def add(self, parents: list[int], b: int, out: Rollout, seeds: Tensor, last: bool) -> list[int]:
+        """b children under each of `parents` from one generate call (rows parent-major); returns
+        the new nodes to continue (not leaves)."""
+        self.parent = add_children(self.parent, torch.tensor(parents, dtype=torch.long), b)
+        first = len(self.owner)
+        for k, i in enumerate(j for j in parents for _ in range(b)):
+            self.owner.append(self.owner[i])
+            self.tokens.append(self.tokens[i] + out.completion_ids[k, :int(out.mask[k].sum())].tolist())
+            self.seed.append(int(seeds[k]))
+            self.truncated.append(bool(out.truncated[k]))
+            self.text.append(out.texts[k])
+            self.leaf.append(last or not self.truncated[-1])              # depth 2 is scored whatever
+        return [j for j in range(first, len(self.owner)) if not self.leaf[j]]
 
 
 @dataclass
@@ -149,54 +175,45 @@ class SPOTree:
     def step(self, engine, policy, examples: list[int], seeds: Tensor, step: int, score: Score) -> TreeBatch:
         """Grow the trees of this rank's prompts (dataset rows `examples`; seeds (len*b0,) of their
         depth-0 completions), add their edges to the buffer, draw this step's. Collective."""
-        r, s, device = self.cfg.rollout, self.cfg.spo, self.dist.device
+        r, s = self.cfg.rollout, self.cfg.spo
         b, (m0, m1) = s.branch_factors, s.segments
         prompts = [self.train_ids[e] for e in examples]
         n = len(examples)
-        parent = torch.full((n,), -1, dtype=torch.long)                   # the forest: roots are the prompts
-        owner, tokens, seed, leaf = list(range(n)), [[] for _ in range(n)], [0] * n, [False] * n
-        texts, truncated = [""] * n, [False] * n
+        forest = _Forest(torch.full((n,), -1, dtype=torch.long), list(range(n)), [[] for _ in range(n)], [0] * n,
+                         [False] * n, [False] * n, [""] * n)              # the roots are the prompts
         frontier = list(range(n))
         for depth, budget in enumerate((m0, m0 + m1, r.max_new_tokens)):  # §B tree 1
             if depth == 0:      # fresh completions: the step's G = b0 rollouts, cut at M0 tokens
                 kids, out = seeds, engine.generate(prompts, b[0], r.temperature, r.top_p, m0, seeds)
-            else:               # b_d continuations of each unfinished node, to budget tokens in all
-                kids = child_seeds(torch.tensor([seed[i] for i in frontier], dtype=torch.long), b[depth])
-                out = _continue(engine, [prompts[owner[i]] for i in frontier], [tokens[i] for i in frontier], b[depth],
-                                r.temperature, r.top_p, budget, kids, self.lockstep, prompts[0], device)
-            if out is None:     # nothing left to grow here (other ranks may still be: no break under lockstep)
-                continue
-            parent = add_children(parent, torch.tensor(frontier, dtype=torch.long), b[depth])
-            first = len(owner)
-            for k, i in enumerate(j for j in frontier for _ in range(b[depth])):
-                new = out.completion_ids[k, :int(out.mask[k].sum())].tolist()
-                owner.append(owner[i]), tokens.append(tokens[i] + new), seed.append(int(kids[k]))
-                truncated.append(bool(out.truncated[k])), texts.append(out.texts[k])
-                leaf.append(depth == 2 or not truncated[-1])              # finished, or depth 2 (scored whatever)
-            frontier = [j for j in range(first, len(owner)) if not leaf[j]]
+            else:               # b_d continuations of each unfinished node, to `budget` tokens in all
+                kids = child_seeds(torch.tensor([forest.seed[i] for i in frontier], dtype=torch.long), b[depth])
+                out = _continue(engine, [prompts[forest.owner[i]] for i in frontier],
+                                [forest.tokens[i] for i in frontier], b[depth], r.temperature, r.top_p, budget,
+                                kids, self.lockstep, prompts[0], self.dist.device)
+            if out is not None:  # None: nothing to grow here (no break: under lockstep other ranks may call)
+                frontier = forest.add(frontier, b[depth], out, kids, last=depth == 2)
         t_reward = time.perf_counter()
-        leaves = [j for j in range(len(owner)) if leaf[j]]
-        scored = score([examples[owner[j]] for j in leaves], [texts[j] for j in leaves])
+        leaves = [j for j in range(len(forest.owner)) if forest.leaf[j]]
+        scored = score([examples[forest.owner[j]] for j in leaves], [forest.text[j] for j in leaves])
         reward_s = time.perf_counter() - t_reward
-        node_rewards = torch.full((len(owner),), float("nan"), dtype=torch.float64)
+        node_rewards = torch.full((len(forest.owner),), float("nan"), dtype=torch.float64)
         node_rewards[leaves] = scored.rewards.double()
-        values = tree_values(parent, node_rewards)                        # (nodes,) §B tree 2
-        advantages = tree_advantages(parent, values, s.tree_scale)       # (nodes,) §B tree 3
-        new = self._score_edges(policy, tree_edges(parent, advantages).tolist(), parent, owner, tokens, advantages,
-                                examples, step, n)
+        values = tree_values(forest.parent, node_rewards)                 # (nodes,) §B tree 2
+        advantages = tree_advantages(forest.parent, values, s.tree_scale)   # (nodes,) §B tree 3
+        new = self._score_edges(policy, forest, tree_edges(forest.parent, advantages).tolist(), advantages,
+                                examples, step)
         self.edges += self._gather(new, step)
         drawn, expired = self._draw(step)
         share = drawn[self.dist.rank::self.dist.world_size]
-        batch = self._batch(share or [self._dummy(tokens[n], examples[0], step)])
-        leaf_rewards = scored.rewards.double()
-        per_tree = [leaf_rewards[[k for k, j in enumerate(leaves) if owner[j] == q]] for q in range(n)]
+        batch = self._batch(share or [self._dummy(forest.tokens[n], examples[0], step)])
+        rewards = scored.rewards.double()                                 # (leaves,)
+        per_tree = [rewards[[k for k, j in enumerate(leaves) if forest.owner[j] == q]] for q in range(n)]
         batch.sums = {
-            "completions": len(leaves), "groups": n,
-            "reward": leaf_rewards.sum(), "reward_sq": (leaf_rewards ** 2).sum(),
+            "completions": len(leaves), "groups": n, "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
             "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
             "zero_std_groups": sum(bool((x == x[0]).all()) for x in per_tree),
-            "truncated": sum(truncated[j] for j in leaves), "reward_failures": sum(scored.failures.values()),
-            "completion_tokens": sum(len(tokens[j]) for j in leaves), "spo_nodes": len(owner) - n,
+            "truncated": sum(forest.truncated[j] for j in leaves), "reward_failures": sum(scored.failures.values()),
+            "completion_tokens": sum(len(forest.tokens[j]) for j in leaves), "spo_nodes": len(forest.owner) - n,
             "spo_new_edges": len(new), "spo_edges": len(share),
             # replicated values, the same on every rank: counted once
             "spo_buffer": len(self.edges) if self.dist.is_main else 0,
@@ -205,20 +222,20 @@ class SPOTree:
         batch.reward_s = reward_s
         return batch
 
-    def _score_edges(self, policy, ids: list[int], parent: Tensor, owner: list[int], tokens: list[list[int]],
-                     advantages: Tensor, examples: list[int], step: int, n: int) -> list[Edge]:
-        """This rank's new edges with the trainer's π_old of their segments (one forward pass, at
-        least one row so every rank runs it: a rank without edges scores its first node, unused)."""
-        rows = ids or [n]
+    def _score_edges(self, policy, forest: _Forest, ids: list[int], advantages: Tensor, examples: list[int],
+                     step: int) -> list[Edge]:
+        """This rank's new edges (nodes `ids`) with the trainer's π_old of their segments: one
+        forward pass, of at least one row so that every rank runs it (a rank without edges scores
+        its first depth-0 node and drops it)."""
+        rows = ids or [len(examples)]
         edges = []
         for i in rows:
-            start = len(tokens[int(parent[i])])
-            edges.append(Edge(examples[owner[i]], step, torch.tensor(tokens[i][:start], dtype=torch.long),
-                              torch.tensor(tokens[i][start:], dtype=torch.long), torch.zeros(0),
-                              float(advantages[i])))
+            tokens, start = forest.tokens[i], len(forest.tokens[int(forest.parent[i])])
+            edges.append(Edge(examples[forest.owner[i]], step, torch.tensor(tokens[:start], dtype=torch.long),
+                              torch.tensor(tokens[start:], dtype=torch.long), torch.zeros(0), float(advantages[i])))
         completion, mask = _pad([e.segment for e in edges], self.pad_id)
         prompts = [self.train_ids[e.example] + e.prefix.tolist() for e in edges]
-        old = _old_logp(policy, prompts, completion, mask, self.pad_id, self.cfg, self.dist.device)[2]   # (E, T)
+        old = _old_logp(policy, prompts, completion, mask, self.pad_id, self.cfg, self.dist.device)   # (E, T)
         for e, logp in zip(edges, old):
             e.old_logp = logp[:len(e.segment)].float().clone()
         return edges if ids else []
