@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+
 from pspo import distributed
 from pspo.benchmarks import BENCHMARKS, load_benchmark
 from pspo.config import ConfigError, load_config
@@ -33,6 +35,7 @@ from pspo.distributed import print0
 from pspo.evaluation import evaluate
 from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
                         resolve_model_path)
+from pspo.reward_pool import RewardPool, resolve_workers
 from pspo.rollout import build_engine, engine_name
 
 FLAGS = ("--benchmarks", "--engine")
@@ -50,6 +53,7 @@ def main(argv: list[str]) -> dict:
         overrides.append(f"--rollout.engine={flags['--engine']}")
     cfg = load_config(argv[1], overrides, dist_.world_size)
     d, e, m = cfg.data, cfg.eval, cfg.model
+    pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts while the model loads
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                     # build builtin:tiny once
     distributed.barrier()
@@ -79,7 +83,8 @@ def main(argv: list[str]) -> dict:
     for name, suite in suites.items():
         results[name] = {"n": len(suite.examples), "skipped": suite.skipped, **evaluate(
             engine, suite.ids, suite.texts, suite.examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature,
-            e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress)}
+            e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress, pool)}
+    pool.close()
     counts = ("n", "skipped")                     # rows evaluated, rows left out (bad gold + too long)
     if len(results) > 1:                          # unweighted mean over benchmarks, as papers report
         keys = [k for k in next(iter(results.values())) if k not in counts]

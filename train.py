@@ -39,6 +39,7 @@ from pspo.metrics import MetricsLogger, step_metrics
 from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
                         resolve_model_path)
 from pspo.plan import plan_cli, startup_check
+from pspo.reward_pool import RewardPool, resolve_workers
 from pspo.rewards import score_completions
 from pspo.rollout import CountingEngine, HFEngine, build_engine, engine_name
 from pspo.sequences import batch_inputs, sequence_seeds
@@ -120,6 +121,7 @@ def main(argv: list[str]) -> None:
     base_path = resolve_model_path(cfg.model.name_or_path)
     resume_from = checkpoint.resolve_resume(cfg.train.resume, out)
     m = cfg.model
+    reward_pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts while the model loads
 
     # ---- set-up: tokenizer, policy (+ frozen reference), engine, data, optimizer, state ----
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
@@ -173,7 +175,7 @@ def main(argv: list[str]) -> None:
         e = cfg.eval
         result = evaluate(engine, eval_ids, eval_texts, eval_set, cfg.rollout.max_new_tokens, e.num_samples,
                           e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s,
-                          cfg.train.progress)
+                          cfg.train.progress, reward_pool)
         return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
 
     def save() -> None:
@@ -200,7 +202,7 @@ def main(argv: list[str]) -> None:
 
     def score(examples: list[int], texts: list[str]):        # completions of these train rows -> RewardResult
         return score_completions([train_texts[i] for i in examples], texts, [train_set[i].answer for i in examples],
-                                 weights, cfg.reward.timeout_s)
+                                 weights, cfg.reward.timeout_s, reward_pool)
     last_eval = first_eval
     skipped_in_a_row = 0                                                          # non-finite updates
     preemption = distributed.PreemptionSignal()                                   # SIGTERM / SIGUSR1
@@ -328,6 +330,7 @@ def main(argv: list[str]) -> None:
 
     bar.close()
     logger.close()
+    reward_pool.close()                                # on an error too, when collected (reward_pool.py)
     finished = step == cfg.train.max_steps                                        # not preempted
     if finished and first_eval and last_eval:
         print0(f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> {last_eval['eval_accuracy']:.3f} after "

@@ -69,6 +69,7 @@ class RewardConfig:
     cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
     knights: float = 0.0                # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (SEED_METHODS.md §A)
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
+    workers: int = -1                   # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training threads)
 
 
 @dataclass
@@ -354,6 +355,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights")}
     _check(any(w != 0 for w in weights.values()), "reward", "at least one non-zero weight", weights)
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "> 0", cfg.reward.timeout_s)
+    _check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
+           "the training threads)", cfg.reward.workers)
     _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)

@@ -20,6 +20,7 @@ from pspo import distributed
 from pspo.data import Example
 from pspo.distributed import Dist
 from pspo.knights_reward import knights_people
+from pspo.reward_pool import RewardPool
 from pspo.rewards import score_completions
 from pspo.sequences import sequence_seeds
 
@@ -28,9 +29,11 @@ EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every
 
 def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: list[Example],
              max_new_tokens: int, num_samples: int, temperature: float, top_p: float, seed: int,
-             dist_: Dist, batch_size: int, timeout_s: float = 5.0, progress: bool = True) -> dict[str, float]:
+             dist_: Dist, batch_size: int, timeout_s: float = 5.0, progress: bool = True,
+             pool: RewardPool | None = None) -> dict[str, float]:
     """Returns {"greedy_accuracy", and with num_samples = k > 0: f"mean@{k}", f"pass@{k}";
-    on K&K puzzles also f"greedy_{n}ppl" for each number of people n present}."""
+    on K&K puzzles also f"greedy_{n}ppl" for each number of people n present}. Completions are
+    scored in `pool`'s worker processes if one is given (pspo/reward_pool.py), else here."""
     mine = list(range(dist_.rank, len(prompt_ids), dist_.world_size))
     per_rank = math.ceil(len(prompt_ids) / dist_.world_size)
     real = len(mine)
@@ -48,7 +51,7 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
         texts = [prompts[i] for i in idx]
         golds = [examples[i].answer for i in idx]
         greedy = engine.generate(ids, 1, 1.0, 1.0, max_new_tokens, seeds=None)
-        correct = _accuracy(texts, greedy.texts, golds, timeout_s)
+        correct = _accuracy(texts, greedy.texts, golds, timeout_s, pool)
         sums["greedy_correct"] += correct[:counted].sum().item()
         for i, ok in zip(idx[:counted] if sizes else [], correct.tolist()):
             sums[f"correct_{people[i]}"] += ok
@@ -57,7 +60,7 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
             seeds = sequence_seeds(seed, EVAL_STEP_KEY, torch.tensor(idx), num_samples)
             sampled = engine.generate(ids, num_samples, temperature, top_p, max_new_tokens, seeds=seeds)
             reps = lambda xs: [x for x in xs for _ in range(num_samples)]  # noqa: E731 prompt-major rows
-            correct = _accuracy(reps(texts), sampled.texts, reps(golds), timeout_s).view(-1, num_samples)
+            correct = _accuracy(reps(texts), sampled.texts, reps(golds), timeout_s, pool).view(-1, num_samples)
             sums["sampled_correct"] += correct[:counted].mean(1).sum().item()
             sums["any_correct"] += correct[:counted].amax(1).sum().item()
     total = distributed.reduce_sums({**sums, "n": float(real)}, dist_.device)
@@ -70,5 +73,6 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
     return result
 
 
-def _accuracy(prompts: list[str], completions: list[str], golds: list[str], timeout_s: float) -> torch.Tensor:
-    return score_completions(prompts, completions, golds, {"accuracy": 1.0}, timeout_s).components["accuracy"]
+def _accuracy(prompts: list[str], completions: list[str], golds: list[str], timeout_s: float,
+              pool: RewardPool | None) -> torch.Tensor:
+    return score_completions(prompts, completions, golds, {"accuracy": 1.0}, timeout_s, pool).components["accuracy"]

@@ -9,11 +9,13 @@ right) and `format` the K&K tag check, so the logged accuracy and format rates, 
 reward.accuracy 0 and reward.knights 1.
 
 Every reward function is a pure function (prompt, completion, gold) -> float. `score_completions`
-runs them on a batch in the calling process and turns a raise or a run past `timeout_s` into a
-score of 0 counted in `failures`, except `GoldAnswerError`: a gold answer math-verify cannot parse
-is an error in the data and propagates (the reference code scored it a free 1.0). Data loading
-checks every gold first (pspo/data.py) and leaves such rows out. A gold is first brought to what
-math-verify parses (pspo/golds.py: escaped dollars, `\\!`, e-notation, `$...$` delimiters).
+runs them on a batch, in the calling process or in a pool of worker processes
+(pspo/reward_pool.py: the same calls under the same guard, so the same scores), and turns a raise
+or a run past `timeout_s` into a score of 0 counted in `failures`, except `GoldAnswerError`: a
+gold answer math-verify cannot parse is an error in the data and propagates (the reference code
+scored it a free 1.0). Data loading checks every gold first (pspo/data.py) and leaves such rows
+out. A gold is first brought to what math-verify parses (pspo/golds.py: escaped dollars, `\\!`,
+e-notation, `$...$` delimiters).
 
 Time limits. math-verify guards itself with `signal.alarm` (whole seconds, main thread only,
 and it overwrites any outer alarm). We switch its guards off (`parsing_timeout=None`,
@@ -33,7 +35,12 @@ MAX_BRACKET_DEPTH scores 0 unparsed: the LaTeX parser is exponential in bare nes
 (`{{{..1..}}}` 12 deep took 3 s, 15 deep 38 s). LRU caches memoize the parse of each gold and
 of each answer part and the verdict of each (answer part, gold) pair: the identical answers of
 a group cost one check, and an answer recurring under another gold is not parsed again.
+
+torch is imported only where the result tensors are built: reward workers import this module for
+its functions and guard, and start in ~0.7 s without torch instead of ~2 s with it.
 """
+from __future__ import annotations
+
 import contextlib
 import functools
 import logging
@@ -43,14 +50,17 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
 from math_verify import parse, verify
-from torch import Tensor
 
 from pspo.golds import GoldAnswerError, answer_latex, gold_latex
 from pspo.knights_reward import assistant_turn, knights_format_ok, knights_people, knights_reward
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from pspo.reward_pool import RewardPool
 
 # Our guard replaces math-verify's, so its "timeout is disabled" notice is noise (one per rank).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -178,7 +188,8 @@ def cosine_reward(prompt: str, completion: str, gold: str, max_len: int = COSINE
     return 0.75 + 0.25 * cos if correct else -0.25 + 0.25 * cos
 
 
-REWARD_FUNCTIONS: dict[str, Callable[[str, str, str], float]] = {
+RewardFn = Callable[[str, str, str], float]
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
     "cosine": cosine_reward,
@@ -200,7 +211,7 @@ def _on_alarm(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def _alarm_guard() -> Iterator[None]:
+def alarm_guard() -> Iterator[None]:
     """Install our SIGALRM handler for a batch; pause and afterwards re-arm any outer timer."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("score_completions must run in the main thread: its per-call time "
@@ -219,26 +230,50 @@ def _alarm_guard() -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
 
 
-def _call_with_limit(fn: Callable[[str, str, str], float], args: tuple[str, str, str],
-                     timeout_s: float) -> float:
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+def guarded_call(fn: RewardFn, args: tuple[str, str, str], timeout_s: float) -> float | None:
+    """fn(*args) limited to `timeout_s` seconds, inside `alarm_guard`: its finite value, or None if
+    it raised, returned a non-finite value or ran past the limit. GoldAnswerError propagates."""
     try:
-        value = float(fn(*args))
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    if not math.isfinite(value):
-        raise ValueError(f"reward is not finite: {value}")
-    return value
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            value = float(fn(*args))
+        finally:                                         # an alarm that fires in here lands below
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except GoldAnswerError:
+        raise
+    except (Exception, _RewardTimeout):                  # the caller scores 0 and counts it
+        return None
+    return value if math.isfinite(value) else None
+
+
+def score_calls(fns: dict[str, RewardFn], prompts: list[str], completions: list[str], golds: list[str],
+                timeout_s: float) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Every function on every completion in this process: (values, failures), a failed call 0.0."""
+    values = {name: [0.0] * len(completions) for name in fns}
+    failures = dict.fromkeys(fns, 0)
+    with alarm_guard():
+        for name, fn in fns.items():
+            for i, args in enumerate(zip(prompts, completions, golds)):
+                value = guarded_call(fn, args, timeout_s)
+                if value is None:
+                    failures[name] += 1
+                else:
+                    values[name][i] = value
+    return values, failures
 
 
 def score_completions(prompts: list[str], completions: list[str], golds: list[str],
-                      weights: dict[str, float], timeout_s: float = 5.0) -> RewardResult:
-    """Score N completions with every function named in `weights` (main thread only).
+                      weights: dict[str, float], timeout_s: float = 5.0,
+                      pool: RewardPool | None = None) -> RewardResult:
+    """Score N completions with every function named in `weights`, in `pool`'s worker processes if
+    one is given, else in this process (main thread only); the result is the same either way.
 
     A weight of 0 means "computed and logged, not rewarded": the training loop logs format and
     accuracy rates whatever their weights. A call that raises or runs past `timeout_s` seconds
     scores 0 and counts in failures[name]; GoldAnswerError propagates.
     """
+    import torch                                         # here, not at the top: see the module docstring
+
     n = len(completions)
     if len(prompts) != n or len(golds) != n:
         raise ValueError(f"score_completions: expected equal lengths, got {len(prompts)} prompts, "
@@ -249,18 +284,9 @@ def score_completions(prompts: list[str], completions: list[str], golds: list[st
                          f"{sorted(REWARD_FUNCTIONS)}")
     if not timeout_s > 0:
         raise ValueError(f"reward timeout_s: expected > 0, got {timeout_s}")
-    values = {name: [0.0] * n for name in weights}
-    failures = dict.fromkeys(weights, 0)
-    with _alarm_guard():
-        for name in weights:
-            fn = REWARD_FUNCTIONS[name]                  # looked up per call: tests may swap it
-            for i, args in enumerate(zip(prompts, completions, golds)):
-                try:
-                    values[name][i] = _call_with_limit(fn, args, timeout_s)
-                except GoldAnswerError:
-                    raise
-                except (Exception, _RewardTimeout):      # the score stays 0, the failure is counted
-                    failures[name] += 1
+    fns = {name: REWARD_FUNCTIONS[name] for name in weights}   # looked up per call: tests may swap them
+    score = pool.score if pool is not None else score_calls
+    values, failures = score(fns, prompts, completions, golds, timeout_s)
     components = {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()}  # (N,)
     rewards = torch.zeros(n, dtype=torch.float32)                                          # (N,)
     for name, weight in weights.items():
