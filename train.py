@@ -8,6 +8,8 @@ Each step: sample B prompts (uniform epochs, or PPS §3) -> G completions each -
 advantages (GRPO §1, or ERS-smoothed §2) -> PPS priorities -> num_iterations x (micro-batched
 clipped-surrogate loss with gradient accumulation, grad-norm clip, AdamW step) -> log -> periodic
 eval -> periodic save. PSPO (§4) = ERS + PPS; `ers.enabled` and `pps.enabled` switch each on.
+SPO (SEED_METHODS.md §B, pspo/spo.py) brings token advantages: from Monte Carlo values at cut
+points (spo_chain), or from trees grown from the G completions, trained as replayed edges (spo_tree).
 
 How this departs from TRL's GRPOTrainer, on purpose:
 - The loss is normalized over the whole optimizer step (every micro-batch and rank), so the
@@ -33,16 +35,17 @@ from pspo.data import DataError, PromptSet, load_examples, prompt_set
 from pspo.distributed import Dist, print0
 from pspo.ema_stats import EMAStats
 from pspo.evaluation import evaluate
-from pspo.metrics import MetricsLogger
+from pspo.metrics import MetricsLogger, step_metrics
 from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
                         resolve_model_path)
 from pspo.plan import plan_cli, startup_check
 from pspo.reward_pool import RewardPool, resolve_workers
 from pspo.rewards import score_completions
-from pspo.rollout import HFEngine, build_engine
+from pspo.rollout import CountingEngine, HFEngine, build_engine, engine_name
 from pspo.sequences import batch_inputs, sequence_seeds
 from pspo.update import policy_update
 from pspo.sampler import build_sampler
+from pspo.spo import SPOTree, chain_inputs
 from pspo.vllm_engine import SyncError, sync_engine
 
 
@@ -78,30 +81,8 @@ def adopt_optim_config(optimizer: torch.optim.Optimizer, scheduler, cfg: Config)
                      weight_decay=o.weight_decay)
 
 
-def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
-    """Turn rank-summed statistics into the logged means (README, "Metrics")."""
-    n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
-    iters = cfg.algo.num_iterations
-    reward_var = max(sums["reward_sq"] / n - (sums["reward"] / n) ** 2, 0.0)
-    metrics = {
-        "reward_mean": sums["reward"] / n, "reward_std": math.sqrt(reward_var),
-        "accuracy": sums["accuracy"] / n, "format_rate": sums["format"] / n,
-        "adv_abs_mean": sums["adv_abs"] / sums["adv_count"],
-        "adv_std": math.sqrt(max(sums["adv_sq"] / sums["adv_count"], 0.0)),
-        "zero_std_frac": sums["zero_std_groups"] / groups,
-        "loss": sums["pg_loss"] / iters, "kl": sums["kl"] / tok, "clip_frac": sums["clipped_tokens"] / tok,
-        "entropy": sums["entropy"] / tok, "response_length": sums["tokens"] / iters / n,
-        "truncation_rate": sums["truncated"] / n, "grad_norm": sums["grad_norm"] / iters,
-        "reward_failures": sums["reward_failures"], "gen_tokens_per_s": sums["gen_tokens_per_s"],
-        "skipped_steps": round(sums["skipped_steps"]),
-        # padded positions / all positions of the update's micro-batches (prompt + completion columns)
-        "padding_frac": 1.0 - sums["update_tokens"] / max(sums["update_positions"], 1.0),
-    }
-    return metrics
-
-
-def load_replicated_state(state: dict, sampler, ers: EMAStats | None, cfg: Config) -> None:
-    """Sampler and ERS state from a checkpoint; refuses a run that switched PPS or ERS on or off.
+def load_replicated_state(state: dict, sampler, ers: EMAStats | None, tree: SPOTree | None, cfg: Config) -> None:
+    """Sampler, ERS and SPO-tree replay state from a checkpoint; refuses a run that switched PPS or ERS on or off.
 
     Their hyperparameters (ers.alpha, pps.alpha, beta, ...) come from the config and may change on
     resume like any other field; an exact continuation needs the same config.
@@ -116,6 +97,8 @@ def load_replicated_state(state: dict, sampler, ers: EMAStats | None, cfg: Confi
         sampler.load_state_dict(state["sampler"])
         if ers is not None:
             ers.load_state_dict(state["ers"])
+        if tree is not None and state.get("spo_tree") is not None:
+            tree.load_state_dict(state["spo_tree"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -168,19 +151,24 @@ def main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    step = 0
+    # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
+    lockstep = dist_.world_size > 1 and engine_name(cfg.rollout.engine) == "hf"
+    tree = SPOTree(cfg, train_ids, tokenizer.pad_token_id, dist_, lockstep) \
+        if cfg.algo.advantage == "spo_tree" else None                         # SPO-tree's replay buffer
+    step, generated_tokens = 0, 0.0           # generated: every token training generation returned, all ranks
     if resume_from:
         state = checkpoint.load_trainer_state(resume_from, dist_.rank)
         checkpoint.load_optimizer(resume_from, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         adopt_optim_config(optimizer, scheduler, cfg)
-        load_replicated_state(state, sampler, ers, cfg)
-        step = state["step"]
+        load_replicated_state(state, sampler, ers, tree, cfg)
+        step, generated_tokens = state["step"], state.get("generated_tokens", 0.0)   # 0: saved before it was counted
         print0(f"resumed from {resume_from} at step {step}")
     max_prompt_len = max(len(p) for p in train_ids + eval_ids)
     engine = build_engine(cfg.rollout, policy, resume_from or base_path, tokenizer, max_prompt_len, cfg.train.seed,
                           dist_.world_size, m.bf16)
     separate_engine = not isinstance(engine, HFEngine)                         # holds its own weights: sync
+    counter = CountingEngine(engine)                  # training's generation, counted (evaluation and sync: not)
     logger = MetricsLogger(out, dist_.is_main, resume_step=step)
 
     def run_eval() -> dict[str, float]:
@@ -192,7 +180,8 @@ def main(argv: list[str]) -> None:
 
     def save() -> None:
         state = {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-                 "ers": ers.state_dict() if ers is not None else None}
+                 "ers": ers.state_dict() if ers is not None else None, "generated_tokens": generated_tokens,
+                 "spo_tree": tree.state_dict() if tree is not None else None}
         path = checkpoint.save_checkpoint(out, step, policy, tokenizer, optimizer, state, dist_,
                                           cfg.train.keep_checkpoints)
         print0(f"saved {path}")
@@ -210,6 +199,10 @@ def main(argv: list[str]) -> None:
     # exact match and tag check, rewards.py); cosine and knights only when weighted
     weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
     weights.update({k: getattr(cfg.reward, k) for k in ("cosine", "knights") if getattr(cfg.reward, k)})
+
+    def score(examples: list[int], texts: list[str]):        # completions of these train rows -> RewardResult
+        return score_completions([train_texts[i] for i in examples], texts, [train_set[i].answer for i in examples],
+                                 weights, cfg.reward.timeout_s, reward_pool)
     last_eval = first_eval
     skipped_in_a_row = 0                                                          # non-finite updates
     preemption = distributed.PreemptionSignal()                                   # SIGTERM / SIGUSR1
@@ -220,41 +213,64 @@ def main(argv: list[str]) -> None:
         bookkeeping_s = time.perf_counter() - t0
         local = indices[mine]
         seeds = sequence_seeds(cfg.train.seed, step, torch.arange(B)[mine], G)    # (B_local*G,)
-        t_gen = time.perf_counter()
-        rollout = engine.generate([train_ids[i] for i in local], G, r.temperature, r.top_p,
-                                  r.max_new_tokens, seeds)
-        t_reward = time.perf_counter()
-        rows = [i for i in local.tolist() for _ in range(G)]                      # prompt-major
-        scored = score_completions([train_texts[i] for i in rows], rollout.texts,
-                                   [train_set[i].answer for i in rows], weights, cfg.reward.timeout_s, reward_pool)
-        # The whole (B, G) reward matrix on every rank: ERS and PPS state stay identical everywhere.
-        rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G), dist_.device)   # (B, G)
-        t1 = time.perf_counter()
-        times = {"gen_s": t_reward - t_gen, "reward_s": t1 - t_reward}
-        advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps)       # (B, G) §1
-        is_weights = is_weights[:, None].expand(B, G)                             # (B, G)
-        if cfg.pps.enabled:           # §3: p_q from the raw |A| (or the accuracy, posterior); §3a's w per completion
-            successes = distributed.all_gather_rows(scored.components["accuracy"].view(B_local, G), dist_.device) \
-                if cfg.pps.priority == "posterior" else None                      # (B, G) r̂ in [0, 1]
-            is_weights = sampler.update(indices, advantages.abs(), successes)
-        if ers is not None:                                                       # §2: m_q, v_q after the update
-            problems = [train_set[i].problem for i in indices.tolist()]
-            ers_mean, ers_std = ers.update(problems, rewards)                     # (B,), (B,)
-            advantages = smoothed_advantages(rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
-        bookkeeping_s += time.perf_counter() - t1
-        # (B, G) the PPS IS weight, PG term only. REINFORCE++ (§6) computes per-token A from the raw
-        # rewards inside policy_update (it needs the π_old / π_ref log-probs) and multiplies them by w alone.
-        token_level = a.advantage != "grpo"
-        pg_advantages = (torch.ones_like(advantages) if token_level else advantages) * is_weights
-        input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids,
-                                                 rollout.mask, tokenizer.pad_token_id)
-        device = dist_.device
+        device, t_gen = dist_.device, time.perf_counter()
+        if tree is not None:      # SPO-tree (§B): trees grown from the G completions, trained as replayed edges
+            batch = tree.step(counter, policy, local.tolist(), seeds, step, score)
+            input_ids, attention_mask, mask, spo_inputs, local_sums = (batch.input_ids, batch.attention_mask,
+                                                                       batch.mask, batch.update, batch.sums)
+            times = {"gen_s": time.perf_counter() - t_gen - batch.reward_s, "reward_s": batch.reward_s}
+            pg_advantages, token_rewards = torch.ones(mask.shape[0]), None
+        else:
+            rollout = counter.generate([train_ids[i] for i in local], G, r.temperature, r.top_p, r.max_new_tokens,
+                                       seeds)
+            t_reward = time.perf_counter()
+            rows = [i for i in local.tolist() for _ in range(G)]                  # prompt-major
+            scored = score(rows, rollout.texts)
+            # The whole (B, G) reward matrix on every rank: ERS and PPS state stay identical everywhere.
+            rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G), dist_.device)   # (B, G)
+            t1 = time.perf_counter()
+            times = {"gen_s": t_reward - t_gen, "reward_s": t1 - t_reward}
+            advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps)   # (B, G) §1
+            is_weights = is_weights[:, None].expand(B, G)                         # (B, G)
+            if cfg.pps.enabled:       # §3: p_q from the raw |A| (or the accuracy, posterior); §3a's w per completion
+                successes = distributed.all_gather_rows(scored.components["accuracy"].view(B_local, G), dist_.device) \
+                    if cfg.pps.priority == "posterior" else None                  # (B, G) r̂ in [0, 1]
+                is_weights = sampler.update(indices, advantages.abs(), successes)
+            if ers is not None:                                                   # §2: m_q, v_q after the update
+                problems = [train_set[i].problem for i in indices.tolist()]
+                ers_mean, ers_std = ers.update(problems, rewards)                 # (B,), (B,)
+                advantages = smoothed_advantages(rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
+            bookkeeping_s += time.perf_counter() - t1
+            # (N,) the PPS IS weight, PG term only. Token-level advantages (REINFORCE++ §6 in policy_update,
+            # from the raw rewards and the π_old / π_ref log-probs; SPO-chain below) are multiplied by w alone.
+            token_level = a.advantage != "grpo"
+            weighted = (torch.ones_like(advantages) if token_level else advantages) * is_weights   # (B, G)
+            pg_advantages = weighted[mine].reshape(-1)                            # (N,)
+            token_rewards, mask = rewards[mine].reshape(-1) if token_level else None, rollout.mask   # (N,), (N, T)
+            input_ids, attention_mask = batch_inputs([train_ids[i] for i in rows], rollout.completion_ids, mask,
+                                                     tokenizer.pad_token_id)
+            my_rewards, my_adv = rewards[mine], advantages[mine]
+            local_sums = {
+                "completions": my_rewards.numel(), "groups": B_local, "completion_tokens": mask.sum(),
+                "reward": my_rewards.sum(), "reward_sq": (my_rewards ** 2).sum(),
+                "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
+                "adv_abs": my_adv.abs().sum(), "adv_sq": (my_adv ** 2).sum(), "adv_count": my_adv.numel(),
+                "zero_std_groups": zero_variance(my_rewards).sum(), "truncated": rollout.truncated.sum(),
+                "reward_failures": sum(scored.failures.values())}
+            spo_inputs = {}
+            if a.advantage == "spo_chain":    # §B chain: MC values at the cuts -> token A, loss mask M, π_old
+                t_spo = time.perf_counter()
+                spo_inputs, spo_counts = chain_inputs(policy, counter, rollout, token_rewards,
+                                                      [train_ids[i] for i in rows], rows, score, cfg, step,
+                                                      tokenizer.pad_token_id, device, lockstep)
+                local_sums.update(spo_counts)
+                times["spo_s"] = time.perf_counter() - t_spo
         t_update = time.perf_counter()
         if separate_engine:
             engine.sleep()                                                        # GPU: free it for the update
         update = policy_update(policy, ref, optimizer, scheduler, input_ids.to(device), attention_mask.to(device),
-                               rollout.mask.to(device), pg_advantages[mine].reshape(-1).to(device), cfg, dist_,
-                               rewards[mine].reshape(-1).to(device) if token_level else None)
+                               mask.to(device), pg_advantages.to(device), cfg, dist_,
+                               None if token_rewards is None else token_rewards.to(device), **spo_inputs)
         step += 1
         t_sync = time.perf_counter()
         times["update_s"] = t_sync - t_update
@@ -268,20 +284,14 @@ def main(argv: list[str]) -> None:
                             f"by {sync_metrics['sync_gap_mean']:.4g} per token on average (max "
                             f"{sync_metrics['sync_gap_max']:.4g}) > {r.sync_check_tol}: its weights are stale")
 
-        gen_tokens = rollout.mask.sum().item()
-        my_rewards, my_adv = rewards[mine], advantages[mine]
-        local_sums = {
-            "completions": my_rewards.numel(), "groups": B_local,
-            "reward": my_rewards.sum(), "reward_sq": (my_rewards ** 2).sum(),
-            "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
-            "adv_abs": my_adv.abs().sum(), "adv_sq": (my_adv ** 2).sum(), "adv_count": my_adv.numel(),
-            "zero_std_groups": zero_variance(my_rewards).sum(), "truncated": rollout.truncated.sum(),
-            "reward_failures": sum(scored.failures.values()),
-            "gen_tokens_per_s": gen_tokens / max(rollout.gen_time_s, 1e-9),
-            **update,                                                             # REINFORCE++: token-level adv_*
-        }
+        counts = counter.take()                                                   # this step's generation, by kind
+        local_sums.update(update, **counts, gen_tokens_per_s=(counts["rollout_tokens"] + counts["mc_tokens"]) /
+                          max(counts["rollout_gen_s"] + counts["mc_gen_s"], 1e-9))   # update: token-level adv_*
         sums = distributed.reduce_sums(local_sums, device)
+        generated_tokens += sums["rollout_tokens"] + sums["mc_tokens"]
         metrics = step_metrics(sums, cfg)
+        metrics.update({k: v for k, v in sums.items() if k.startswith("spo_") or k in CountingEngine.KEYS},
+                       generated_tokens=generated_tokens)
         metrics["lr"] = scheduler.get_last_lr()[0]
         # ERS/PPS diagnostics come from the replicated state: the same on every rank, not summed.
         if ers is not None:

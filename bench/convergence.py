@@ -22,6 +22,11 @@ each run's metrics.jsonl this reports, with mean and spread over seeds:
   Nppl     (K&K) final greedy accuracy on the test puzzles of N people, as K&K results are reported
   bookkeeping  drawing prompts + advantages + the ERS/PPS updates, as a fraction of step time
                (for grpo/dr_grpo: the uniform sampler and group advantages; the rest is ERS/PPS)
+  gen tokens   every token a run's training generated (metrics.jsonl generated_tokens: rollouts,
+               and SPO's Monte Carlo continuations and tree branches), mean over seeds; the plot's
+               second panel puts test accuracy against it (--methods grpo,spo_chain,spo_tree). The
+               rollouts above are steps x B x G; SPO-tree's G is its b0 (its branches are not
+               rollouts), so compare it with the others by generated tokens
 It prints the table, writes it into bench/RESULTS.md (between the convergence markers) and
 plots test accuracy against rollouts to bench/convergence.png. matplotlib is needed here only
 (bench/requirements.txt). Finished runs are reused: delete --out to start over.
@@ -112,6 +117,12 @@ def curve(rows: list[dict], rollouts_per_step: int) -> tuple[list[int], list[flo
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def token_curve(rows: list[dict]) -> list[float] | None:
+    """Generated tokens so far at every evaluation (0 at step 0); None for a run logged without them."""
+    points = [0.0 if r["step"] == 0 else r.get("generated_tokens") for r in rows if r.get("eval_accuracy") is not None]
+    return None if None in points else points
+
+
 def auc(x: list[int], y: list[float]) -> float:
     """Trapezoid area under y(x) divided by the x range: the mean accuracy over training."""
     area = sum((x[i + 1] - x[i]) * (y[i + 1] + y[i]) / 2 for i in range(len(x) - 1))
@@ -184,17 +195,18 @@ def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str
     sizes = sorted(int(k[len("eval_greedy_"):-3]) for k in _read(next(iter(runs.values()))[0])[-1]
                    if k.startswith("eval_greedy_") and k.endswith("ppl"))                  # K&K: 2..8
     lines = [f"| method | final test acc | AUC | rollouts to {args.threshold:.2f} |{extra} step time (s) | "
-             "bookkeeping / step | rollouts saved |" + "".join(f" {n}ppl |" for n in sizes),
-             "|---|---|---|---|" + ("---|---|" if target else "") + "---|---|---|" + "---|" * len(sizes)]
+             "bookkeeping / step | rollouts saved | gen tokens |" + "".join(f" {n}ppl |" for n in sizes),
+             "|---|---|---|---|" + ("---|---|" if target else "") + "---|---|---|---|" + "---|" * len(sizes)]
     curves = {}
     for method, outs in runs.items():
-        finals, aucs, reached, step_s, book_s, per_seed, saved = [], [], [], [], [], [], []
+        finals, aucs, reached, step_s, book_s, per_seed, saved, tokens = [], [], [], [], [], [], [], []
         for out in outs:
             rows = _read(out)
             train_rows = [r for r in rows if r["step"] > 0]
             cfg_rollouts = _rollouts_per_step(out)
             x, y = curve(rows, cfg_rollouts)
             per_seed.append((x, y))
+            tokens.append(token_curve(rows))
             finals.append(y[-1])
             aucs.append(auc(x, y))
             hit = rollouts_to(x, y, args.threshold)
@@ -209,9 +221,10 @@ def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str
         speed = f" {fast[method][0]} | {fast[method][1]} |" if target else ""
         by_size = [_mean_sd([_read(out)[-1][f"eval_greedy_{n}ppl"] for out in outs]) for n in sizes]
         lines.append(f"| {method} | {_mean_sd(finals)} | {_mean_sd(aucs)} | {to_thr} |{speed} "
-                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% | {statistics.mean(saved) / 1000:.1f}k |"
+                     f"{statistics.mean(step_s):.2f} | {100 * overhead:.2f}% | {statistics.mean(saved) / 1000:.1f}k | "
+                     + (f"{statistics.mean(t[-1] for t in tokens) / 1000:.0f}k |" if None not in tokens else "- |")
                      + "".join(f" {v} |" for v in by_size))
-        curves[method] = per_seed
+        curves[method] = (per_seed, tokens)
     return "\n".join(lines), curves
 
 
@@ -226,19 +239,24 @@ def plot(curves: dict, path: str, threshold: float, task: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, per_seed in curves.items():
-        x = [v / 1000 for v in per_seed[0][0]]
+    by_tokens = all(None not in tokens for _, tokens in curves.values())   # a second panel: x = generated tokens
+    fig, axes = plt.subplots(1, 2 if by_tokens else 1, figsize=(13 if by_tokens else 7, 4.5), squeeze=False)
+    for method, (per_seed, tokens) in curves.items():
         ys = list(zip(*[y for _, y in per_seed]))                        # per eval point: one value per seed
         mean = [statistics.mean(v) for v in ys]
-        line, = ax.plot(x, mean, marker="o", markersize=3, label=f"{method} ({len(per_seed)} seeds)")
-        ax.fill_between(x, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.15)
-    ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)
-    ax.set_xlabel("rollouts consumed (thousands of completions)")
-    ax.set_ylabel(f"greedy test accuracy ({'built-in task' if task == 'arithmetic' else 'K&K, all sizes'})")
-    ax.set_title("mean over seeds; band = min..max")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        xs = [[v / 1000 for v in per_seed[0][0]]]                        # rollouts; then tokens, mean over seeds
+        xs += [[statistics.mean(v) / 1e6 for v in zip(*tokens)]] if by_tokens else []
+        for ax, x in zip(axes[0], xs):
+            line, = ax.plot(x, mean, marker="o", markersize=3, label=f"{method} ({len(per_seed)} seeds)")
+            ax.fill_between(x, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.15)
+    labels = ["rollouts consumed (thousands of completions)", "generated tokens (millions, mean over seeds)"]
+    for ax, label in zip(axes[0], labels):
+        ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel(f"greedy test accuracy ({'built-in task' if task == 'arithmetic' else 'K&K, all sizes'})")
+        ax.set_title("mean over seeds; band = min..max")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from pspo import distributed
 
-ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline")   # algo.advantage
+ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # algo.advantage (spo: segments.py)
 WHITENINGS = ("bessel", "population")                            # algo.whiten: PaddleNLP | OpenRLHF
 WHITEN_EPS = 1e-8                                                # added to the variance, as PaddleNLP
 

@@ -3,10 +3,11 @@
 <output_dir>/checkpoint-<step>/
     config.json, generation_config.json, model.safetensors, tokenizer files   (from_pretrained)
     optimizer.pt      full AdamW state (tensors, numbers, lists only)
-    trainer_state.pt  step, scheduler, sampler (uniform order or PPS priorities + RNG), ERS statistics
+    trainer_state.pt  step, scheduler, sampler (uniform order or PPS priorities + RNG), ERS statistics,
+                      generated_tokens so far, SPO-tree's replay buffer
     rng-rank<r>.pt    rank r's torch RNG states, and a digest of the trainer state as rank r held it
 
-The trainer state is replicated: every rank holds the same sampler and ERS state. Saving checks
+The trainer state is replicated: every rank holds the same sampler, ERS and replay state. Saving checks
 that (the digests of all ranks must agree) and stops with an error if a bug ever breaks it.
 
 Written under `.tmp-checkpoint-<step>` and renamed when complete, so a crash mid-save never

@@ -74,7 +74,7 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage: str = "grpo"             # grpo (§1, per completion; ERS/Dr. GRPO through the keys below) | reinforce_pp | reinforce_pp_baseline (§6, per token)
+    advantage: str = "grpo"             # grpo (§1, per completion; ERS/Dr. GRPO through the keys below) | reinforce_pp | reinforce_pp_baseline (§6, per token) | spo_chain | spo_tree (SEED_METHODS.md §B, per token, the spo section)
     scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
     beta: float = 0.04                  # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
@@ -89,7 +89,7 @@ class AlgoConfig:
     @property
     def needs_reference(self) -> bool:
         """The frozen reference model is built and scored: the k3 loss term, or REINFORCE++'s KL reward."""
-        return self.beta > 0 or (self.advantage != "grpo" and self.kl_coef > 0)
+        return self.beta > 0 or (self.advantage.startswith("reinforce_pp") and self.kl_coef > 0)
 
 
 @dataclass
@@ -113,6 +113,38 @@ class PPSConfig:
     skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
     skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
     skip_min: float = 0.01              # s_min
+
+
+@dataclass
+class SPOConfig:
+    """SPO, SEED_METHODS.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
+    cutpoint_interval: int = 5          # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
+    num_mc: int = 9                     # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
+    branching: str = "6,6,6"            # tree: "b0,b1,b2", children per node at depths 0, 1, 2; b0 = rollout.num_generations
+    segment_tokens: str = "30"          # tree: M, the most new tokens of a depth-0 / depth-1 segment ("M0,M1" apart); depth 2 runs to rollout.max_new_tokens (30 rho GSM8K, 100 MATH, 600 R1-Distill)
+    tree_scale: bool = False            # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
+    replay_iterations: int = 8          # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
+    edges_per_question: int = 32        # tree: at most this many of a question's buffered edges drawn (and removed) per step
+    edges_per_step: int = 0             # tree: at most this many drawn edges trained per step, a random subset (0 = all; the seed: 512)
+
+    @property
+    def branch_factors(self) -> tuple[int, ...]:
+        """(b0, b1, b2), once validated."""
+        return _ints(self.branching)
+
+    @property
+    def segments(self) -> tuple[int, int]:
+        """(M0, M1): the token budgets of the depth-0 and depth-1 segments, once validated."""
+        m = _ints(self.segment_tokens) or (0,)
+        return (m[0], m[-1])
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """"6,6,6" -> (6, 6, 6); () if a part is not an integer."""
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        return ()
 
 
 @dataclass
@@ -160,6 +192,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)
     pps: PPSConfig = field(default_factory=PPSConfig)
+    spo: SPOConfig = field(default_factory=SPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -277,15 +310,17 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(a.kl_coef >= 0, "algo.kl_coef", ">= 0", a.kl_coef)
     _check(a.clip_score > 0, "algo.clip_score", "> 0", a.clip_score)
     _check(a.whiten in WHITENINGS, "algo.whiten", " | ".join(WHITENINGS), a.whiten)
-    if a.advantage == "grpo":
-        _check(a.kl_coef == 0, "algo.kl_coef", "0 with algo.advantage=grpo (the KL in the reward is "
-               "REINFORCE++'s; GRPO's KL is the loss term algo.beta)", a.kl_coef)
+    if not a.advantage.startswith("reinforce_pp"):
+        _check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward is "
+               "REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
     else:
         _check(a.beta == 0, "algo.beta", f"0 with algo.advantage={a.advantage} (REINFORCE++ has no KL loss "
                "term; its KL is in the reward, algo.kl_coef)", a.beta)
+    if a.advantage != "grpo":
         _check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths the "
-               "group statistics of GRPO advantages; REINFORCE++ whitens over the whole batch's tokens)",
+               "group statistics of GRPO advantages; this one whitens token advantages over the whole batch)",
                cfg.ers.enabled)
+    _validate_spo(cfg)
     _check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
     p = cfg.pps
     _check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
@@ -329,6 +364,40 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", cfg.data.max_prompt_tokens)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
+
+
+CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the tree's
+
+
+def _validate_spo(cfg: Config) -> None:
+    """The spo section (SEED_METHODS.md §B): its chain keys only with spo_chain, its tree keys only
+    with spo_tree, and the tree's shape consistent with the rollout section."""
+    s, a, r, default = cfg.spo, cfg.algo, cfg.rollout, SPOConfig()
+    for f in dataclasses.fields(SPOConfig):
+        owner = "spo_chain" if f.name in CHAIN_KEYS else "spo_tree"
+        value = getattr(s, f.name)
+        _check(a.advantage == owner or value == getattr(default, f.name), f"spo.{f.name}",
+               f"{getattr(default, f.name)!r} (unset) unless algo.advantage={owner}", value)
+    if a.advantage == "spo_chain":
+        _check(s.cutpoint_interval >= 1, "spo.cutpoint_interval", ">= 1", s.cutpoint_interval)
+        _check(s.num_mc >= 1, "spo.num_mc", ">= 1", s.num_mc)
+    if a.advantage != "spo_tree":
+        return
+    # Refused: PPS's IS weight belongs to the step its prompt was drawn, but a tree's edges are
+    # trained over the next spo.replay_iterations steps, mixed with other steps' prompts.
+    _check(not cfg.pps.enabled, "pps.enabled", "false with algo.advantage=spo_tree (its edges are replayed in "
+           "later steps, where the drawing step's IS weights do not apply)", cfg.pps.enabled)
+    b, m = s.branch_factors, _ints(s.segment_tokens)
+    _check(len(b) == 3 and min(b) >= 1, "spo.branching", "three positive integers b0,b1,b2 (e.g. 6,6,6)", s.branching)
+    _check(r.num_generations == b[0], "rollout.num_generations", f"spo.branching's b0 = {b[0]} with "
+           "algo.advantage=spo_tree (the root's children are the prompt's G completions)", r.num_generations)
+    _check(len(m) in (1, 2) and min(m) >= 1, "spo.segment_tokens", "one positive integer M, or two M0,M1",
+           s.segment_tokens)
+    _check(sum(s.segments) < r.max_new_tokens, "spo.segment_tokens", f"M0 + M1 < rollout.max_new_tokens = "
+           f"{r.max_new_tokens} (depth 2 continues to max_new_tokens)", s.segment_tokens)
+    _check(s.replay_iterations >= 1, "spo.replay_iterations", ">= 1 (1 = no replay)", s.replay_iterations)
+    _check(s.edges_per_question >= 1, "spo.edges_per_question", ">= 1", s.edges_per_question)
+    _check(s.edges_per_step >= 0, "spo.edges_per_step", ">= 0 (0 = every drawn edge)", s.edges_per_step)
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -1,13 +1,16 @@
 """Step metrics: one JSON object per line in <output_dir>/metrics.jsonl, and TensorBoard scalars.
 
 Only rank 0 writes; other ranks get a logger that does nothing, so the loop calls
-`logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics").
+`logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics");
+`step_metrics` turns the step's rank-summed statistics into them.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+
+from pspo.config import Config
 
 
 class MetricsLogger:
@@ -52,3 +55,25 @@ def _truncate_after(path: str, step: int) -> None:
         kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
     with open(path, "w") as f:
         f.writelines(kept)
+
+
+def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
+    """Turn rank-summed statistics into the logged means (README, "Metrics")."""
+    n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
+    iters = cfg.algo.num_iterations
+    reward_var = max(sums["reward_sq"] / n - (sums["reward"] / n) ** 2, 0.0)
+    metrics = {
+        "reward_mean": sums["reward"] / n, "reward_std": math.sqrt(reward_var),
+        "accuracy": sums["accuracy"] / n, "format_rate": sums["format"] / n,
+        "adv_abs_mean": sums["adv_abs"] / max(sums["adv_count"], 1.0),      # SPO: over M, which may be empty
+        "adv_std": math.sqrt(max(sums["adv_sq"] / max(sums["adv_count"], 1.0), 0.0)),
+        "zero_std_frac": sums["zero_std_groups"] / groups,
+        "loss": sums["pg_loss"] / iters, "kl": sums["kl"] / tok, "clip_frac": sums["clipped_tokens"] / tok,
+        "entropy": sums["entropy"] / tok, "response_length": sums["completion_tokens"] / n,
+        "truncation_rate": sums["truncated"] / n, "grad_norm": sums["grad_norm"] / iters,
+        "reward_failures": sums["reward_failures"], "gen_tokens_per_s": sums["gen_tokens_per_s"],
+        "skipped_steps": round(sums["skipped_steps"]),
+        # padded positions / all positions of the update's micro-batches (prompt + completion columns)
+        "padding_frac": 1.0 - sums["update_tokens"] / max(sums["update_positions"], 1.0),
+    }
+    return metrics

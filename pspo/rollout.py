@@ -3,6 +3,8 @@
 The loop talks to an engine through one method, `generate(prompt_ids, n, ...) -> Rollout`:
 `HFEngine` here (transformers generate on the training model) or `VLLMEngine`
 (vllm_engine.py, its own copy of the weights, synced after each step); `build_engine` picks one.
+With `prefix_ids` it continues partial completions instead (SPO's Monte Carlo states and tree
+branches, segments.py), seeded per continuation like any completion (sequences.prefix_seeds).
 
 Sampling is counter-based: completion j draws token t as argmax(z/T + g) over the top-p set,
 where z are the logits and g is Gumbel noise that is a pure function of (the completion's seed,
@@ -21,7 +23,7 @@ from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from pspo import vllm_engine
-from pspo.sequences import GOLDEN, MUL1, Rollout, left_pad, mix, shr, stop_token_ids
+from pspo.sequences import GOLDEN, MUL1, Rollout, continuation_inputs, left_pad, mix, shr, stop_token_ids
 
 
 def gumbel_noise(seeds: Tensor, t: int, vocab: int) -> Tensor:
@@ -75,25 +77,35 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Tensor | None) -> Rollout:
-        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy."""
+                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
+        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy.
+
+        prefix_ids (one per prompt): partial completions to continue, each with at most
+        max_new_tokens - len(prefix) new tokens; the Rollout's tensors hold the continuations only
+        (its texts the whole completions). A chunk runs to its largest budget; each row is then
+        cut to its own, which changes nothing else, since a row's draws depend on its seed alone.
+        """
+        inputs, budgets = continuation_inputs(prompt_ids, prefix_ids, max_new_tokens)
         per_call = max(1, self.batch_size // n)
         parts = []
         start = time.perf_counter()
-        for i in range(0, len(prompt_ids), per_call):
-            chunk = prompt_ids[i:i + per_call]
+        for i in range(0, len(inputs), per_call):
+            chunk = inputs[i:i + per_call]
             chunk_seeds = None if seeds is None else seeds[i * n:(i + len(chunk)) * n]
-            parts.append(self._generate(chunk, n, temperature, top_p, max_new_tokens, chunk_seeds))
+            parts.append(self._generate(chunk, n, temperature, top_p, max(budgets[i:i + per_call]), chunk_seeds))
         gen_time = time.perf_counter() - start
         width = max(p[0].shape[1] for p in parts)
         ids = torch.cat([_pad_right(p[0], width, self.pad_id) for p in parts])
         logprobs = torch.cat([_pad_right(p[1], width, 0.0) for p in parts])
         is_stop = torch.isin(ids, torch.tensor(self.stop_ids, device=ids.device))
         before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0                  # up to the first stop
-        mask = before_stop & (torch.arange(width, device=ids.device) < _lengths(parts, width))
+        budget = torch.tensor(budgets, device=ids.device).repeat_interleave(n)[:, None]   # (N, 1)
+        columns = torch.arange(width, device=ids.device)
+        mask = before_stop & (columns < _lengths(parts, width)) & (columns < budget)
         truncated = ~(is_stop & mask).any(1)
         ids = ids.masked_fill(~mask, self.pad_id)
-        texts = self.tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)],
+        prefixes = [q for q in (prefix_ids or [[]] * len(prompt_ids)) for _ in range(n)]
+        texts = self.tokenizer.batch_decode([list(q) + row[m].tolist() for q, row, m in zip(prefixes, ids, mask)],
                                             skip_special_tokens=True)
         return Rollout(ids.cpu(), mask.float().cpu(), (logprobs * mask).cpu(), truncated.cpu(), texts, gen_time)
 
@@ -112,6 +124,37 @@ class HFEngine:
         completion = out.sequences[:, width:]                                   # (N, T')
         logprobs = torch.stack(sampler.logprobs, 1) if sampler.logprobs else completion.float()
         return completion, logprobs[:, :completion.shape[1]], completion.shape[1]
+
+
+class CountingEngine:
+    """An engine's `generate`, counting every token it returns, for a comparison per generated token.
+
+    Fresh completions of prompts count as rollout_tokens, continuations of a prefix as mc_tokens
+    (SPO-chain's Monte Carlo values, SPO-tree's branches below the root); a token is one the mask
+    keeps (up to and including the stop token). Wrap only the generation that training pays for:
+    evaluation and the weight-sync check use the engine itself.
+    """
+
+    KEYS = ("rollout_tokens", "mc_tokens", "rollout_calls", "mc_calls", "rollout_gen_s", "mc_gen_s")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.counts = dict.fromkeys(self.KEYS, 0.0)
+
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
+        out = self.engine.generate(prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=prefix_ids)
+        kind = "rollout" if prefix_ids is None else "mc"
+        self.counts[f"{kind}_tokens"] += float(out.mask.sum())
+        self.counts[f"{kind}_calls"] += 1
+        self.counts[f"{kind}_gen_s"] += out.gen_time_s
+        return out
+
+    def take(self) -> dict[str, float]:
+        """This rank's counts since the last take (then zeroed): tokens and calls of each kind, and
+        the seconds spent generating them."""
+        counts, self.counts = self.counts, dict.fromkeys(self.KEYS, 0.0)
+        return counts
 
 
 def _pad_right(x: Tensor, width: int, value) -> Tensor:

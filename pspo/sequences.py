@@ -7,6 +7,8 @@ and padding. It imports nothing from the rest of pspo, so imports flow one way:
 Seeds are counter-based: one int64 per completion, a hash of (run seed, step, prompt key,
 sample index), so a completion's randomness does not depend on which prompts share its batch or
 its rank (rollout.py turns it into Gumbel noise, vllm_engine.py into a per-request seed).
+Continuations of partial completions (SPO) are seeded the same way: by the parent's seed
+(`child_seeds`, a tree's branches) or by the continued tokens themselves (`prefix_seeds`).
 """
 from __future__ import annotations
 
@@ -46,14 +48,61 @@ def sequence_seeds(seed: int, step: int, prompt_keys: Tensor, n: int) -> Tensor:
     return mix(keys[:, None] + torch.arange(1, n + 1) * GOLDEN).reshape(-1)
 
 
+def child_seeds(parent_seeds: Tensor, n: int) -> Tensor:
+    """n seeds under each parent seed, e.g. the children of a tree node (SPO-tree) from the seed
+    that generated the node: hash(parent seed, sample index). (P,) -> (P*n,)
+
+    Domain-separated from the parent's own Gumbel stream (rollout.gumbel_noise hashes seed + t).
+    """
+    keys = mix(parent_seeds.to(torch.int64) ^ MUL1)                       # (P,)
+    return mix(keys[:, None] + torch.arange(1, n + 1) * GOLDEN).reshape(-1)
+
+
+def prefix_seeds(seed: int, step: int, token_ids: list[list[int]], n: int) -> Tensor:
+    """n seeds per token sequence (a prompt + partial completion to continue, SPO-chain's MC
+    states): hash(run seed, step, the tokens themselves, sample index). (U,) -> (U*n,)
+
+    Keyed by content, not by batch position: identical states get identical continuations on any
+    rank and in any batch, so deduplicating them (segments.unique_prefixes) changes no value.
+    The tokens hash as Σ_i mix(token_i·MUL1 + i·GOLDEN) (order-sensitive, wrapping), then the length.
+    """
+    lengths = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)   # (U,)
+    width = int(lengths.max()) if len(token_ids) else 0
+    ids = torch.tensor([t + [0] * (width - len(t)) for t in token_ids], dtype=torch.int64).reshape(len(token_ids), width)
+    pos = torch.arange(1, width + 1, dtype=torch.int64) * GOLDEN           # (width,)
+    terms = torch.where(torch.arange(width) < lengths[:, None], mix(ids * MUL1 + pos), 0)   # (U, width)
+    base = mix(torch.tensor(seed, dtype=torch.int64) * GOLDEN + step) ^ MUL2   # not sequence_seeds' base
+    keys = mix(base + mix(terms.sum(1) + lengths * MUL1))                 # (U,)
+    return mix(keys[:, None] + torch.arange(1, n + 1) * GOLDEN).reshape(-1)
+
+
+def continuation_inputs(prompt_ids: list[list[int]], prefix_ids: list[list[int]] | None,
+                        max_new_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """What an engine feeds the model, and each prompt's budget of new tokens: prompt + prefix,
+    max_new_tokens - len(prefix) (a continued completion keeps the total budget of a fresh one).
+    prefix_ids None: the prompts and max_new_tokens each."""
+    if prefix_ids is None:
+        return prompt_ids, [max_new_tokens] * len(prompt_ids)
+    if len(prefix_ids) != len(prompt_ids):
+        raise ValueError(f"prefix_ids: expected one per prompt ({len(prompt_ids)}), got {len(prefix_ids)}")
+    budgets = [max_new_tokens - len(q) for q in prefix_ids]
+    if budgets and min(budgets) < 1:
+        raise ValueError(f"prefix_ids: a prefix of {max_new_tokens - min(budgets)} tokens leaves nothing "
+                         f"to generate within max_new_tokens = {max_new_tokens}")
+    return [list(p) + list(q) for p, q in zip(prompt_ids, prefix_ids)], budgets
+
+
 @dataclass
 class Rollout:
-    """Completions of one generate call, in prompt-major order (prompt p, sample j -> row p*n+j)."""
+    """Completions of one generate call, in prompt-major order (prompt p, sample j -> row p*n+j).
+
+    When the call continued partial completions (`prefix_ids`), the tensors hold the newly generated
+    tokens only and `texts` the whole completion, prefix + continuation (what a reward scores)."""
     completion_ids: Tensor   # (N, T) long, pad after the stop token
     mask: Tensor             # (N, T) float, 1 on generated tokens up to and including the stop token
     logprobs: Tensor         # (N, T) float32, log softmax(z/T) of each sampled token (0 on padding)
-    truncated: Tensor        # (N,) bool, hit max_new_tokens without a stop token
-    texts: list[str]         # decoded completions without special tokens
+    truncated: Tensor        # (N,) bool, hit its token budget without a stop token
+    texts: list[str]         # decoded completions (prefix included) without special tokens
     gen_time_s: float        # wall time spent generating
 
 

@@ -8,7 +8,8 @@ within the budget, each cut to its own widths. The loss is normalised by global 
 (loss.sequence_weights), so the gradient is the same either way; every rank runs as many
 micro-batches as the busiest one (FSDP2's collectives must match), the spare ones empty.
 REINFORCE++ (§6) computes its token-level advantages here, from the π_old / π_ref log-probs
-scored for the update anyway.
+scored for the update anyway. SPO (SEED_METHODS.md §B, spo.py) brings its own: token advantages,
+the loss mask M (the tokens with p_t < 0.9) and the π_old they were computed from.
 
 Modes: π_old and π_ref are scored in eval mode; the forward/backward passes run in train mode, the
 only mode in which transformers recomputes checkpointed layers (model.gradient_checkpointing);
@@ -50,16 +51,25 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
     micro_batch_tokens = 0: consecutive slices of micro_batch_size rows at full width (P + T).
     Otherwise: rows sorted by prompt + completion length (longest first) and packed greedily
     while n_rows x (longest prompt + longest completion) <= micro_batch_tokens (a row longer than
-    the budget goes alone). Every rank gets as many micro-batches as the busiest rank; the extra
-    ones repeat one real row and are marked spare (policy_update zeroes their loss).
+    the budget goes alone). Every rank gets as many micro-batches as the busiest rank (ranks may
+    hold different numbers of rows, as SPO-tree's edges do; at least one each); the extra ones
+    repeat one real row and are marked spare (policy_update zeroes their loss).
     """
     N, T = mask.shape
     P = attention_mask.shape[1] - T
     if micro_batch_tokens <= 0:
-        return [MicroBatch(torch.arange(i, min(i + micro_batch_size, N)), 0, T) for i in range(0, N, micro_batch_size)]
-    prompt_len = attention_mask[:, :P].sum(1).tolist()
-    completion_len = [max(1, int(c)) for c in mask.sum(1).tolist()]
-    order = sorted(range(N), key=lambda i: prompt_len[i] + completion_len[i], reverse=True)
+        batches = [MicroBatch(torch.arange(i, min(i + micro_batch_size, N)), 0, T) for i in range(0, N, micro_batch_size)]
+    else:
+        batches = _pack(attention_mask[:, :P].sum(1).tolist(), [max(1, int(c)) for c in mask.sum(1).tolist()], P,
+                        micro_batch_tokens)
+    most = int(distributed.all_reduce_max(torch.tensor(float(len(batches)), device=mask.device)))
+    last = batches[-1]
+    return batches + [MicroBatch(last.rows[:1], last.start, last.width, spare=True)] * (most - len(batches))
+
+
+def _pack(prompt_len: list[int], completion_len: list[int], P: int, micro_batch_tokens: int) -> list[MicroBatch]:
+    """Token-budget micro-batches of plan_micro_batches (micro_batch_tokens > 0)."""
+    order = sorted(range(len(prompt_len)), key=lambda i: prompt_len[i] + completion_len[i], reverse=True)
     batches, rows, long_p, long_c = [], [], 0, 0
     for i in order:
         p, c = max(long_p, prompt_len[i]), max(long_c, completion_len[i])
@@ -70,9 +80,7 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
         long_p, long_c = p, c
     if rows:
         batches.append(MicroBatch(torch.tensor(rows), P - long_p, long_c))
-    most = int(distributed.all_reduce_max(torch.tensor(float(len(batches)), device=mask.device)))
-    last = batches[-1]
-    return batches + [MicroBatch(last.rows[:1], last.start, last.width, spare=True)] * (most - len(batches))
+    return batches
 
 
 def _forward(model, batch: MicroBatch, input_ids, attention_mask, T, temperature):
@@ -94,7 +102,9 @@ def score_logprobs(model, input_ids, attention_mask, T, temperature, plan: list[
 
 
 def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, mask, advantages,
-                  cfg: Config, dist_: Dist, rewards: torch.Tensor | None = None) -> dict[str, float]:
+                  cfg: Config, dist_: Dist, rewards: torch.Tensor | None = None,
+                  token_advantages: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                  old_logp: torch.Tensor | None = None) -> dict[str, float]:
     """num_iterations optimizer steps on one rollout batch; returns summed stats for logging.
 
     input_ids/attention_mask (N, P+T); mask (N, T) completion tokens; advantages (N,), already
@@ -103,6 +113,11 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     the token-level advantages (N, T) are computed here, and `advantages` (N,) holds the PPS IS
     weights alone, which multiply them per sequence; sums then carry "adv_abs", "adv_sq" and
     "adv_count" over the valid tokens.
+    SPO (algo.advantage spo_*): `token_advantages` (N, T) are final (segments.py: whitened over
+    M), `loss_mask` (N, T) is M, the tokens the loss aggregates over (`mask` still sizes the
+    micro-batches), `old_logp` (N, T) the π_old that M and the advantages came from (not scored
+    again); `advantages` (N,) holds the PPS IS weights alone, as for REINFORCE++. Ranks may hold
+    different numbers of rows (SPO-tree's edges): the aggregation counts them over all ranks.
     π_old and π_ref are scored in eval mode; the update runs in train mode (so gradient
     checkpointing recomputes) and the policy is back in eval mode on return, for generation.
     A non-finite loss or gradient norm (on any rank) skips that optimizer step: the weights and
@@ -110,29 +125,35 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
     """
     a, T = cfg.algo, mask.shape[1]
     temperature = cfg.rollout.temperature
-    num_seqs = mask.shape[0] * dist_.world_size                         # every rank holds N rows
-    num_tokens = int(distributed.all_reduce_sum(mask.sum()).item())
-    weights = sequence_weights(mask, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
+    lm = mask if loss_mask is None else loss_mask                       # (N, T) the tokens the loss is over
+    counts = distributed.all_reduce_sum(torch.stack([torch.tensor(float(mask.shape[0]), dtype=torch.float64,
+                                                                  device=lm.device), lm.sum().double()]))
+    num_seqs, num_tokens = int(counts[0].item()), int(counts[1].item())  # over every rank
+    weights = sequence_weights(lm, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
     # π_old: with one iteration it is the current policy (ρ ≡ 1), else scored once, up front;
     # REINFORCE++'s KL reward needs it up front too.
-    token_level = a.advantage != "grpo"
-    if token_level and rewards is None:
+    reinforce = a.advantage.startswith("reinforce_pp")
+    if reinforce and rewards is None:
         raise ValueError(f"rewards: algo.advantage={a.advantage} computes its advantages from the raw rewards")
-    needs_old = a.num_iterations > 1 or (token_level and a.kl_coef > 0)
+    if (token_advantages is None) != (a.advantage not in ("spo_chain", "spo_tree")):
+        raise ValueError(f"token_advantages: expected them with algo.advantage=spo_*, not with {a.advantage}")
+    needs_old = old_logp is None and (a.num_iterations > 1 or (reinforce and a.kl_coef > 0))
     plan = plan_micro_batches(attention_mask, mask, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
-    old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, plan) if needs_old else None
+    if needs_old:
+        old_logp = score_logprobs(policy, input_ids, attention_mask, T, temperature, plan)
     ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, plan) if a.needs_reference else None
     P = input_ids.shape[1] - T
     positions = sum(len(b.rows) * (P - b.start + b.width) for b in plan if not b.spare)   # rows x width
     sums: dict[str, float] = {"skipped_steps": 0.0, "update_positions": float(positions * a.num_iterations),
                               "update_tokens": float(attention_mask.sum()) * a.num_iterations}
-    if token_level:                                                     # §6, whitened over every rank's tokens
+    if reinforce:                                                       # §6, whitened over every rank's tokens
         group = cfg.rollout.num_generations if a.advantage == "reinforce_pp_baseline" else None
-        token_adv = reinforce_pp_advantages(rewards, mask, old_logp, ref_logp, a.kl_coef, a.clip_score, group,
-                                            a.whiten)                   # (N, T)
-        sums.update(adv_abs=float(token_adv.abs().sum()), adv_sq=float((token_adv ** 2).sum()),
-                    adv_count=float(mask.sum()))
-        advantages = token_adv * advantages[:, None]                    # (N, T) times the PPS IS weight
+        token_advantages = reinforce_pp_advantages(rewards, mask, old_logp, ref_logp, a.kl_coef, a.clip_score,
+                                                   group, a.whiten)    # (N, T)
+    if token_advantages is not None:
+        sums.update(adv_abs=float(token_advantages.abs().sum()), adv_sq=float((token_advantages ** 2).sum()),
+                    adv_count=float(lm.sum()))
+        advantages = token_advantages * advantages[:, None]             # (N, T) times the PPS IS weight
     policy.train()
     try:
         for _ in range(a.num_iterations):
@@ -140,7 +161,7 @@ def policy_update(policy, ref, optimizer, scheduler, input_ids, attention_mask, 
             for batch in plan:
                 logp, entropy = _forward(policy, batch, input_ids, attention_mask, T, temperature)  # (n, w)
                 rows, cols = batch.rows, slice(0, batch.width)
-                m = mask[rows, cols] * (0.0 if batch.spare else 1.0)     # (n, w); a spare one: zero loss
+                m = lm[rows, cols] * (0.0 if batch.spare else 1.0)       # (n, w); a spare one: zero loss
                 adv = advantages[rows, cols] if advantages.dim() == 2 else advantages[rows]
                 old = logp.detach() if old_logp is None else old_logp[rows, cols]
                 ref_rows = None if ref_logp is None else ref_logp[rows, cols]

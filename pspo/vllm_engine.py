@@ -28,7 +28,7 @@ from torch import Tensor
 
 from pspo import distributed
 from pspo.model import ModelError
-from pspo.sequences import Rollout, batch_inputs, sequence_seeds, stop_token_ids
+from pspo.sequences import Rollout, batch_inputs, continuation_inputs, sequence_seeds, stop_token_ids
 
 # Set before vLLM is first imported (its logging is configured at import): build the engine in
 # this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step
@@ -105,10 +105,13 @@ class VLLMEngine:
             # whole prompts of all running sequences, so none is split.
             extra.update(max_num_seqs=256, max_num_batched_tokens=256 * max_model_len)
         try:
+            # Prefix caching (vLLM 0.32's default on GPU and on x86 CPUs, stated here because SPO
+            # relies on it): requests that share leading KV blocks, a prompt's G samples or a
+            # prefix's Monte Carlo continuations, compute them once. Seeded sampling is unaffected.
             self.llm = LLM(model=model_path, dtype="bfloat16" if (bf16 and on_gpu) else "float32",
                            enforce_eager=not on_gpu, max_model_len=max_model_len, seed=seed,
                            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
-                           enable_sleep_mode=self.sleep_enabled, **extra)
+                           enable_sleep_mode=self.sleep_enabled, enable_prefix_caching=True, **extra)
         except Exception as e:  # noqa: BLE001 - vLLM raises many types for a bad setting or too little memory
             raise ModelError(f"rollout.engine: vLLM could not start on {model_path}: {startup_reason(e)}") from e
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -117,16 +120,23 @@ class VLLMEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Tensor | None) -> Rollout:
-        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy."""
+                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
+        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy.
+
+        prefix_ids (one per prompt): partial completions to continue, each with at most
+        max_new_tokens - len(prefix) new tokens; the Rollout's tensors hold the continuations only
+        (its texts the whole completions). The n continuations of a prefix, and any other request
+        sharing its leading blocks, reuse its KV cache (prefix caching).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        inputs, budgets = continuation_inputs(prompt_ids, prefix_ids, max_new_tokens)
         prompts, params = [], []
-        for p, ids in enumerate(prompt_ids):
+        for p, ids in enumerate(inputs):
             for j in range(n):
                 seed = None if seeds is None else int(seeds[p * n + j]) & (2**63 - 1)
                 params.append(SamplingParams(n=1, temperature=temperature if seeds is not None else 0.0,
-                                             top_p=top_p if seeds is not None else 1.0, max_tokens=max_new_tokens,
+                                             top_p=top_p if seeds is not None else 1.0, max_tokens=budgets[p],
                                              seed=seed, logprobs=0, stop_token_ids=self.stop_ids,
                                              skip_special_tokens=True))
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
@@ -144,7 +154,13 @@ class VLLMEngine:
             mask[i, :k] = 1
             logprobs[i, :k] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-        return Rollout(ids, mask, logprobs, truncated, [c.text for c in completions], gen_time)
+        if prefix_ids is None:
+            texts = [c.text for c in completions]
+        else:                                    # decode the joined ids: a cut may split a character's bytes
+            prefixes = [q for q in prefix_ids for _ in range(n)]
+            texts = self.tokenizer.batch_decode([list(q) + list(c.token_ids) for q, c in zip(prefixes, completions)],
+                                                skip_special_tokens=True)
+        return Rollout(ids, mask, logprobs, truncated, texts, gen_time)
 
     def sync_weights(self, model: torch.nn.Module) -> float:
         """Load the policy's current weights into the engine in place; returns seconds taken.

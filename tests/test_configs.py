@@ -8,7 +8,8 @@ real `python train.py --config X` subprocess for 2 steps plus the final eval, wi
   becomes the stand-in built from the real config.json shipped beside it as model_config.json
   (pspo/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
-- the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe, 14 eval puzzles
+- the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe (SPO-tree's
+  segments 2 tokens each, its trees b0-2-2), 14 eval puzzles
   (2 per size) when the eval set is builtin:knights, the hf engine,
   no progress bar, the output under tmp_path.
 Everything else is the config's own: bf16 autocast, gradient checkpointing, rewards, ERS/PPS,
@@ -67,6 +68,9 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
     over["model.name_or_path"] = ensure_standin_model(real_config)
     over["train.prompts_per_step"] = str(min(cfg.train.prompts_per_step, 2))
     over["rollout.max_new_tokens"] = "8"
+    if cfg.algo.advantage == "spo_tree":               # segments that fit in the 8 tokens, trees of 6 + 12 + 24
+        over["spo.segment_tokens"] = "2"
+        over["spo.branching"] = f"{cfg.spo.branch_factors[0]},2,2"
     for key in ("train", "eval"):
         name = getattr(cfg.data, key)
         if name and not name.startswith("builtin:"):

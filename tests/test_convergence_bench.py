@@ -30,3 +30,12 @@ def test_results_block_is_replaced_between_markers(tmp_path):
     begin, _ = convergence.markers("convergence")
     assert text.count(begin) == 1 and "second" in text and "first" not in text and "side study" in text
     assert text.startswith("# Benchmarks\n\nsampler table\n")
+
+
+def test_token_curve_reads_generated_tokens_at_evaluations():
+    # evals at steps 0, 2, 4: step 0 has generated nothing; a run logged before the count has no curve
+    rows = [{"step": 0, "eval_accuracy": 0.4}, {"step": 1, "generated_tokens": 100.0},
+            {"step": 2, "generated_tokens": 250.0, "eval_accuracy": 0.5},
+            {"step": 4, "generated_tokens": 600.0, "eval_accuracy": 0.7}]
+    assert convergence.token_curve(rows) == [0.0, 250.0, 600.0]
+    assert convergence.token_curve([{"step": 0, "eval_accuracy": 0.4}, {"step": 2, "eval_accuracy": 0.5}]) is None

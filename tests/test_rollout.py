@@ -7,8 +7,8 @@ import torch
 
 from pspo.data import builtin_arithmetic, format_prompt
 from pspo.model import Policy, build_policy, load_tokenizer
-from pspo.rollout import HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise
-from pspo.sequences import batch_inputs, sequence_seeds
+from pspo.rollout import CountingEngine, HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise
+from pspo.sequences import batch_inputs, child_seeds, continuation_inputs, prefix_seeds, sequence_seeds
 
 
 def test_nucleus_hand_worked():
@@ -29,6 +29,32 @@ def test_gumbel_noise_is_deterministic_and_gumbel_distributed():
     # Gumbel(0,1): mean = Euler-Mascheroni 0.5772, variance = pi^2/6 = 1.6449
     assert abs(g.mean().item() - 0.5772) < 0.01
     assert abs(g.var().item() - math.pi ** 2 / 6) < 0.03
+
+
+def test_continuation_seeds_are_keyed_by_content_or_parent():
+    states = [[5, 6, 7], [5, 6], [], [7, 6, 5], [5, 6, 7]]
+    seeds = prefix_seeds(0, 3, states, 2).view(5, 2)                       # (U, n)
+    assert torch.equal(seeds[0], seeds[4])                                # same tokens, same seeds, any position
+    assert torch.equal(prefix_seeds(0, 3, states[4:], 2), seeds[4])       # ... and in any batch
+    assert len(set(seeds[:4].flatten().tolist())) == 8                    # a prefix, an order, the empty state differ
+    assert not torch.equal(prefix_seeds(0, 4, states, 2), prefix_seeds(0, 3, states, 2))   # a new step
+    assert not torch.equal(prefix_seeds(1, 3, states, 2), prefix_seeds(0, 3, states, 2))   # a new run seed
+    many = prefix_seeds(0, 0, [[i, j] for i in range(100) for j in range(100)], 4)
+    assert len(set(many.tolist())) == 40000                               # no collisions
+    parents = sequence_seeds(0, 0, torch.arange(100), 6)                  # (600,)
+    kids = child_seeds(parents, 6)                                        # (3600,)
+    assert len(set(kids.tolist()) | set(parents.tolist())) == 4200
+    assert torch.equal(child_seeds(parents[6:12], 6), kids[36:72])        # a node's children: its seed alone
+
+
+def test_continuation_inputs_join_and_budget():
+    # prompts [1, 2] and [3] continuing [7] and [8, 9] within 5 new tokens: budgets 4 and 3
+    assert continuation_inputs([[1, 2], [3]], [[7], [8, 9]], 5) == ([[1, 2, 7], [3, 8, 9]], [4, 3])
+    assert continuation_inputs([[1, 2], [3]], None, 5) == ([[1, 2], [3]], [5, 5])
+    with pytest.raises(ValueError, match="prefix_ids"):
+        continuation_inputs([[1]], [[7] * 5], 5)                          # nothing left to generate
+    with pytest.raises(ValueError, match="prefix_ids"):
+        continuation_inputs([[1], [2]], [[7]], 5)
 
 
 def test_gumbel_sampler_draws_from_softmax_over_temperature():
@@ -113,3 +139,70 @@ def test_greedy_matches_plain_generate(tiny):
                                  do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
         text = tokenizer.decode(ref[0, len(p):], skip_special_tokens=True)
         assert out.texts[i] == text
+
+
+def continuation_case(engine, ids):
+    """Four prompts continued from 3, 0, 5 and 6 tokens of a fresh completion (8-9 tokens long here);
+    3 continuations each."""
+    first = engine.generate(ids[:4], 1, 1.0, 1.0, 12, sequence_seeds(2, 0, torch.arange(4), 1))
+    lengths = first.mask.sum(1).long().tolist()
+    prefixes = [first.completion_ids[i, :min(k, lengths[i] - 1)].tolist() for i, k in enumerate([3, 0, 5, 6])]
+    seeds = prefix_seeds(2, 0, [p + q for p, q in zip(ids, prefixes)], 3)   # (12,)
+    return prefixes, seeds
+
+
+def test_continuations_do_not_depend_on_batch_and_follow_the_prefix(tiny):
+    tokenizer, policy, engine, ids = tiny
+    prefixes, seeds = continuation_case(engine, ids)
+    together = engine.generate(ids[:4], 3, 1.0, 0.95, 8, seeds, prefix_ids=prefixes)   # budgets 5, 8, 3, 2
+    alone = engine.generate(ids[2:3], 3, 1.0, 0.95, 8, seeds[6:9], prefix_ids=prefixes[2:3])
+    assert together.texts[6:9] == alone.texts
+    assert torch.equal(together.completion_ids[6:9, :alone.completion_ids.shape[1]], alone.completion_ids)
+    small_calls = HFEngine(engine.model, tokenizer, batch_size=3).generate(ids[:4], 3, 1.0, 0.95, 8, seeds,
+                                                                           prefix_ids=prefixes)
+    assert small_calls.texts == together.texts
+    # each continuation stays within 8 - len(prefix) new tokens, and is truncated exactly when it fills them
+    budget = torch.tensor([8 - len(q) for q in prefixes]).repeat_interleave(3)
+    lengths = together.mask.sum(1).long()
+    assert (lengths <= budget).all() and torch.equal(together.truncated, ~torch.isin(
+        together.completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1), torch.tensor(engine.stop_ids)))
+    assert together.truncated.any() and (lengths[together.truncated] == budget[together.truncated]).all()
+    # the texts are the whole completions, and the log-probs the trainer's given prompt + prefix
+    rows = [q for q in prefixes for _ in range(3)]
+    assert together.texts == tokenizer.batch_decode([q + r[m.bool()].tolist() for q, r, m in zip(
+        rows, together.completion_ids, together.mask)], skip_special_tokens=True)
+    inputs = [p + q for p, q in zip(ids, prefixes) for _ in range(3)]
+    input_ids, attention = batch_inputs(inputs, together.completion_ids, together.mask, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = policy(input_ids, attention, together.mask.shape[1], 1.0)
+    torch.testing.assert_close(logp * together.mask, together.logprobs, atol=1e-4, rtol=0)
+
+
+def test_greedy_continuation_completes_the_greedy_completion(tiny):
+    # continuing the first k tokens of a greedy completion greedily gives back the rest of it
+    tokenizer, _, engine, ids = tiny
+    full = engine.generate(ids[:4], 1, 1.0, 1.0, 12, None)
+    lengths = full.mask.sum(1).long().tolist()
+    for k in (1, 4, 8):
+        prefixes = [full.completion_ids[i, :min(k, lengths[i] - 1)].tolist() for i in range(4)]
+        rest = engine.generate(ids[:4], 1, 1.0, 1.0, 12, None, prefix_ids=prefixes)
+        assert rest.texts == full.texts and torch.equal(rest.truncated, full.truncated)
+        for i, q in enumerate(prefixes):
+            assert rest.completion_ids[i, :lengths[i] - len(q)].tolist() == full.completion_ids[i, len(q):lengths[i]].tolist()
+
+
+def test_counting_engine_counts_every_returned_token_by_kind(tiny):
+    # a fresh rollout of 2 prompts x 2, then 3 continuations of 2 prefixes, then another rollout:
+    # rollout_tokens = the two rollouts' mask sums, mc_tokens = the continuations', calls 2 and 1
+    tokenizer, _, engine, ids = tiny
+    counter = CountingEngine(engine)
+    a = counter.generate(ids[:2], 2, 1.0, 1.0, 12, sequence_seeds(0, 0, torch.arange(2), 2))
+    prefixes = [a.completion_ids[0, :2].tolist(), a.completion_ids[2, :3].tolist()]
+    b = counter.generate(ids[:2], 3, 1.0, 1.0, 12, prefix_seeds(0, 0, [p + q for p, q in zip(ids, prefixes)], 3),
+                         prefix_ids=prefixes)
+    c = counter.generate(ids[2:3], 1, 1.0, 1.0, 12, sequence_seeds(0, 0, torch.arange(1), 1))
+    counts = counter.take()
+    assert counts["rollout_tokens"] == a.mask.sum() + c.mask.sum() and counts["mc_tokens"] == b.mask.sum() > 0
+    assert (counts["rollout_calls"], counts["mc_calls"]) == (2, 1)
+    assert counts["mc_gen_s"] == b.gen_time_s and counts["rollout_gen_s"] == a.gen_time_s + c.gen_time_s
+    assert set(counter.take().values()) == {0.0}                          # take() starts a new step

@@ -8,7 +8,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh 
 
 from pspo.data import builtin_arithmetic, format_prompt
 from pspo.model import build_policy, load_tokenizer
-from pspo.sequences import batch_inputs, sequence_seeds
+from pspo.sequences import batch_inputs, prefix_seeds, sequence_seeds
 from pspo.tiny import ensure_tiny_model
 from pspo.model import ModelError
 from pspo.vllm_engine import VLLMEngine, full_params, sync_gap
@@ -57,6 +57,34 @@ def test_engine_logprobs_match_the_trainer_and_rollout_shape(untied):
     # per-request seeds: the same seeds give the same completions, whatever the batch
     again = engine.generate(prompts[:2], 3, T, 1.0, 12, seeds[:6])
     assert torch.equal(again.completion_ids[:, :r.completion_ids.shape[1]], r.completion_ids[:6, :again.completion_ids.shape[1]])
+
+
+def test_continuations_reuse_the_prefix_cache_and_do_not_depend_on_batch(untied):
+    tokenizer, prompts, policy, engine = untied
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    first = engine.generate(prompts[:4], 1, T, 1.0, 12, sequence_seeds(2, 0, torch.arange(4), 1))
+    lengths = first.mask.sum(1).long().tolist()
+    prefixes = [first.completion_ids[i, :min(k, lengths[i] - 1)].tolist() for i, k in enumerate([3, 0, 5, 6])]
+    seeds = prefix_seeds(2, 0, [p + q for p, q in zip(prompts, prefixes)], 3)   # (12,)
+    together = engine.generate(prompts[:4], 3, T, 1.0, 8, seeds, prefix_ids=prefixes)   # budgets 5, 8, 3, 2
+    alone = engine.generate(prompts[2:3], 3, T, 1.0, 8, seeds[6:9], prefix_ids=prefixes[2:3])
+    assert together.texts[6:9] == alone.texts
+    assert torch.equal(together.completion_ids[6:9, :alone.completion_ids.shape[1]], alone.completion_ids)
+    budget = torch.tensor([8 - len(q) for q in prefixes]).repeat_interleave(3)
+    assert (together.mask.sum(1) <= budget).all()
+    # the texts are the whole completions, and the log-probs the trainer's given prompt + prefix
+    rows = [q for q in prefixes for _ in range(3)]
+    assert together.texts == tokenizer.batch_decode([q + r[m.bool()].tolist() for q, r, m in zip(
+        rows, together.completion_ids, together.mask)], skip_special_tokens=True)
+    inputs = [p + q for p, q in zip(prompts, prefixes) for _ in range(3)]
+    ids, att = batch_inputs(inputs, together.completion_ids, together.mask, engine.pad_id)
+    with torch.no_grad():
+        logp, _ = policy(ids, att, together.mask.shape[1], T)
+    assert ((logp - together.logprobs).abs() * together.mask).max() < 1e-4
+    # greedy: continuing a greedy completion's first tokens gives back the rest of it
+    full = engine.generate(prompts[:4], 1, T, 1.0, 12, None)
+    cut = [full.completion_ids[i, :min(4, int(full.mask[i].sum()) - 1)].tolist() for i in range(4)]
+    assert engine.generate(prompts[:4], 1, T, 1.0, 12, None, prefix_ids=cut).texts == full.texts
 
 
 def test_sync_after_an_optimizer_step(untied):
