@@ -19,3 +19,10 @@ def tiny_model_path() -> str:
 def tiny_knights_model_path() -> str:
     from pspo.tiny_knights import ensure_tiny_knights_model
     return ensure_tiny_knights_model()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that need the tiny K&K model run last: on a fresh machine scripts/test.sh builds it in
+    the background (minutes), and the rest of the suite runs meanwhile instead of waiting on it."""
+    needs = [item for item in items if "tiny_knights_model_path" in getattr(item, "fixturenames", ())]
+    items[:] = [item for item in items if item not in needs] + needs
