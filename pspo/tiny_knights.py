@@ -44,7 +44,7 @@ from pspo.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, _build_model, save_model_fo
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 3                   # part of the cache key: bump it whenever the build below changes
-WARMUP_STEPS = 1000           # supervised steps (~6 min on 2 idle cores); accuracy by size in README
+WARMUP_STEPS = 1000           # supervised steps (773 s on one thread); accuracy by size in README
 BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
 SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
 LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0
@@ -180,7 +180,7 @@ def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=p
 
 
 def _build(path: str, seed: int, log) -> str:
-    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, about 5 minutes on 2 cores)")
+    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, 10-13 minutes on one thread)")
     start = time.perf_counter()
     examples = warmup_examples(WARMUP_PER_SIZE)
     tokenizer = build_knights_tokenizer(examples)
