@@ -9,7 +9,7 @@ real `python train.py --config X` subprocess for 2 steps plus the final eval, wi
   (pspo/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
 - the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe (SPO-tree's
-  segments 2 tokens each, its trees b0-2-2), 14 eval puzzles (2 per size) and at most 4
+  segments 2 tokens each, its trees b0-2-2), 14 eval puzzles (2 per size) and at most 2
   prompts per step when the eval set is builtin:knights, the hf engine,
   no progress bar, the output under tmp_path.
 Everything else is the config's own: bf16 autocast, gradient checkpointing, rewards, ERS/PPS,
@@ -61,7 +61,7 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
     if cfg.model.name_or_path == TINY_KNIGHTS_MODEL:
         over["model.name_or_path"] = knights_path
         over["data.max_eval_examples"] = "14"
-        over["train.prompts_per_step"] = str(min(cfg.train.prompts_per_step, 4))
+        over["train.prompts_per_step"] = str(min(cfg.train.prompts_per_step, 2))
         return over
     real_config = os.path.join(ROOT, os.path.dirname(config), "model_config.json")
     assert os.path.isfile(real_config), f"{config}: a GPU recipe needs its model's config.json beside it " \
