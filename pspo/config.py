@@ -16,13 +16,11 @@ from typing import Any
 import yaml
 
 from pspo.advantages import ADVANTAGES, WHITENINGS
+from pspo.config_check import ConfigError, check as _check
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.spo_config import SPOConfig, validate_spo
 PPS_MODES = ("paper", "reference")     # ALGORITHMS.md §3 (+ §3b options) | §3a
-
-
-class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message is one line naming the key."""
 
 
 @dataclass
@@ -113,38 +111,6 @@ class PPSConfig:
     skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
     skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
     skip_min: float = 0.01              # s_min
-
-
-@dataclass
-class SPOConfig:
-    """SPO, SEED_METHODS.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
-    cutpoint_interval: int = 5          # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
-    num_mc: int = 9                     # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
-    branching: str = "6,6,6"            # tree: "b0,b1,b2", children per node at depths 0, 1, 2; b0 = rollout.num_generations
-    segment_tokens: str = "30"          # tree: M, the most new tokens of a depth-0 / depth-1 segment ("M0,M1" apart); depth 2 runs to rollout.max_new_tokens (30 rho GSM8K, 100 MATH, 600 R1-Distill)
-    tree_scale: bool = False            # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
-    replay_iterations: int = 8          # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
-    edges_per_question: int = 32        # tree: at most this many of a question's buffered edges drawn (and removed) per step
-    edges_per_step: int = 0             # tree: at most this many drawn edges trained per step, a random subset (0 = all; the seed: 512)
-
-    @property
-    def branch_factors(self) -> tuple[int, ...]:
-        """(b0, b1, b2), once validated."""
-        return _ints(self.branching)
-
-    @property
-    def segments(self) -> tuple[int, int]:
-        """(M0, M1): the token budgets of the depth-0 and depth-1 segments, once validated."""
-        m = _ints(self.segment_tokens) or (0,)
-        return (m[0], m[-1])
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    """"6,6,6" -> (6, 6, 6); () if a part is not an integer."""
-    try:
-        return tuple(int(part) for part in str(text).split(","))
-    except ValueError:
-        return ()
 
 
 @dataclass
@@ -283,11 +249,6 @@ def load_config(path: str | None, overrides: list[str] = (), world_size: int = 1
     return cfg
 
 
-def _check(ok: bool, key: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
-
-
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Impossible values and combinations, each reported as one line naming the key."""
     r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
@@ -320,7 +281,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths the "
                "group statistics of GRPO advantages; this one whitens token advantages over the whole batch)",
                cfg.ers.enabled)
-    _validate_spo(cfg)
+    validate_spo(cfg.spo, cfg.algo.advantage, cfg.rollout, cfg.pps.enabled)
     _check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
     p = cfg.pps
     _check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
@@ -364,40 +325,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", cfg.data.max_prompt_tokens)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
-
-
-CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the tree's
-
-
-def _validate_spo(cfg: Config) -> None:
-    """The spo section (SEED_METHODS.md §B): its chain keys only with spo_chain, its tree keys only
-    with spo_tree, and the tree's shape consistent with the rollout section."""
-    s, a, r, default = cfg.spo, cfg.algo, cfg.rollout, SPOConfig()
-    for f in dataclasses.fields(SPOConfig):
-        owner = "spo_chain" if f.name in CHAIN_KEYS else "spo_tree"
-        value = getattr(s, f.name)
-        _check(a.advantage == owner or value == getattr(default, f.name), f"spo.{f.name}",
-               f"{getattr(default, f.name)!r} (unset) unless algo.advantage={owner}", value)
-    if a.advantage == "spo_chain":
-        _check(s.cutpoint_interval >= 1, "spo.cutpoint_interval", ">= 1", s.cutpoint_interval)
-        _check(s.num_mc >= 1, "spo.num_mc", ">= 1", s.num_mc)
-    if a.advantage != "spo_tree":
-        return
-    # Refused: PPS's IS weight belongs to the step its prompt was drawn, but a tree's edges are
-    # trained over the next spo.replay_iterations steps, mixed with other steps' prompts.
-    _check(not cfg.pps.enabled, "pps.enabled", "false with algo.advantage=spo_tree (its edges are replayed in "
-           "later steps, where the drawing step's IS weights do not apply)", cfg.pps.enabled)
-    b, m = s.branch_factors, _ints(s.segment_tokens)
-    _check(len(b) == 3 and min(b) >= 1, "spo.branching", "three positive integers b0,b1,b2 (e.g. 6,6,6)", s.branching)
-    _check(r.num_generations == b[0], "rollout.num_generations", f"spo.branching's b0 = {b[0]} with "
-           "algo.advantage=spo_tree (the root's children are the prompt's G completions)", r.num_generations)
-    _check(len(m) in (1, 2) and min(m) >= 1, "spo.segment_tokens", "one positive integer M, or two M0,M1",
-           s.segment_tokens)
-    _check(sum(s.segments) < r.max_new_tokens, "spo.segment_tokens", f"M0 + M1 < rollout.max_new_tokens = "
-           f"{r.max_new_tokens} (depth 2 continues to max_new_tokens)", s.segment_tokens)
-    _check(s.replay_iterations >= 1, "spo.replay_iterations", ">= 1 (1 = no replay)", s.replay_iterations)
-    _check(s.edges_per_question >= 1, "spo.edges_per_question", ">= 1", s.edges_per_question)
-    _check(s.edges_per_step >= 0, "spo.edges_per_step", ">= 0 (0 = every drawn edge)", s.edges_per_step)
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,15 @@
+"""The one error type of a config mistake, and the check that raises it: imported by config.py and
+spo_config.py (which config.py imports), so both report a bad value the same way."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line naming the key."""
+
+
+def check(ok: bool, key: str, expected: str, value: Any) -> None:
+    """Raise ConfigError "key: expected ..., got value" unless ok."""
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
