@@ -125,8 +125,7 @@ def main(argv: list[str]) -> None:
 
     # ---- set-up: tokenizer, policy (+ frozen reference), engine, data, optimizer, state ----
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
-    check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
-                  cfg.rollout.max_new_tokens)
+    check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
     print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))       # PlanError (exit 2) if it cannot fit
     policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
                           m.gradient_checkpointing).to(dist_.device)

@@ -63,16 +63,23 @@ def _tokenizer_corpus() -> list[str]:
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Qwen2's byte-level BPE pipeline with vocab and merges trained on the task's text."""
+    return train_qwen2_bpe(_tokenizer_corpus(), VOCAB_SIZE, THINK_TOKENS)
+
+
+def train_qwen2_bpe(corpus: list[str], vocab_size: int, added: list[str]) -> PreTrainedTokenizerFast:
+    """Qwen2's tokenizer pipeline (NFC, Qwen2 split regex, byte-level BPE) with vocab and merges
+    learned from `corpus`, `added` as added (decoded, not special) tokens, and the ChatML template:
+    the tokenizer of both offline models (this one and tiny_knights.py)."""
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())   # all 256 bytes
-    bpe.train_from_iterator(_tokenizer_corpus(), trainer)
-    bpe.add_tokens(THINK_TOKENS)
+    bpe.train_from_iterator(corpus, trainer)
+    bpe.add_tokens(added)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=1024,

@@ -33,14 +33,12 @@ import random
 import time
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
-from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from pspo.data import Example, format_prompt
 from pspo.knights import KNIGHTS_INSTRUCTION, NAMES, SIZES, builtin_knights, warmup_examples
 from pspo.knights_reward import _knights_gold, knights_people, knights_reward
-from pspo.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, _build_model, save_model_folder
+from pspo.tiny import _build_model, save_model_folder, train_qwen2_bpe
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 3                   # part of the cache key: bump it whenever the build below changes
@@ -65,23 +63,10 @@ def knights_completion(gold: str) -> str:
 def build_knights_tokenizer(examples: list[Example]) -> PreTrainedTokenizerFast:
     """tiny.py's byte-level BPE pipeline, merges learned from the puzzles, names, instruction and
     answers, so that every name and the words of the puzzles are single tokens."""
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())   # all 256 bytes
     # the tags are added tokens, so they stay out of the corpus (as in tiny.py)
     corpus = [f"{ex.problem}\n{ex.answer}" for ex in examples]
     corpus += ["system\n", "user\n", "assistant\n", KNIGHTS_INSTRUCTION, " ".join(NAMES)] * 50
-    bpe.train_from_iterator(corpus, trainer)
-    bpe.add_tokens(TAGS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=1024,
-        padding_side="left")
+    return train_qwen2_bpe(corpus, VOCAB_SIZE, TAGS)
 
 
 def _rows(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> dict[int, list[tuple[list[int], list[int]]]]:
