@@ -136,20 +136,28 @@ def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: 
 
 
 @torch.no_grad()
+def greedy_completions(model, tokenizer, examples: list[Example], batch_size: int,
+                       max_new_tokens: int) -> tuple[list[str], list[str]]:
+    """(chat prompts, greedy completions) of the examples, generated batch_size at a time: the
+    build-time check of both offline models (training evaluates with pspo/evaluation.py)."""
+    prompts, texts = [], []
+    for i in range(0, len(examples), batch_size):
+        chunk = [format_prompt(tokenizer, ex.problem, "") for ex in examples[i:i + batch_size]]
+        inputs = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)   # left-padded
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)   # (b, P + new)
+        prompts += chunk
+        texts += tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return prompts, texts
+
+
 def greedy_accuracy(model, tokenizer, examples: list[Example], batch_size: int = 250,
                     max_new_tokens: int = 12) -> float:
     """Fraction of examples whose greedy completion has \\boxed{n} with n == int(answer).
     A quick integer check for the built-in task; training scores with math-verify (rewards.py)."""
     correct = 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        prompts = [format_prompt(tokenizer, ex.problem, "") for ex in chunk]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)   # left-padded
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)   # (b, P + new)
-        texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        for text, ex in zip(texts, chunk):
-            found = BOXED_INT.search(text)
-            correct += found is not None and int(found.group(1)) == int(ex.answer)
+    for text, ex in zip(greedy_completions(model, tokenizer, examples, batch_size, max_new_tokens)[1], examples):
+        found = BOXED_INT.search(text)
+        correct += found is not None and int(found.group(1)) == int(ex.answer)
     return correct / len(examples)
 
 

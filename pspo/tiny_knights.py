@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 from pspo.data import Example, format_prompt
 from pspo.knights import KNIGHTS_INSTRUCTION, NAMES, SIZES, builtin_knights, warmup_examples
 from pspo.knights_reward import _knights_gold, knights_people, knights_reward
-from pspo.tiny import _build_model, save_model_folder, train_qwen2_bpe
+from pspo.tiny import _build_model, greedy_completions, save_model_folder, train_qwen2_bpe
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 3                   # part of the cache key: bump it whenever the build below changes
@@ -118,7 +118,6 @@ def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, example
     model.eval()
 
 
-@torch.no_grad()
 def greedy_accuracy_by_size(model, tokenizer, examples: list[Example], batch_size: int = 50,
                             max_new_tokens: int = 96) -> dict[int, float]:
     """Exact-match rate of greedy completions (knights_reward == 3, as training's accuracy), per
@@ -126,16 +125,11 @@ def greedy_accuracy_by_size(model, tokenizer, examples: list[Example], batch_siz
     correct = {n: 0 for n in SIZES}
     count = {n: 0 for n in SIZES}
     model.eval()
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        prompts = [format_prompt(tokenizer, ex.problem, "") for ex in chunk]
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)   # left-padded
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)   # (b, P + new)
-        texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        for prompt, text, ex in zip(prompts, texts, chunk):
-            n = knights_people(ex.answer)
-            count[n] += 1
-            correct[n] += knights_reward(prompt, text, ex.answer) == 3.0
+    prompts, texts = greedy_completions(model, tokenizer, examples, batch_size, max_new_tokens)
+    for prompt, text, ex in zip(prompts, texts, examples):
+        n = knights_people(ex.answer)
+        count[n] += 1
+        correct[n] += knights_reward(prompt, text, ex.answer) == 3.0
     return {n: round(correct[n] / count[n], 3) for n in SIZES if count[n]}
 
 
