@@ -17,6 +17,7 @@ import torch
 
 from pspo.config import ConfigError, load_config
 from pspo.segments import PROB_THRESHOLD, select_cuts, unique_prefixes
+from test_train import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--train.prompts_per_step=4", "--data.max_eval_examples=8", "--train.progress=false",
@@ -62,11 +63,6 @@ def train(out, config, *overrides, nproc=1, probe=None, check=True):
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
-
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def state(out, step):
