@@ -1,5 +1,6 @@
 """The convergence study's summary numbers (bench/convergence.py), on hand-made curves."""
 import importlib.util
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,3 +40,26 @@ def test_token_curve_reads_generated_tokens_at_evaluations():
             {"step": 4, "generated_tokens": 600.0, "eval_accuracy": 0.7}]
     assert convergence.token_curve(rows) == [0.0, 250.0, 600.0]
     assert convergence.token_curve([{"step": 0, "eval_accuracy": 0.4}, {"step": 2, "eval_accuracy": 0.5}]) is None
+
+
+def test_knights_task_defaults_and_per_size_columns(tmp_path):
+    args = convergence.parse_args(["--task", "knights", "--seeds", "0,1"])
+    assert args.folder == "configs/knights" and args.threshold == 0.35 and args.section == "convergence-knights"
+    assert args.methods == "grpo,reinforce_pp,reinforce_pp_baseline,pspo"
+    # two seeds of one method; final per-size accuracies 2ppl (0.5, 0.7), 3ppl (0.1, 0.1)
+    outs = []
+    for seed, (two, three) in enumerate([(0.5, 0.1), (0.7, 0.1)]):
+        out = tmp_path / f"grpo-s{seed}"
+        out.mkdir()
+        (out / "config.yaml").write_text("train: {prompts_per_step: 2}\nrollout: {num_generations: 4}\n")
+        rows = [{"step": 0, "eval_accuracy": 0.1, "eval_greedy_2ppl": 0.3, "eval_greedy_3ppl": 0.0},
+                {"step": 1, "step_time_s": 1.0, "bookkeeping_s": 0.01},
+                {"step": 2, "step_time_s": 1.0, "bookkeeping_s": 0.01, "eval_accuracy": 0.3,
+                 "eval_greedy_2ppl": two, "eval_greedy_3ppl": three}]
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        outs.append(str(out))
+    table, _ = convergence.summarize({"grpo": outs}, args)
+    header, _, row = table.splitlines()
+    assert header.endswith(" 2ppl | 3ppl |")
+    # 2ppl: mean (0.5 + 0.7) / 2 = 0.6, sample sd sqrt(2 · 0.1² / 1) = 0.1414; 3ppl: 0.1 ± 0
+    assert row.endswith(" 0.600 ± 0.141 | 0.100 ± 0.000 |")
