@@ -284,7 +284,8 @@ def main(argv: list[str]) -> None:
     methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
     for m in methods:
         if not os.path.exists(os.path.join(ROOT, args.folder, f"{m}.yaml")):
-            sys.exit(f"error: --methods: {args.folder}/{m}.yaml does not exist")
+            print(f"error: --methods: {args.folder}/{m}.yaml does not exist", file=sys.stderr)
+            sys.exit(2)
     os.makedirs(args.out, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     print(f"{len(methods)} methods x {len(seeds)} seeds x {args.steps} steps, {args.jobs} parallel runs "
