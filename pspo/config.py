@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from pspo.advantages import ADVANTAGES, WHITENINGS
-from pspo.config_check import ConfigError, check as _check
+from pspo.config_check import ConfigError, check as _check, parse_ints
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import IS_NORMS, PRIORITIES
 from pspo.spo_config import SPOConfig, validate_spo
@@ -36,6 +36,7 @@ class ModelConfig:
 class DataConfig:
     train: str = "builtin:arithmetic"   # builtin:arithmetic, a .jsonl/.json/.parquet file, or hub name
     train_split: str = "train"          # split of `train`
+    train_people: str = ""              # K&K: train on puzzles of these numbers of people only, e.g. "2,3,4" ("" = all; eval keeps every size)
     eval: str = "builtin:arithmetic"    # eval set, same forms as `train`; "" disables eval
     eval_split: str = "test"            # split of `eval`
     problem_field: str = "problem"      # column holding the question
@@ -44,6 +45,11 @@ class DataConfig:
     max_eval_examples: int = 0          # 0 = the whole eval set
     max_prompt_tokens: int = 512        # longer prompts are dropped at load time (logged), never truncated
     bad_gold: str = "skip"              # a gold answer math-verify cannot parse: skip (report, leave out) | error
+
+    @property
+    def people(self) -> tuple[int, ...]:
+        """data.train_people as sizes, once validated: "2,3,4" -> (2, 3, 4); "" -> () (all)."""
+        return parse_ints(self.train_people) if str(self.train_people).strip() else ()
 
 
 @dataclass
@@ -323,6 +329,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
     _check(cfg.data.max_eval_examples >= 0, "data.max_eval_examples", ">= 0", cfg.data.max_eval_examples)
     _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", cfg.data.max_prompt_tokens)
+    sizes = parse_ints(cfg.data.train_people)
+    _check(not str(cfg.data.train_people).strip() or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
+           'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all', cfg.data.train_people)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
 

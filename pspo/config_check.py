@@ -13,3 +13,11 @@ def check(ok: bool, key: str, expected: str, value: Any) -> None:
     """Raise ConfigError "key: expected ..., got value" unless ok."""
     if not ok:
         raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    """"6,6,6" -> (6, 6, 6); () if a part is not an integer."""
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        return ()

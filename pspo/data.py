@@ -88,7 +88,7 @@ def warmup_examples(num_examples: int = 500, seed: int = 1234) -> list[Example]:
 
 def load_examples(name: str, split: str = "train", problem_field: str = "problem",
                   answer_field: str = "answer", max_examples: int | None = None,
-                  config: str | None = None) -> list[Example]:
+                  config: str | None = None, people: tuple[int, ...] = ()) -> list[Example]:
     """`builtin:arithmetic` | `builtin:knights` | a local .jsonl/.json/.parquet file | a hub dataset
     name -> examples.
 
@@ -97,7 +97,8 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
     K&K whatever problem_field/answer_field say (pspo/knights.py). Answers become text by `gold_text`
     (datasets store numeric answers as int or float, OlympiadBench a list); a missing value (None)
     becomes "", which `prompt_set` reports and leaves out. `config` is a hub dataset's
-    configuration name (e.g. "main" for openai/gsm8k)."""
+    configuration name (e.g. "main" for openai/gsm8k). `people` (data.train_people) keeps only the
+    K&K puzzles of those numbers of people, before max_examples; any other row is a DataError."""
     if max_examples is not None and max_examples < 1:
         raise DataError(f"{name}: max_examples must be >= 1 or None (all), got {max_examples}")
     from pspo import knights   # knights builds on Example and DataError from here
@@ -110,6 +111,8 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
         layout = knights.file_layout(list(rows.column_names))
         examples = (knights.examples_from_rows(rows, layout) if layout is not None
                     else _field_examples(name, rows, problem_field, answer_field))
+    if people:
+        examples = knights.with_people(name, examples, people)
     if max_examples is not None:
         examples = examples[:max_examples]
     if not examples:

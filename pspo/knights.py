@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from pspo.data import DataError, Example
+from pspo.knights_reward import knights_people
 
 BUILTIN_KNIGHTS = "builtin:knights"
 SIZES = tuple(range(2, 9))              # people per puzzle
@@ -304,3 +305,20 @@ def examples_from_rows(rows, layout: str) -> list[Example]:
             solution_text(names, solution) if names and solution and len(names) == len(solution) else "")
         examples.append(Example(f"{quiz}\n{KNIGHTS_INSTRUCTION}" if quiz else "", gold))
     return examples
+
+
+def with_people(name: str, examples: list[Example], people: tuple[int, ...]) -> list[Example]:
+    """The examples whose gold names `people` persons (data.train_people: an RL curriculum on the
+    sizes a model can learn). A row that is not a K&K puzzle (its gold is not "(1) X is a knight
+    ...") is a DataError naming it: the filter would otherwise drop it silently."""
+    kept = []
+    for row, ex in enumerate(examples):
+        n = knights_people(ex.answer)
+        if n is None:
+            raise DataError(f"{name}: data.train_people keeps K&K puzzles by their number of people, but row "
+                            f"{row}'s gold is not a K&K answer ('(1) Zoey is a knight ...'): {ex.answer[:40]!r}")
+        if n in people:
+            kept.append(ex)
+    if not kept:
+        raise DataError(f"{name}: no puzzle of {', '.join(map(str, people))} people (data.train_people)")
+    return kept

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pspo.config_check import check
+from pspo.config_check import check, parse_ints
 
 
 @dataclass
@@ -31,14 +31,6 @@ class SPOConfig:
         """(M0, M1): the token budgets of the depth-0 and depth-1 segments, once validated."""
         m = parse_ints(self.segment_tokens) or (0,)
         return (m[0], m[-1])
-
-
-def parse_ints(text: str) -> tuple[int, ...]:
-    """"6,6,6" -> (6, 6, 6); () if a part is not an integer."""
-    try:
-        return tuple(int(part) for part in str(text).split(","))
-    except ValueError:
-        return ()
 
 
 CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the tree's

@@ -60,6 +60,8 @@ def test_base_inheritance_and_presets():
     ("", ["--pps.eps=0"], "pps.eps: expected > 0"),
     ("", ["--pps.is_norm=max"], "pps.is_norm: expected batch_max | mean | none, got 'max'"),
     ("pps:\n  enabled: maybe\n", [], "pps.enabled: expected bool"),
+    ("", ["--data.train_people=2,9"], "data.train_people: expected K&K numbers of people in 2..8"),
+    ("data:\n  train_people: two\n", [], "data.train_people: expected K&K numbers of people in 2..8"),
 ])
 def test_errors_name_the_key(tmp_path, yaml_text, overrides, message):
     path = write(tmp_path, "c.yaml", yaml_text)

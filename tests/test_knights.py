@@ -144,6 +144,26 @@ def test_builtin_and_both_file_layouts_load_through_load_examples(tmp_path):
     assert load_examples(str(tmp_path / "kk.jsonl"))[0].answer == hub_rows[3]["solution_text_format"]
 
 
+def test_train_people_keeps_those_sizes_and_names_a_row_that_is_not_kk(tmp_path):
+    from pspo.config import DataConfig
+    assert DataConfig(train_people="2,4").people == (2, 4) and DataConfig().people == ()
+    # the train split interleaves sizes 2..8, 200 each: sizes 2 and 4 keep rows 0, 2, 7, 9, 14, ...
+    train = builtin_knights("train")
+    kept = load_examples("builtin:knights", "train", people=(2, 4))
+    assert len(kept) == 400 and kept[:4] == [train[0], train[2], train[7], train[9]]
+    assert {knights_people(ex.answer) for ex in kept} == {2, 4}
+    assert load_examples("builtin:knights", "train", max_examples=3, people=(3,)) == [train[1], train[8], train[15]]
+    # a file with a non-K&K row: the filter names it instead of dropping it
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    with pytest.raises(DataError, match=r"row 0's gold is not a K&K answer"):
+        load_examples(str(tmp_path / "mixed.jsonl"), people=(2,))
+    hub_rows, _ = _sample_rows()                          # data/samples/knights.jsonl: sizes 2, 2, 3, 3, .., 8, 8
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in hub_rows[:2]))
+    assert len(load_examples(str(tmp_path / "two.jsonl"), people=(2, 3))) == 2
+    with pytest.raises(DataError, match=r"no puzzle of 3, 4 people \(data.train_people\)"):
+        load_examples(str(tmp_path / "two.jsonl"), people=(3, 4))
+
+
 class _NoTemplate:
     """A tokenizer that counts chat-template calls: one word = one token."""
     def __init__(self):
