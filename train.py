@@ -135,9 +135,8 @@ def main(argv: list[str]) -> None:
         ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
     d = cfg.data                       # rows without a usable gold and too-long prompts are left out, reported
-    train = prompt_set(f"data.train {d.train}", load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
-                                                                           people=d.people),
-                       tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold)
+    train_rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field, people=d.people)
+    train = prompt_set(f"data.train {d.train}", train_rows, tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold)
     train_set, train_texts, train_ids = train.examples, train.texts, train.ids
     evals = prompt_set(f"data.eval {d.eval}", load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
                                                             d.max_eval_examples or None),
