@@ -164,6 +164,16 @@ def test_train_people_keeps_those_sizes_and_names_a_row_that_is_not_kk(tmp_path)
         load_examples(str(tmp_path / "two.jsonl"), people=(3, 4))
 
 
+def test_train_py_names_a_train_people_filter_on_a_task_without_kk_puzzles(tiny_model_path, tmp_path):
+    # train.py passes data.train_people to the loader: on the arithmetic task it is one line, exit 2
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", "--data.train_people=2,3",
+                           f"--model.name_or_path={tiny_model_path}", f"--train.output_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: builtin:arithmetic: data.train_people keeps K&K puzzles by their number of people, but row 0's gold")
+
+
 class _NoTemplate:
     """A tokenizer that counts chat-template calls: one word = one token."""
     def __init__(self):
