@@ -172,6 +172,8 @@ def speedups(runs: dict[str, list[str]], baseline: str) -> dict[str, str]:
     base_x = [crossing(*curve(r, k), target) for r, k in zip(rows[baseline], per_step[baseline])]
     base_t = [elapsed(r, k, x) for r, k, x in zip(rows[baseline], per_step[baseline], base_x) if x is not None]
     base_x = [x for x in base_x if x is not None]
+    if base_x and max(base_x) == 0:     # the baseline ends at or below its step-0 accuracy: no speed-up to measure
+        return {**{m: (f"undefined: {baseline}'s final ≤ its step 0", "-") for m in runs}, "_target": f"{target:.3f}"}
     out = {}
     for m in runs:
         xs = [crossing(*curve(r, k), target) for r, k in zip(rows[m], per_step[m])]

@@ -63,3 +63,19 @@ def test_knights_task_defaults_and_per_size_columns(tmp_path):
     assert header.endswith(" 2ppl | 3ppl |")
     # 2ppl: mean (0.5 + 0.7) / 2 = 0.6, sample sd sqrt(2 · 0.1² / 1) = 0.1414; 3ppl: 0.1 ± 0
     assert row.endswith(" 0.600 ± 0.141 | 0.100 ± 0.000 |")
+
+
+def test_speedup_is_undefined_when_the_baseline_does_not_rise(tmp_path):
+    # grpo ends at 0.05 below its step-0 0.06: its target is met at 0 rollouts, R_X would be 0/0
+    runs = {}
+    for method, final in (("grpo", 0.05), ("pspo", 0.07)):
+        out = tmp_path / f"{method}-s0"
+        out.mkdir()
+        (out / "config.yaml").write_text("train: {prompts_per_step: 2}\nrollout: {num_generations: 4}\n")
+        rows = [{"step": 0, "eval_accuracy": 0.06}, {"step": 1, "step_time_s": 1.0},
+                {"step": 2, "step_time_s": 1.0, "eval_accuracy": final}]
+        (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        runs[method] = [str(out)]
+    fast = convergence.speedups(runs, "grpo")
+    assert fast["_target"] == "0.050"
+    assert fast["grpo"] == fast["pspo"] == ("undefined: grpo's final ≤ its step 0", "-")
