@@ -35,7 +35,7 @@ from pspo.data import DataError, PromptSet, load_examples, prompt_set
 from pspo.distributed import Dist, print0
 from pspo.ema_stats import EMAStats
 from pspo.evaluation import evaluate
-from pspo.metrics import MetricsLogger, step_metrics
+from pspo.metrics import MetricsLogger, gpu_memory, step_metrics
 from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
                         resolve_model_path)
 from pspo.plan import plan_cli, startup_check
@@ -299,7 +299,7 @@ def main(argv: list[str]) -> None:
         if cfg.pps.enabled:
             metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
             metrics["rollouts_saved"] = metrics.get("pps_skipped", 0.0) * G              # skipped before generation
-        metrics["bookkeeping_s"] = bookkeeping_s
+        metrics.update(bookkeeping_s=bookkeeping_s, **gpu_memory(device))            # + peak_mem_gib on a GPU
         metrics.update(sync_metrics)
         metrics.update(times)                                                     # this rank's (rank 0 logs)
         metrics["update_tokens_per_s"] = sums["update_tokens"] / max(times["update_s"], 1e-9)   # all ranks' tokens

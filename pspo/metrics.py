@@ -57,6 +57,22 @@ def _truncate_after(path: str, step: int) -> None:
         f.writelines(kept)
 
 
+def gpu_memory(device) -> dict[str, float]:
+    """This step's peak GPU memory held by PyTorch tensors (GiB), then the peak is reset; {} on CPU.
+
+    `peak_mem_gib` is what `train.py --plan` predicts (its update or generation total, less the
+    constant it adds for the CUDA context and NCCL); reserved adds the allocator's cached blocks.
+    """
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    out = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+           "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
 def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
     """Turn rank-summed statistics into the logged means (README, "Metrics")."""
     n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
