@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
@@ -59,15 +60,11 @@ def standin_config(real: dict, hidden_size: int = HIDDEN_SIZE, intermediate_size
     heads = ratio * -(-(hidden_size // head_dim) // ratio)
     hidden_size = heads * head_dim
     config = dict(real)
-    config.update(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_layers,
+    config.update(hidden_size=hidden_size, intermediate_size=intermediate_size,
                   num_attention_heads=heads, num_key_value_heads=heads // ratio)
     if "head_dim" in config:
         config["head_dim"] = head_dim
-    if "max_window_layers" in config:                                # Qwen2: layers without sliding window
-        config["max_window_layers"] = min(config["max_window_layers"], num_layers)
-    if "layer_types" in config:                                      # one entry per layer
-        config["layer_types"] = config["layer_types"][:num_layers]
-    return config
+    return _truncate(config, num_layers)            # Qwen2's max_window_layers, layer_types: per layer
 
 
 def build_standin_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
@@ -94,6 +91,16 @@ def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, se
     path = standin_path(real_config_path, cache_dir, seed)
     if os.path.isdir(path):
         return path
+    return build_random_model(real_config_path, path, seed, shrink=True, log=log)
+
+
+def build_random_model(real_config_path: str, path: str, seed: int = 0, shrink: bool = True,
+                       num_layers: int | None = None, log=print) -> str:
+    """A seeded random-weight model with the stand-in tokenizer, saved to `path`.
+
+    shrink=True: the CPU stand-in above. shrink=False: the real widths (a GPU check of the real
+    architecture without a download), `num_layers` of them if given (a depth that fits one GPU).
+    """
     try:
         with open(real_config_path) as f:
             real = json.load(f)
@@ -102,21 +109,60 @@ def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, se
     if not isinstance(real, dict):
         raise StandinError(f"{real_config_path}: expected a JSON object")
     try:
-        config = standin_config(real)
+        missing = [k for k in ("model_type", "max_position_embeddings") if k not in real]
+        if missing:
+            raise StandinError(f"the real model config has no {missing[0]!r}")
+        config = standin_config(real) if shrink else dict(real)
     except StandinError as e:
         raise StandinError(f"{real_config_path}: {e}") from None
+    if num_layers is not None:
+        config = _truncate(config, num_layers)
     tokenizer = build_standin_tokenizer(config["max_position_embeddings"])
     special = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     config.update(special)                                           # ids of the stand-in tokenizer, not Qwen's
     model_type = config.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "architectures"})
     hf_config.architectures = config.get("architectures")
+    dtype = getattr(torch, str(real.get("torch_dtype") or real.get("dtype") or "float32"))
     with torch.random.fork_rng(devices=[]):                          # seeded init, caller's RNG untouched
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32 if shrink else dtype)
     model.generation_config = GenerationConfig(**special)
-    dtype = getattr(torch, str(real.get("torch_dtype") or real.get("dtype") or "float32"))
     model.to(dtype)                                                  # stored like the real checkpoint (bf16)
-    info = {"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed,
+    info = {"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed, "shrunk": shrink,
             "parameters": sum(p.numel() for p in model.parameters())}
     return save_model_folder(path, model, tokenizer, "pspo_standin.json", info, log)
+
+
+def _truncate(config: dict, num_layers: int) -> dict:
+    """The config with its first `num_layers` decoder layers only."""
+    config = dict(config, num_hidden_layers=num_layers)
+    if "max_window_layers" in config:
+        config["max_window_layers"] = min(config["max_window_layers"], num_layers)
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    return config
+
+
+def main(argv: list[str]) -> None:
+    """python -m pspo.standin CONFIG.json OUT_DIR [--full] [--layers N]: build a random-weight model."""
+    import argparse
+    ap = argparse.ArgumentParser(description="a random-weight model from a config.json, with the stand-in tokenizer")
+    ap.add_argument("config")
+    ap.add_argument("out")
+    ap.add_argument("--full", action="store_true", help="keep the real widths (default: the CPU stand-in's)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only this many decoder layers")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if os.path.exists(args.out):
+        print(f"pspo.standin: {args.out} exists; remove it or name another folder", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        build_random_model(args.config, os.path.abspath(args.out), args.seed, shrink=not args.full, num_layers=args.layers)
+    except StandinError as e:
+        print(f"pspo.standin: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

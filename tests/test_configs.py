@@ -26,10 +26,11 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pspo.config import load_config, to_dict
 from pspo.standin import ensure_standin_model, standin_config
+from pspo.standin import main as standin_main
 from pspo.tiny import TINY_MODEL
 from pspo.tiny_knights import TINY_KNIGHTS_MODEL
 
@@ -93,9 +94,22 @@ def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> sub
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-def test_config_rehearsal(config, tmp_path, tiny_model_path, tiny_knights_model_path):
-    out = str(tmp_path / "run")
+# the presets on the tiny K&K model wait for its build (minutes on a fresh machine; conftest.py runs
+# them last), the others run meanwhile
+KNIGHTS = [c for c in CONFIGS if load_config(os.path.join(ROOT, c)).model.name_or_path == TINY_KNIGHTS_MODEL]
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c not in KNIGHTS])
+def test_config_rehearsal(config, tmp_path, tiny_model_path):
+    rehearse(config, str(tmp_path / "run"), tiny_model_path, "")
+
+
+@pytest.mark.parametrize("config", KNIGHTS)
+def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, tiny_knights_model_path):
+    rehearse(config, str(tmp_path / "run"), tiny_model_path, tiny_knights_model_path)
+
+
+def rehearse(config: str, out: str, tiny_model_path: str, tiny_knights_model_path: str) -> None:
     over = rehearsal_overrides(config, out, tiny_model_path, tiny_knights_model_path)
     proc = run("train.py", config, over)
     assert proc.returncode == 0, f"{config} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
@@ -196,3 +210,29 @@ def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path):
     bench = results["benchmarks"]["math500"]
     assert bench["n"] >= 1 and bench["n"] + bench["skipped"] == rows          # every row evaluated or reported
     assert 0.0 <= bench["greedy_accuracy"] <= 1.0
+
+
+def test_random_model_at_real_width_with_fewer_layers(tmp_path, capsys):
+    # the GPU check's model (scripts/gpu_check.sh): real widths kept, only the first 2 of 4 layers
+    real = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 1000, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 256, "max_window_layers": 3, "layer_types": ["full_attention"] * 4,
+            "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    path = tmp_path / "real.json"
+    path.write_text(json.dumps(real))
+    out = tmp_path / "model"
+    standin_main([str(path), str(out), "--full", "--layers", "2", "--seed", "3"])
+    cfg = AutoConfig.from_pretrained(out)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 96, 4, 2)
+    assert (cfg.num_hidden_layers, cfg.max_window_layers, len(cfg.layer_types)) == (2, 2, 2)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    # 1000 x 64 tied embedding + 2 layers x (q 64x64+64, k,v 64x32+32 each, o 64x64, MLP 3 x 64x96, 2 norms 64) + norm 64
+    per_layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 96 + 2 * 64
+    assert sum(p.numel() for p in model.parameters()) == 1000 * 64 + 2 * per_layer + 64
+    capsys.readouterr()
+    for argv, why in (([str(path), str(out)], "exists"), ([str(tmp_path), str(tmp_path / "x")], str(tmp_path))):
+        with pytest.raises(SystemExit) as e:
+            standin_main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and why in err and "\n" not in err
