@@ -2,6 +2,8 @@
 
     python bench/micro_batches.py                 # 2-core CPU: ~3 min; prints one table
     python bench/micro_batches.py --reps 5 --sequences 64     # longer, steadier
+    python bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 \
+        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing     # a GPU: the 1.5B recipe's update
 
 A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded) runs
 `policy_update` on one rollout batch whose completions spread from 10 to 512 tokens
@@ -10,6 +12,11 @@ A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded
 the same padded size (micro x the longest sequence), so the peak memory of a micro-batch is the
 same and only the padding differs. The two modes alternate, `--reps` times each; the table has
 the median update time, real tokens per second and the padded share of positions, then the ratio.
+With --arch the model is that config.json's architecture at its real widths, random weights
+(pspo/standin.py), and on a GPU the table adds the peak memory of the update (AdamW state included)
+and the model FLOPs utilisation: 6 x parameters x real tokens / time / the GPU's dense bf16 peak
+(--peak-tflops; 989 = H100 SXM), attention FLOPs not counted. The optimizer is AdamW at lr 0, so
+the weights stay as built while its state is allocated as in training.
 """
 from __future__ import annotations
 
@@ -28,14 +35,20 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from pspo.config import load_config  # noqa: E402
 from pspo.distributed import Dist  # noqa: E402
 from pspo.model import build_policy  # noqa: E402
+from pspo.standin import build_random_model  # noqa: E402
 from pspo.update import plan_micro_batches, policy_update  # noqa: E402
 
 
-def skewed_batch(n: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """input_ids, attention (n, P+T) left-padded prompts then completions; mask (n, T); advantages (n,)."""
+def skewed_batch(n: int, vocab: int, seed: int = 0, max_completion: int = 512,
+                 max_prompt: int = 120) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention (n, P+T) left-padded prompts then completions; mask (n, T); advantages (n,).
+
+    Prompts are uniform in [max_prompt / 6, max_prompt] tokens, completions log-uniform in
+    [10, max_completion]."""
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(20, 121, (n,), generator=g)
-    completions = torch.exp(torch.empty(n).uniform_(torch.log(torch.tensor(10.0)), torch.log(torch.tensor(512.0)),
+    prompts = torch.randint(max_prompt // 6, max_prompt + 1, (n,), generator=g)
+    completions = torch.exp(torch.empty(n).uniform_(torch.log(torch.tensor(10.0)),
+                                                    torch.log(torch.tensor(float(max_completion))),
                                                     generator=g)).round().long()
     P, T = int(prompts.max()), int(completions.max())
     input_ids = torch.randint(0, vocab, (n, P + T), generator=g)
@@ -52,39 +65,72 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--micro", type=int, default=4, help="rows per fixed micro-batch")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--arch", default="", help="a config.json: its architecture at real widths (default: 8 x 512)")
+    ap.add_argument("--layers", type=int, default=None, help="with --arch: keep this many decoder layers")
+    ap.add_argument("--max-completion", type=int, default=512)
+    ap.add_argument("--max-prompt", type=int, default=120)
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (model.bf16)")
+    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = tempfile.mkdtemp(prefix="pspo-bench-")
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    input_ids, attention, mask, advantages, lengths = skewed_batch(args.sequences, config.vocab_size)
+    if args.arch:
+        build_random_model(args.arch, os.path.join(folder, "model"), shrink=False, num_layers=args.layers, log=lambda *a: None)
+        folder, name = os.path.join(folder, "model"), f"random {os.path.relpath(args.arch)}"
+    else:
+        config = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+        name = "random Qwen2 8 x 512"
+    policy = build_policy(folder, False, 2048, args.bf16, args.checkpointing).to(device)
+    vocab = policy.lm.config.vocab_size
+    params = sum(p.numel() for p in policy.parameters())
+    batch = skewed_batch(args.sequences, vocab, max_completion=args.max_completion, max_prompt=args.max_prompt)
+    input_ids, attention, mask, advantages = (t.to(device) for t in batch[:4])
+    lengths = batch[4]
     longest = input_ids.shape[1]
     budget = args.micro * longest
     modes = {"fixed": [f"--train.micro_batch_size={args.micro}"],
              "token budget": [f"--train.micro_batch_tokens={budget}"]}
     times: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, float] = {}
     sums: dict[str, dict] = {}
-    policy = build_policy(folder, False, 1024, False, False)
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)              # the weights stay as built
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0)   # the weights stay as built
     for _ in range(args.reps):
         for mode, overrides in modes.items():
-            cfg = load_config("configs/grpo.yaml", ["--rollout.num_generations=2", *overrides])
+            cfg = load_config("configs/grpo.yaml", ["--rollout.num_generations=2",
+                                                    f"--rollout.max_new_tokens={mask.shape[1]}", *overrides])
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             sums[mode] = policy_update(policy, None, optimizer, scheduler, input_ids, attention, mask, advantages,
-                                       cfg, Dist(0, 1, torch.device("cpu")))
+                                       cfg, Dist(0, 1, device))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                peaks[mode] = torch.cuda.max_memory_allocated() / 2 ** 30
             times[mode].append(time.perf_counter() - start)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
-          f"(median {int(lengths.median())}), longest sequence {longest}; random Qwen2 8 x 512; "
-          f"{torch.get_num_threads()} threads; median of {args.reps}\n")
-    print(f"| mode | micro-batches | padded share | update s | real tokens/s |\n|---|---:|---:|---:|---:|")
+          f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters); "
+          f"{where}; bf16 {'on' if args.bf16 else 'off'}, checkpointing {'on' if args.checkpointing else 'off'}; "
+          f"median of {args.reps}\n")
+    gpu = device.type == "cuda"
+    print("| mode | micro-batches | padded share | update s | real tokens/s |" + (" MFU | peak GiB |" if gpu else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""))
     for mode in modes:
         s = sums[mode]
         plan = plan_micro_batches(attention, mask, args.micro, budget if mode != "fixed" else 0)
         median = statistics.median(times[mode])
-        print(f"| {mode} | {len(plan)} | {1 - s['update_tokens'] / s['update_positions']:.2f} | {median:.2f} | "
-              f"{s['update_tokens'] / median:,.0f} |")
+        row = (f"| {mode} | {len(plan)} | {1 - s['update_tokens'] / s['update_positions']:.2f} | {median:.2f} | "
+               f"{s['update_tokens'] / median:,.0f} |")
+        if gpu:
+            mfu = 6 * params * s["update_tokens"] / median / (args.peak_tflops * 1e12)
+            row += f" {mfu:.1%} | {peaks[mode]:.1f} |"
+        print(row)
     ratio = statistics.median(times["fixed"]) / statistics.median(times["token budget"])
     print(f"\ntoken-budget updates are {ratio:.2f}x faster (fixed / token budget, medians; "
           f"per rep: {', '.join(f'{f / t:.2f}' for f, t in zip(times['fixed'], times['token budget']))})")
