@@ -6,6 +6,8 @@
     python bench/convergence.py --methods pps,pspo --section pps-floor -- --pps.eps=0.05   # a side study
     python bench/convergence.py --section pps-study --steps 60 \
         --methods grpo,pspo,pspo_reference,pps_mix,pps_posterior,pps_skip,grpo_skip     # issue 10's study
+    python bench/convergence.py --section ers-alpha --steps 60 \
+        --methods grpo,ers@ers.alpha=0.1,ers@ers.alpha=0.5,ers     # a sweep: preset@key=value[@key=value]
 
 Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method>.yaml` with
 --task knights: the tiny K&K model on builtin:knights) with the same seed, steps, batch,
@@ -52,7 +54,9 @@ TASKS = {   # task -> (preset folder, default methods, default threshold)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task (preset folder)")
-    ap.add_argument("--methods", default="", help="presets in the task's folder, comma-separated (default: all)")
+    ap.add_argument("--methods", default="",
+                    help="presets in the task's folder, comma-separated (default: all); preset@key=value adds "
+                         "--key=value to that method's runs only (a sweep)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
@@ -80,12 +84,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def split_method(method: str) -> tuple[str, list[str]]:
+    """"ers@ers.alpha=0.5" -> ("ers", ["--ers.alpha=0.5"]): the preset and this method's own overrides."""
+    preset, *pairs = method.split("@")
+    return preset, [f"--{p}" for p in pairs]
+
+
 def run_one(method: str, seed: int, args: argparse.Namespace, threads: int) -> str:
     """Train one (method, seed); returns its output folder. Reuses a run finished with the same command."""
-    out = os.path.join(args.out, f"{method}-s{seed}")
-    cmd = ["train.py", "--config", f"{args.folder}/{method}.yaml", f"--train.seed={seed}",
+    out = os.path.join(args.out, f"{method.replace('@', '-')}-s{seed}")
+    preset, own = split_method(method)
+    cmd = ["train.py", "--config", f"{args.folder}/{preset}.yaml", f"--train.seed={seed}",
            f"--train.output_dir={out}", f"--train.max_steps={args.steps}", f"--train.eval_steps={args.eval_every}",
-           "--train.progress=false", "--train.keep_checkpoints=1", f"--rollout.engine={args.engine}", *args.overrides]
+           "--train.progress=false", "--train.keep_checkpoints=1", f"--rollout.engine={args.engine}",
+           *args.overrides, *own]
     stamp = os.path.join(out, "bench_run.json")
     if _finished(out, args.steps) and os.path.exists(stamp) and json.load(open(stamp))["command"] == cmd:
         return out
@@ -285,8 +297,12 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     methods, seeds = args.methods.split(","), [int(s) for s in args.seeds.split(",")]
     for m in methods:
-        if not os.path.exists(os.path.join(ROOT, args.folder, f"{m}.yaml")):
-            print(f"error: --methods: {args.folder}/{m}.yaml does not exist", file=sys.stderr)
+        preset, own = split_method(m)
+        if not os.path.exists(os.path.join(ROOT, args.folder, f"{preset}.yaml")):
+            print(f"error: --methods: {args.folder}/{preset}.yaml does not exist", file=sys.stderr)
+            sys.exit(2)
+        if any("=" not in o for o in own):
+            print(f"error: --methods: {m}: expected preset@section.key=value", file=sys.stderr)
             sys.exit(2)
     os.makedirs(args.out, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.jobs)

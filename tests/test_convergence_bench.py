@@ -3,6 +3,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "bench", "convergence.py"))
 convergence = importlib.util.module_from_spec(spec)
@@ -79,3 +81,22 @@ def test_speedup_is_undefined_when_the_baseline_does_not_rise(tmp_path):
     fast = convergence.speedups(runs, "grpo")
     assert fast["_target"] == "0.050"
     assert fast["grpo"] == fast["pspo"] == ("undefined: grpo's final ≤ its step 0", "-")
+
+
+def test_a_sweep_method_adds_its_own_overrides_after_the_shared_ones(tmp_path, monkeypatch, capsys):
+    assert convergence.split_method("ers@ers.alpha=0.5@train.lr=1e-5") == ("ers", ["--ers.alpha=0.5", "--train.lr=1e-5"])
+    assert convergence.split_method("grpo") == ("grpo", [])
+    args = convergence.parse_args(["--out", str(tmp_path), "--", "--ers.alpha=0.9"])
+    seen = []
+    monkeypatch.setattr(convergence.subprocess, "run",
+                        lambda cmd, **kw: seen.append(cmd) or type("P", (), {"returncode": 1, "stdout": "", "stderr": ""}))
+    with pytest.raises(RuntimeError):
+        convergence.run_one("ers@ers.alpha=0.1", 0, args, 1)
+    cmd = seen[0]
+    assert cmd[cmd.index("--config") + 1] == "configs/ers.yaml"
+    assert cmd[-2:] == ["--ers.alpha=0.9", "--ers.alpha=0.1"]       # the method's own value comes last and wins
+    assert f"--train.output_dir={tmp_path}/ers-ers.alpha=0.1-s0" in cmd
+    for bad, why in (("nosuch@ers.alpha=0.1", "configs/nosuch.yaml does not exist"), ("ers@alpha", "preset@section.key=value")):
+        with pytest.raises(SystemExit) as e:
+            convergence.main(["--methods", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2 and why in capsys.readouterr().err
