@@ -2,6 +2,7 @@
 fixed-size micro-batches (the loss is normalised by global counts, so how the rows are grouped
 and how far each group is padded must not change the gradient)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from pspo.model import build_policy
 from pspo.update import plan_micro_batches, policy_update
 from test_modes import CPU, rollout_batch
 from train import lr_lambda
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def masks(prompt_lens, completion_lens, P, T):
@@ -141,3 +144,18 @@ def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=1e-5)
+
+
+def test_skewed_workload_and_mfu_of_the_bench():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("micro_bench", os.path.join(ROOT, "bench", "micro_batches.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # 1.5e9 params x 6 = 9e9 FLOPs per token; 9,000 tokens in 0.1 s = 8.1e14 FLOP/s; / 989e12 = 0.819
+    assert abs(bench.mfu(1_500_000_000, 9_000, 0.1, 989.0) - 8.1e14 / 989e12) < 1e-12
+    assert abs(bench.mfu(1_000_000_000, 1_000, 1.0, 1000.0) - 0.006) < 1e-15       # 6e12 / 1e15
+    input_ids, attention, mask, advantages, lengths = bench.skewed_batch(48, 100, max_completion=3584, max_prompt=512)
+    assert 10 <= int(lengths.min()) and int(lengths.max()) <= 3584 and int(lengths.max()) == mask.shape[1]
+    prompts = attention.sum(1) - mask.sum(1)                            # left-padded prompts of 85..512 tokens
+    assert int(prompts.min()) >= 512 // 6 and int(prompts.max()) <= 512
+    assert torch.equal(mask.sum(1).long(), lengths) and input_ids.shape == attention.shape
