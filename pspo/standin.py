@@ -116,6 +116,9 @@ def build_random_model(real_config_path: str, path: str, seed: int = 0, shrink: 
     except StandinError as e:
         raise StandinError(f"{real_config_path}: {e}") from None
     if num_layers is not None:
+        if not 1 <= num_layers <= real.get("num_hidden_layers", 0):             # of the real model's layers
+            raise StandinError(f"{real_config_path}: --layers {num_layers}: expected 1 to the model's "
+                               f"num_hidden_layers ({real.get('num_hidden_layers')})")
         config = _truncate(config, num_layers)
     tokenizer = build_standin_tokenizer(config["max_position_embeddings"])
     special = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}

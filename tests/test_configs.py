@@ -231,7 +231,9 @@ def test_random_model_at_real_width_with_fewer_layers(tmp_path, capsys):
     per_layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 96 + 2 * 64
     assert sum(p.numel() for p in model.parameters()) == 1000 * 64 + 2 * per_layer + 64
     capsys.readouterr()
-    for argv, why in (([str(path), str(out)], "exists"), ([str(tmp_path), str(tmp_path / "x")], str(tmp_path))):
+    for argv, why in (([str(path), str(out)], "exists"), ([str(tmp_path), str(tmp_path / "x")], str(tmp_path)),
+                      ([str(path), str(tmp_path / "y"), "--full", "--layers", "5"], "expected 1 to the model's"),
+                      ([str(path), str(tmp_path / "z"), "--layers", "0"], "--layers 0: expected 1 to the model's num_hidden_layers (4)")):
         with pytest.raises(SystemExit) as e:
             standin_main(argv)
         err = capsys.readouterr().err.strip()
