@@ -17,6 +17,7 @@ import yaml
 
 from pspo.advantages import ADVANTAGES, WHITENINGS
 from pspo.config_check import ConfigError, check as _check, parse_ints
+from pspo.data import SYSTEM_PROMPTS
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import IS_NORMS, PRIORITIES
 from pspo.spo_config import SPOConfig, validate_spo
@@ -41,7 +42,7 @@ class DataConfig:
     eval_split: str = "test"            # split of `eval`
     problem_field: str = "problem"      # column holding the question
     answer_field: str = "answer"        # column holding the gold answer
-    system_prompt: str = ""             # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none)
+    system_prompt: str = ""             # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none; one other word is an error)
     max_eval_examples: int = 0          # 0 = the whole eval set
     max_prompt_tokens: int = 512        # longer prompts are dropped at load time (logged), never truncated
     bad_gold: str = "skip"              # a gold answer math-verify cannot parse: skip (report, leave out) | error
@@ -332,6 +333,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     sizes = parse_ints(cfg.data.train_people)
     _check(not str(cfg.data.train_people).strip() or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
            'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all', cfg.data.train_people)
+    prompt = cfg.data.system_prompt.strip()    # one word that is not a name is a mistyped name ("R1"), not a prompt
+    _check(not prompt or prompt in SYSTEM_PROMPTS or any(c.isspace() for c in prompt), "data.system_prompt",
+           f"a prompt name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) or \"\"",
+           cfg.data.system_prompt)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
 

@@ -91,6 +91,15 @@ def test_resolved_config_round_trips(tmp_path):
     assert again == cfg
 
 
+def test_a_system_prompt_of_one_unknown_word_is_a_mistyped_name():
+    # "R1" would otherwise become the system message "R1" in every prompt
+    for typo in ("R1", "r-1", " deepseek "):
+        with pytest.raises(ConfigError, match=r"data.system_prompt: expected a prompt name \(r1\)"):
+            load_config(None, [f"--data.system_prompt={typo}"])
+    for fine in ("r1", "", "be brief", "Answer in one word."):
+        assert load_config(None, [f"--data.system_prompt={fine}"]).data.system_prompt == fine
+
+
 def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
     # A user mistake must not produce a traceback: one line, exit status 2.
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", "--optim.lr=fast"],
