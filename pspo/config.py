@@ -334,9 +334,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(not str(cfg.data.train_people).strip() or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
            'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all', cfg.data.train_people)
     prompt = cfg.data.system_prompt.strip()    # one word that is not a name is a mistyped name ("R1"), not a prompt
-    _check(not prompt or prompt in SYSTEM_PROMPTS or any(c.isspace() for c in prompt), "data.system_prompt",
-           f"a prompt name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) or \"\"",
-           cfg.data.system_prompt)
+    _check(not prompt or prompt in SYSTEM_PROMPTS or any(c.isspace() for c in prompt), "data.system_prompt", f"a prompt "
+           f"name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) or \"\"", cfg.data.system_prompt)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
 
