@@ -9,9 +9,8 @@ builtin:knights and answers the role seen more often with that shape (ties: knig
   op      the operator, whether the first claim is about the speaker, and its polarity
   full    the operator and, for each claim, whether it is about the speaker and its polarity
 Its exact-match rate on the test split (every person right, as knights_reward's +3) is what a
-model gets without any logic; chance is 2^-n. The tiny model's build-time accuracy
-(pspo_build.json) is below the op row on every size (bench/RESULTS.md): it does not even
-route a name to that person's statement, so RL has no cue to sharpen.
+model can get without any logic; chance is 2^-n. The shipped tiny model scores below the op row
+on every size (bench/RESULTS.md, "K&K"): it has not learned even this cue, and RL on it finds none.
 """
 from __future__ import annotations
 
