@@ -21,7 +21,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pspo.knights import SIZES, Puzzle, puzzles  # noqa: E402
+from pspo.knights import SIZES, Puzzle, split_puzzles  # noqa: E402
 
 SHAPES = ("op", "full")
 
@@ -52,9 +52,8 @@ def exact_match(table: dict[tuple, bool], test: list[Puzzle], shape: str) -> flo
 
 
 def splits(n: int, test_per_size: int = 100, train_per_size: int = 200) -> tuple[list[Puzzle], list[Puzzle]]:
-    """(train, test) puzzles of n people, as builtin_knights cuts each size's stream."""
-    stream = puzzles(n, test_per_size + train_per_size)
-    return list(stream[test_per_size:]), list(stream[:test_per_size])
+    """(train, test) puzzles of n people: the builtin:knights splits."""
+    return tuple(list(split_puzzles(n, split, test_per_size, train_per_size)) for split in ("train", "test"))
 
 
 def _model_accuracy(path: str) -> dict[int, float]:

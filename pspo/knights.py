@@ -212,8 +212,15 @@ def builtin_knights(split: str, test_per_size: int = 100, train_per_size: int = 
     [0, test_per_size) of each size's stream, "train" = the next train_per_size."""
     if split not in ("train", "test"):
         raise DataError(f"{BUILTIN_KNIGHTS}: unknown split {split!r}, expected one of train, test")
+    return _interleaved({n: split_puzzles(n, split, test_per_size, train_per_size, seed) for n in SIZES})
+
+
+def split_puzzles(n: int, split: str, test_per_size: int = 100, train_per_size: int = 200,
+                  seed: int = 1234) -> tuple[Puzzle, ...]:
+    """The n-person puzzles of one split: "test" = [0, test_per_size) of the size's stream, "train"
+    the next train_per_size."""
     start, count = (0, test_per_size) if split == "test" else (test_per_size, train_per_size)
-    return _interleaved({n: puzzles(n, start + count, seed)[start:] for n in SIZES})
+    return puzzles(n, start + count, seed)[start:]
 
 
 def warmup_examples(per_size: dict[int, int], test_per_size: int = 100, train_per_size: int = 200,
