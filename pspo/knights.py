@@ -41,6 +41,10 @@ MAX_ATTEMPTS = 20_000                   # draws in a row without a new unique pu
 KNIGHTS_INSTRUCTION = (
     "Think it through within <think> </think> tags, then state the identity of each character "
     "within <answer> </answer> tags, i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.")
+# The fixed text that opens and closes every built-in puzzle (tiny_knights.py makes each one token).
+ISLAND = ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, "
+          "and knaves always lie.")
+QUESTION = "So who is a knight and who is a knave?"
 NAMES = ("Michael", "Zoey", "Ethan", "Olivia", "Noah", "Emma", "Liam", "Sofia", "Lucas", "Mia",
          "Henry", "Grace", "Jack", "Chloe", "Owen", "Lily", "Samuel", "Aria", "David", "Nora",
          "Oliver", "Ruby", "Daniel", "Hazel", "Isaac", "Violet", "Leo", "Stella", "Caleb", "Alice",
@@ -67,9 +71,7 @@ class Puzzle:
         people = f"{names[0]} and {names[1]}" if n == 2 else ", ".join(names[:-1]) + ", and " + names[-1]
         said = " ".join(_said(SAYINGS[k], names[i], statement_text(s, names))
                         for i, (s, k) in enumerate(zip(self.statements, self.sayings)))
-        return ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, "
-                f"and knaves always lie. You meet {n} inhabitants: {people}. {said} "
-                "So who is a knight and who is a knave?")
+        return f"{ISLAND} You meet {n} inhabitants: {people}. {said} {QUESTION}"
 
     def gold(self) -> str:
         """The seed's tgt text: "(1) Michael is a knight\\n(2) Zoey is a knave"."""

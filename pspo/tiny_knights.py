@@ -5,7 +5,10 @@ in a folder named by a hash of its build parameters, then loaded through `from_p
 hub model. The pieces are tiny.py's: Qwen2's tokenizer pipeline (NFC, Qwen2 split regex, byte-level
 BPE) with vocab and merges trained here on K&K text, so that every name and word of the puzzles is
 one token; the same 4-layer Qwen2 and ChatML template; `save_model_folder`. <think>, </think>,
-<answer>, </answer> are added tokens.
+<answer>, </answer> are added tokens, and so is the text every built-in prompt shares (the island's
+rules, and the question with the instruction: ~70 BPE tokens as 2), so a prompt is 51-140 tokens
+instead of 126-216 and a warm-up step costs about half (session 11, bench/RESULTS.md). A puzzle
+worded otherwise (a hub file's quiz) is tokenized word by word as before.
 
 The supervised warm-up teaches the seed's layout with an empty think block,
 "<think></think><answer>(1) Aaron is a knave\\n(2) Zoey is a knight</answer>" + <|im_end|>, on
@@ -36,20 +39,23 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from pspo.data import Example, format_prompt
-from pspo.knights import KNIGHTS_INSTRUCTION, NAMES, SIZES, builtin_knights, warmup_examples
+from pspo.knights import ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights, warmup_examples
 from pspo.knights_reward import _knights_gold, knights_people, knights_reward
 from pspo.tiny import _build_model, greedy_completions, save_model_folder, train_qwen2_bpe
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
-VERSION = 3                   # part of the cache key: bump it whenever the build below changes
-WARMUP_STEPS = 1000           # supervised steps (773 s on one thread); accuracy by size in README
+VERSION = 4                   # part of the cache key: bump it whenever the build below changes
+WARMUP_STEPS = 1600           # supervised steps (~11 min on one thread); accuracy by size in README
 BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
 SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
 LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0
-WARMUP_PER_SIZE = {2: 99, 3: 600, 4: 600, 5: 600, 6: 400, 7: 400, 8: 400}   # 2-person: all the stream has left
+# fresh puzzles, each seen ~1-2 times in the warm-up (2-person: all the stream has left after the splits)
+WARMUP_PER_SIZE = {2: 99, 3: 2000, 4: 2000, 5: 2000, 6: 1500, 7: 1500, 8: 1500}
 VOCAB_SIZE = 1024             # BPE vocab cap
 EVAL_PER_SIZE = 20            # build-time check: the first 20 test puzzles of each size
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]     # added, not special: decoded
+# added too: the text every built-in prompt shares, one token each (the longest match wins over <think>)
+FIXED_TEXT = [ISLAND, f"{QUESTION}\n{KNIGHTS_INSTRUCTION}"]
 
 
 def knights_completion(gold: str) -> str:
@@ -66,7 +72,7 @@ def build_knights_tokenizer(examples: list[Example]) -> PreTrainedTokenizerFast:
     # the tags are added tokens, so they stay out of the corpus (as in tiny.py)
     corpus = [f"{ex.problem}\n{ex.answer}" for ex in examples]
     corpus += ["system\n", "user\n", "assistant\n", KNIGHTS_INSTRUCTION, " ".join(NAMES)] * 50
-    return train_qwen2_bpe(corpus, VOCAB_SIZE, TAGS)
+    return train_qwen2_bpe(corpus, VOCAB_SIZE, TAGS + FIXED_TEXT)
 
 
 def _rows(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> dict[int, list[tuple[list[int], list[int]]]]:
@@ -159,7 +165,7 @@ def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=p
 
 
 def _build(path: str, seed: int, log) -> str:
-    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, 10-13 minutes on one thread)")
+    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, ~11 minutes on one thread)")
     start = time.perf_counter()
     examples = warmup_examples(WARMUP_PER_SIZE)
     tokenizer = build_knights_tokenizer(examples)
