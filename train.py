@@ -120,8 +120,7 @@ def main(argv: list[str]) -> None:
     distributed.barrier()
     base_path = resolve_model_path(cfg.model.name_or_path)
     resume_from = checkpoint.resolve_resume(cfg.train.resume, out)
-    m = cfg.model
-    reward_pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts while the model loads
+    m, reward_pool = cfg.model, RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))  # pool starts now
 
     # ---- set-up: tokenizer, policy (+ frozen reference), engine, data, optimizer, state ----
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
@@ -332,8 +331,10 @@ def main(argv: list[str]) -> None:
     reward_pool.close()                                # on an error too, when collected (reward_pool.py)
     finished = step == cfg.train.max_steps                                        # not preempted
     if finished and first_eval and last_eval:
+        k = f"eval_mean@{cfg.eval.num_samples}"                     # sampled accuracy (eval.num_samples > 0)
         print0(f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> {last_eval['eval_accuracy']:.3f} after "
-               f"(greedy, {len(eval_set)} problems)")
+               f"(greedy, {len(eval_set)} problems)" + (f"; {k[5:]} at T {cfg.eval.temperature}: {first_eval[k]:.3f}"
+                                                        f" -> {last_eval[k]:.3f}" if k in last_eval else ""))
     elif finished and last_eval:
         print0(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
     print0(f"metrics: {os.path.join(out, 'metrics.jsonl')}   TensorBoard: tensorboard --logdir {out}")

@@ -10,11 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pspo.data import format_prompt
-from pspo.knights import builtin_knights
+from pspo.config import load_config
+from pspo.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.knights_reward import knights_people, knights_reward
 from pspo.model import resolve_model_path
-from pspo.tiny_knights import (TINY_KNIGHTS_MODEL, ensure_tiny_knights_model, greedy_accuracy_by_size,
-                               knights_completion, tiny_knights_path)
+from pspo.tiny_knights import (FIXED_TEXT, TAGS, TINY_KNIGHTS_MODEL, build_knights_tokenizer,
+                               ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion,
+                               tiny_knights_path)
 
 
 def test_completion_lists_people_alphabetically_and_scores_full_reward():
@@ -26,6 +28,34 @@ def test_completion_lists_people_alphabetically_and_scores_full_reward():
     assert knights_reward("", completion, gold) == 3.0
     # a role swapped in the gold: the same completion parses but is wrong (-0.5)
     assert knights_reward("", completion, gold.replace("Mia is a knave", "Mia is a knight")) == -0.5
+
+
+def test_the_prompts_fixed_text_is_one_token_each_and_every_prompt_round_trips():
+    tokenizer = build_knights_tokenizer(warmup_examples({2: 10, 3: 10, 8: 10}))
+    island, question = tokenizer.convert_tokens_to_ids(FIXED_TEXT)
+    tags = set(tokenizer.convert_tokens_to_ids(TAGS))
+    for ex in builtin_knights("test", test_per_size=3):
+        prompt = format_prompt(tokenizer, ex.problem, "")
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # <|im_start|> user \n ISLAND " You" ...: the rules are the 4th token; the question and the
+        # instruction (which holds "<think>") one token, not cut at the tag: no tag id in the prompt
+        assert ids[3] == island and ids.count(island) == 1 and ids.count(question) == 1
+        assert not tags & set(ids)
+        assert tokenizer.decode(ids) == prompt
+    # a quiz worded otherwise (a hub file's) still tokenizes and round-trips, tags as tags
+    quiz = f"On an island live knights and knaves. Ann says Bob is a knave. Who is who?\n{KNIGHTS_INSTRUCTION}"
+    ids = tokenizer(quiz, add_special_tokens=False)["input_ids"]
+    assert island not in ids and question not in ids and tokenizer.decode(ids) == quiz
+    assert tokenizer.convert_tokens_to_ids("<think>") in ids
+
+
+def test_every_builtin_prompt_fits_the_presets_prompt_cap(tiny_knights_model_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_knights_model_path)
+    cap = load_config("configs/knights/grpo.yaml").data.max_prompt_tokens
+    prompts = [format_prompt(tokenizer, ex.problem, "") for split in ("train", "test") for ex in builtin_knights(split)]
+    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    # 2100 prompts, the longest an 8-person one: none is dropped, and the cap is not far above it
+    assert cap - 32 < longest <= cap, longest
 
 
 def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
