@@ -14,7 +14,7 @@ Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method
 engine (`--engine`, default hf: the transformers engine, faster than vLLM on CPU for the tiny
 model, and what the tables were measured with) and evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
 each run's metrics.jsonl this reports, with mean and spread over seeds:
-  final    greedy test accuracy after the last step
+  final    test accuracy after the last step: greedy, or --metric eval_mean@K (sampled, K per prompt)
   AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)
   to thr   rollouts consumed until test accuracy first reaches --threshold (at an eval point)
   R_X      (rollouts --baseline needs to reach its own final accuracy) / (rollouts this method
@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = {   # task -> (preset folder, default methods, default threshold)
     "arithmetic": ("configs", ("grpo", "dr_grpo", "ers", "pps", "pspo"), 0.70),
-    "knights": ("configs/knights", ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pspo"), 0.35),
+    "knights": ("configs/knights", ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pspo"), 0.09),   # mean@4
 }
 
 
@@ -60,8 +60,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
+    ap.add_argument("--metric", default="auto",
+                    help="the test accuracy every column reads: eval_accuracy (greedy) or eval_mean@K (sampled at "
+                         "eval.temperature; the presets, or -- --eval.num_samples=K, must evaluate it); auto: "
+                         "eval_mean@K when the runs evaluated it (the K&K presets), else eval_accuracy")
     ap.add_argument("--threshold", type=float, default=None,
-                    help="accuracy for the rollouts-to-threshold column (default: arithmetic 0.70, knights 0.35)")
+                    help="accuracy for the rollouts-to-threshold column (default: arithmetic 0.70, knights 0.09 on mean@4)")
     ap.add_argument("--baseline", default="grpo", help="the method whose final accuracy the R_X column targets")
     ap.add_argument("--engine", default="hf", help="rollout.engine of every run (the tables were measured with hf)")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (each gets cores/jobs threads)")
@@ -118,14 +122,19 @@ def _finished(out: str, steps: int) -> bool:
     return bool(rows) and rows[-1]["step"] == steps and "eval_accuracy" in rows[-1]
 
 
+def metric_name(metric: str) -> str:
+    """"eval_accuracy" -> "greedy test accuracy"; "eval_mean@4" -> "test mean@4 (sampled)"."""
+    return "greedy test accuracy" if metric == "eval_accuracy" else f"test {metric[len('eval_'):]} (sampled)"
+
+
 def _read(out: str) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def curve(rows: list[dict], rollouts_per_step: int) -> tuple[list[int], list[float]]:
-    """(rollouts consumed, greedy test accuracy) at every evaluation, step 0 included."""
-    points = [(r["step"] * rollouts_per_step, r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+def curve(rows: list[dict], rollouts_per_step: int, metric: str = "eval_accuracy") -> tuple[list[int], list[float]]:
+    """(rollouts consumed, test accuracy `metric`) at every evaluation, step 0 included."""
+    points = [(r["step"] * rollouts_per_step, r[metric]) for r in rows if r.get(metric) is not None]
     return [p[0] for p in points], [p[1] for p in points]
 
 
@@ -169,7 +178,7 @@ def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
-def speedups(runs: dict[str, list[str]], baseline: str) -> dict[str, str]:
+def speedups(runs: dict[str, list[str]], baseline: str, metric: str = "eval_accuracy") -> dict[str, str]:
     """R_X and time to the baseline's final accuracy, per method.
 
     target = the baseline's final test accuracy (mean over its seeds); R_X of a seed = the rollouts
@@ -180,15 +189,15 @@ def speedups(runs: dict[str, list[str]], baseline: str) -> dict[str, str]:
         return {}
     rows = {m: [_read(o) for o in outs] for m, outs in runs.items()}
     per_step = {m: [_rollouts_per_step(o) for o in outs] for m, outs in runs.items()}
-    target = statistics.mean(curve(r, k)[1][-1] for r, k in zip(rows[baseline], per_step[baseline]))
-    base_x = [crossing(*curve(r, k), target) for r, k in zip(rows[baseline], per_step[baseline])]
+    target = statistics.mean(curve(r, k, metric)[1][-1] for r, k in zip(rows[baseline], per_step[baseline]))
+    base_x = [crossing(*curve(r, k, metric), target) for r, k in zip(rows[baseline], per_step[baseline])]
     base_t = [elapsed(r, k, x) for r, k, x in zip(rows[baseline], per_step[baseline], base_x) if x is not None]
     base_x = [x for x in base_x if x is not None]
     if base_x and max(base_x) == 0:     # the baseline ends at or below its step-0 accuracy: no speed-up to measure
         return {**{m: (f"undefined: {baseline}'s final ≤ its step 0", "-") for m in runs}, "_target": f"{target:.3f}"}
     out = {}
     for m in runs:
-        xs = [crossing(*curve(r, k), target) for r, k in zip(rows[m], per_step[m])]
+        xs = [crossing(*curve(r, k, metric), target) for r, k in zip(rows[m], per_step[m])]
         ts = [elapsed(r, k, x) for r, k, x in zip(rows[m], per_step[m], xs) if x is not None]
         xs = [x for x in xs if x is not None]
         if not xs or not base_x:
@@ -201,9 +210,23 @@ def speedups(runs: dict[str, list[str]], baseline: str) -> dict[str, str]:
     return out
 
 
+def resolve_metric(metric: str, outs: list[str]) -> str:
+    """--metric as a metrics.jsonl key: auto -> eval_mean@K when the runs' step-0 evaluation has it,
+    else eval_accuracy. A key some run did not log stops with exit 2."""
+    if metric == "auto":
+        metric = next((k for k in _read(outs[0])[0] if k.startswith("eval_mean@")), "eval_accuracy")
+    missing = [o for o in outs if metric not in _read(o)[0]]
+    if missing:
+        print(f"error: --metric {metric}: not in {missing[0]}/metrics.jsonl (evaluate it: the presets' "
+              "eval.num_samples, or -- --eval.num_samples=K)", file=sys.stderr)
+        sys.exit(2)
+    return metric
+
+
 def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str, dict]:
-    """The markdown table and the per-method curves for the plot."""
-    fast = speedups(runs, args.baseline)
+    """The markdown table and the per-method curves for the plot (args.metric resolved here)."""
+    args.metric = resolve_metric(args.metric, [o for outs in runs.values() for o in outs])
+    fast = speedups(runs, args.baseline, args.metric)
     target = fast.pop("_target", None)
     extra = (f" R_X to {args.baseline}'s final {target} | train time to it |" if target else "")
     sizes = sorted(int(k[len("eval_greedy_"):-3]) for k in _read(next(iter(runs.values()))[0])[-1]
@@ -218,7 +241,7 @@ def summarize(runs: dict[str, list[str]], args: argparse.Namespace) -> tuple[str
             rows = _read(out)
             train_rows = [r for r in rows if r["step"] > 0]
             cfg_rollouts = _rollouts_per_step(out)
-            x, y = curve(rows, cfg_rollouts)
+            x, y = curve(rows, cfg_rollouts, args.metric)
             per_seed.append((x, y))
             tokens.append(token_curve(rows))
             finals.append(y[-1])
@@ -249,7 +272,7 @@ def _rollouts_per_step(out: str) -> int:
     return cfg["train"]["prompts_per_step"] * cfg["rollout"]["num_generations"]
 
 
-def plot(curves: dict, path: str, threshold: float, task: str) -> None:
+def plot(curves: dict, path: str, threshold: float, task: str, metric: str = "eval_accuracy") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -267,7 +290,7 @@ def plot(curves: dict, path: str, threshold: float, task: str) -> None:
     for ax, label in zip(axes[0], labels):
         ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)
         ax.set_xlabel(label)
-        ax.set_ylabel(f"greedy test accuracy ({'built-in task' if task == 'arithmetic' else 'K&K, all sizes'})")
+        ax.set_ylabel(f"{metric_name(metric)} ({'built-in task' if task == 'arithmetic' else 'K&K, all sizes'})")
         ax.set_title("mean over seeds; band = min..max")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -314,11 +337,11 @@ def main(argv: list[str]) -> None:
     runs = {m: [o for (jm, _), o in zip(jobs, outs) if jm == m] for m in methods}
     table, curves = summarize(runs, args)
     png = os.path.join(args.out if args.quick else os.path.join(ROOT, "bench"), f"{args.section}.png")
-    plot(curves, png, args.threshold, args.task)
+    plot(curves, png, args.threshold, args.task, args.metric)
     rows_per_step = _rollouts_per_step(outs[0])
     run_s = sum(json.load(open(os.path.join(o, "bench_run.json")))["wall_s"] for o in outs)
     header = (f"{args.steps} steps x {rows_per_step} rollouts/step ({args.steps * rows_per_step / 1000:.1f}k rollouts "
-              f"per run), seeds {args.seeds}, greedy test accuracy every {args.eval_every} steps; mean ± sd over "
+              f"per run), seeds {args.seeds}, {metric_name(args.metric)} every {args.eval_every} steps; mean ± sd over "
               f"seeds. {len(outs)} runs, {run_s / 60:.0f} min of run time in all, {args.jobs} at a time "
               f"({threads} thread{'s' if threads > 1 else ''} each).")
     print(f"\n{header}\n\n{table}\n\nplot: {png}")

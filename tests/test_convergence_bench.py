@@ -23,6 +23,29 @@ def test_curve_auc_and_rollouts_to_threshold():
     assert convergence.rollouts_to(x, y, 0.9) is None
 
 
+def test_curve_reads_the_sampled_metric_when_asked():
+    # K&K's study reads mean@4: the same eval rows, the other key; greedy stays the default
+    rows = [{"step": 0, "eval_accuracy": 0.10, "eval_mean@4": 0.07}, {"step": 5, "reward_mean": 0.1},
+            {"step": 10, "eval_accuracy": 0.10, "eval_mean@4": 0.09}]
+    assert convergence.curve(rows, 128, "eval_mean@4") == ([0, 1280], [0.07, 0.09])
+    assert convergence.curve(rows, 128) == ([0, 1280], [0.10, 0.10])
+    assert convergence.metric_name("eval_mean@4") == "test mean@4 (sampled)"
+    assert convergence.metric_name("eval_accuracy") == "greedy test accuracy"
+
+
+def test_auto_metric_is_mean_at_k_when_logged_and_a_missing_key_exits_2(tmp_path, capsys):
+    sampled, greedy = tmp_path / "a", tmp_path / "b"
+    for out, row in ((sampled, {"step": 0, "eval_accuracy": 0.1, "eval_mean@4": 0.07}),
+                     (greedy, {"step": 0, "eval_accuracy": 0.1})):
+        out.mkdir()
+        (out / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    assert convergence.resolve_metric("auto", [str(sampled)]) == "eval_mean@4"
+    assert convergence.resolve_metric("auto", [str(greedy)]) == "eval_accuracy"
+    with pytest.raises(SystemExit) as stop:       # one run without the key: named, exit 2
+        convergence.resolve_metric("eval_mean@4", [str(sampled), str(greedy)])
+    assert stop.value.code == 2 and f"not in {greedy}/metrics.jsonl" in capsys.readouterr().err
+
+
 def test_results_block_is_replaced_between_markers(tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text("# Benchmarks\n\nsampler table\n")
@@ -46,7 +69,7 @@ def test_token_curve_reads_generated_tokens_at_evaluations():
 
 def test_knights_task_defaults_and_per_size_columns(tmp_path):
     args = convergence.parse_args(["--task", "knights", "--seeds", "0,1"])
-    assert args.folder == "configs/knights" and args.threshold == 0.35 and args.section == "convergence-knights"
+    assert args.folder == "configs/knights" and args.threshold == 0.09 and args.section == "convergence-knights"
     assert args.methods == "grpo,reinforce_pp,reinforce_pp_baseline,pspo"
     # two seeds of one method; final per-size accuracies 2ppl (0.5, 0.7), 3ppl (0.1, 0.1)
     outs = []
