@@ -134,7 +134,8 @@ def main(argv: list[str]) -> None:
         ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
         ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
     d = cfg.data                       # rows without a usable gold and too-long prompts are left out, reported
-    train_rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field, people=d.people)
+    train_rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field, d.max_train_examples or None,
+                               people=d.people)
     train = prompt_set(f"data.train {d.train}", train_rows, tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold)
     train_set, train_texts, train_ids = train.examples, train.texts, train.ids
     evals = prompt_set(f"data.eval {d.eval}", load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
@@ -299,8 +300,7 @@ def main(argv: list[str]) -> None:
             metrics.update({f"pps_{k}": v for k, v in sampler.batch_stats().items()})
             metrics["rollouts_saved"] = metrics.get("pps_skipped", 0.0) * G              # skipped before generation
         metrics.update(bookkeeping_s=bookkeeping_s, **gpu_memory(device))            # + peak_mem_gib on a GPU
-        metrics.update(sync_metrics)
-        metrics.update(times)                                                     # this rank's (rank 0 logs)
+        metrics.update(sync_metrics, **times)                                     # times: this rank's (rank 0 logs)
         metrics["update_tokens_per_s"] = sums["update_tokens"] / max(times["update_s"], 1e-9)   # all ranks' tokens
         metrics["step_time_s"] = time.perf_counter() - t0                         # evaluation excluded
         if eval_set and (step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0)):

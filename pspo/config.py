@@ -44,6 +44,7 @@ class DataConfig:
     answer_field: str = "answer"        # column holding the gold answer
     system_prompt: str = ""             # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none; one other word is an error)
     max_eval_examples: int = 0          # 0 = the whole eval set
+    max_train_examples: int = 0         # 0 = all; else the first N rows (builtin sets: stratified), revisited more often
     max_prompt_tokens: int = 512        # longer prompts are dropped at load time (logged), never truncated
     bad_gold: str = "skip"              # a gold answer math-verify cannot parse: skip (report, leave out) | error
 
@@ -328,7 +329,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
-    _check(cfg.data.max_eval_examples >= 0, "data.max_eval_examples", ">= 0", cfg.data.max_eval_examples)
+    for key in ("max_eval_examples", "max_train_examples"):
+        _check(getattr(cfg.data, key) >= 0, f"data.{key}", ">= 0 (0 = all)", getattr(cfg.data, key))
     _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", cfg.data.max_prompt_tokens)
     sizes = parse_ints(cfg.data.train_people)
     _check(not str(cfg.data.train_people).strip() or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",

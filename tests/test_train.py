@@ -86,6 +86,16 @@ def pspo(out, few_prompts, *overrides, nproc=1, check=True):
     return train(out, *few_prompts, *overrides, nproc=nproc, config="configs/pspo.yaml", check=check)
 
 
+def test_max_train_examples_keeps_the_first_rows(tmp_path):
+    # 8 train rows and 8 prompts per step: PSPO's step 1 draws 8 distinct prompts, all of the set
+    # (ers_seen_frac 8/8 = 1); the whole builtin set would give 8/N with N in the thousands
+    out = str(tmp_path / "run")
+    train(out, "--data.max_train_examples=8", "--train.max_steps=1", config="configs/pspo.yaml")
+    assert metrics(out)[1]["ers_seen_frac"] == 1.0
+    proc = train(out, "--data.max_train_examples=-1", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: data.max_train_examples")
+
+
 def trainer_state(path):
     return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
 
