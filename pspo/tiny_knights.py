@@ -6,8 +6,8 @@ hub model. The pieces are tiny.py's: Qwen2's tokenizer pipeline (NFC, Qwen2 spli
 BPE) with vocab and merges trained here on K&K text, so that every name and word of the puzzles is
 one token; the same 4-layer Qwen2 and ChatML template; `save_model_folder`. <think>, </think>,
 <answer>, </answer> are added tokens, and so is the text every built-in prompt shares (the island's
-rules, and the question with the instruction: ~70 BPE tokens as 2), so a prompt is 51-140 tokens
-instead of 126-216 and a warm-up step costs about half (session 11, bench/RESULTS.md). A puzzle
+rules, and the question with the instruction: ~70 BPE tokens as 2), so a prompt is 46-165 tokens
+instead of 126-240 and a warm-up step costs about half (session 11, bench/RESULTS.md). A puzzle
 worded otherwise (a hub file's quiz) is tokenized word by word as before.
 
 The supervised warm-up teaches the seed's layout with an empty think block,
@@ -45,7 +45,7 @@ from pspo.tiny import _build_model, greedy_completions, save_model_folder, train
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
-WARMUP_STEPS = 1600           # supervised steps (~11 min on one thread); accuracy by size in README
+WARMUP_STEPS = 1600           # supervised steps (964 s on one thread beside a pip install); accuracy by size in README
 BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
 SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
 LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0
@@ -165,7 +165,7 @@ def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=p
 
 
 def _build(path: str, seed: int, log) -> str:
-    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, ~11 minutes on one thread)")
+    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, ~16 minutes on one thread)")
     start = time.perf_counter()
     examples = warmup_examples(WARMUP_PER_SIZE)
     tokenizer = build_knights_tokenizer(examples)
