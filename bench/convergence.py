@@ -9,11 +9,10 @@
     python bench/convergence.py --section ers-alpha --steps 60 \
         --methods grpo,ers@ers.alpha=0.1,ers@ers.alpha=0.5,ers     # a sweep: preset@key=value[@key=value]
 
-Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method>.yaml` with
---task knights: the tiny K&K model on builtin:knights) with the same seed, steps, batch,
-engine (`--engine`, default hf: the transformers engine, faster than vLLM on CPU for the tiny
-model, and what the tables were measured with) and evaluation schedule, so all methods consume the same number of rollouts (steps x B x G). From
-each run's metrics.jsonl this reports, with mean and spread over seeds:
+Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method>.yaml` with --task
+knights) with the same seed, steps, batch, engine (`--engine`, default hf: faster than vLLM on CPU
+for the tiny models, and what the tables were measured with) and evaluation schedule, so all
+methods consume the same rollouts (steps x B x G). From each run's metrics.jsonl, over seeds:
   final    test accuracy after the last step: greedy, or --metric eval_mean@K (sampled, K per prompt)
   AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)
   to thr   rollouts consumed until test accuracy first reaches --threshold (at an eval point)
@@ -24,11 +23,9 @@ each run's metrics.jsonl this reports, with mean and spread over seeds:
   Nppl     (K&K) final greedy accuracy on the test puzzles of N people, as K&K results are reported
   bookkeeping  drawing prompts + advantages + the ERS/PPS updates, as a fraction of step time
                (for grpo/dr_grpo: the uniform sampler and group advantages; the rest is ERS/PPS)
-  gen tokens   every token a run's training generated (metrics.jsonl generated_tokens: rollouts,
-               and SPO's Monte Carlo continuations and tree branches), mean over seeds; the plot's
-               second panel puts test accuracy against it (--methods grpo,spo_chain,spo_tree). The
-               rollouts above are steps x B x G; SPO-tree's G is its b0 (its branches are not
-               rollouts), so compare it with the others by generated tokens
+  gen tokens   every token training generated (rollouts, SPO's Monte Carlo continuations and tree
+               branches), mean over seeds; the plot's second panel puts accuracy against it. SPO-tree's
+               G is its b0 (branches are not rollouts): compare it with the others by generated tokens
 It prints the table, writes it into bench/RESULTS.md (between the convergence markers) and
 plots test accuracy against rollouts to bench/convergence.png. matplotlib is needed here only
 (bench/requirements.txt). Finished runs are reused: delete --out to start over.
@@ -60,10 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=100, help="rollout steps per run")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps")
-    ap.add_argument("--metric", default="auto",
-                    help="the test accuracy every column reads: eval_accuracy (greedy) or eval_mean@K (sampled at "
-                         "eval.temperature; the presets, or -- --eval.num_samples=K, must evaluate it); auto: "
-                         "eval_mean@K when the runs evaluated it (the K&K presets), else eval_accuracy")
+    ap.add_argument("--metric", default="auto", help="the accuracy every column reads: eval_accuracy (greedy) or "
+                    "eval_mean@K (sampled); auto: eval_mean@K when the runs logged it (the K&K presets), else greedy")
     ap.add_argument("--threshold", type=float, default=None,
                     help="accuracy for the rollouts-to-threshold column (default: arithmetic 0.70, knights 0.09 on mean@4)")
     ap.add_argument("--baseline", default="grpo", help="the method whose final accuracy the R_X column targets")
@@ -211,8 +206,7 @@ def speedups(runs: dict[str, list[str]], baseline: str, metric: str = "eval_accu
 
 
 def resolve_metric(metric: str, outs: list[str]) -> str:
-    """--metric as a metrics.jsonl key: auto -> eval_mean@K when the runs' step-0 evaluation has it,
-    else eval_accuracy. A key some run did not log stops with exit 2."""
+    """--metric as a metrics.jsonl key (auto: eval_mean@K if logged at step 0, else greedy); a key a run lacks: exit 2."""
     if metric == "auto":
         metric = next((k for k in _read(outs[0])[0] if k.startswith("eval_mean@")), "eval_accuracy")
     missing = [o for o in outs if metric not in _read(o)[0]]
