@@ -290,8 +290,7 @@ def main(argv: list[str]) -> None:
         generated_tokens += sums["rollout_tokens"] + sums["mc_tokens"]
         metrics = step_metrics(sums, cfg)
         metrics.update({k: v for k, v in sums.items() if k.startswith("spo_") or k in CountingEngine.KEYS},
-                       generated_tokens=generated_tokens)
-        metrics["lr"] = scheduler.get_last_lr()[0]
+                       generated_tokens=generated_tokens, lr=scheduler.get_last_lr()[0])
         # ERS/PPS diagnostics come from the replicated state: the same on every rank, not summed.
         if ers is not None:
             metrics.update({f"ers_{k}": v for k, v in ers.batch_stats(problems, rewards, ers_mean,

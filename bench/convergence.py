@@ -209,8 +209,7 @@ def resolve_metric(metric: str, outs: list[str]) -> str:
     """--metric as a metrics.jsonl key (auto: eval_mean@K if logged at step 0, else greedy); a key a run lacks: exit 2."""
     if metric == "auto":
         metric = next((k for k in _read(outs[0])[0] if k.startswith("eval_mean@")), "eval_accuracy")
-    missing = [o for o in outs if metric not in _read(o)[0]]
-    if missing:
+    if missing := [o for o in outs if metric not in _read(o)[0]]:
         print(f"error: --metric {metric}: not in {missing[0]}/metrics.jsonl (evaluate it: the presets' "
               "eval.num_samples, or -- --eval.num_samples=K)", file=sys.stderr)
         sys.exit(2)

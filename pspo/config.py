@@ -172,8 +172,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-ENGINES = ("auto", "vllm", "hf")
-BAD_GOLD = ("skip", "error")
+ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -329,9 +328,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
-    for key in ("max_eval_examples", "max_train_examples"):
-        _check(getattr(cfg.data, key) >= 0, f"data.{key}", ">= 0 (0 = all)", getattr(cfg.data, key))
-    _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", cfg.data.max_prompt_tokens)
+    for key, low in (("max_eval_examples", 0), ("max_train_examples", 0), ("max_prompt_tokens", 1)):  # 0 = all
+        _check(getattr(cfg.data, key) >= low, f"data.{key}", f">= {low}", getattr(cfg.data, key))
     sizes = parse_ints(cfg.data.train_people)
     _check(not str(cfg.data.train_people).strip() or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
            'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all', cfg.data.train_people)
