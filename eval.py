@@ -118,4 +118,4 @@ if __name__ == "__main__":
         print0(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     finally:
-        distributed.shutdown()
+        distributed.shutdown(clean=sys.exc_info()[0] is None)          # None: main returned

@@ -347,4 +347,4 @@ if __name__ == "__main__":
         print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
-        distributed.shutdown()
+        distributed.shutdown(clean=sys.exc_info()[0] is None)          # None: main returned

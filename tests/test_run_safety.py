@@ -1,6 +1,7 @@
 """A run survives what clusters and numerics do to it: a preemption signal saves and exits 0 so
 `--train.resume=auto` continues; non-finite updates are skipped and, three in a row, stop the run
-with the weights untouched; a context the model cannot hold stops before any work, in one line."""
+with the weights untouched; a context the model cannot hold stops before any work, in one line;
+the ranks of a finished run leave the process group together."""
 import json
 import os
 import signal
@@ -101,3 +102,17 @@ def test_a_context_the_model_cannot_hold_is_one_line_exit_2(tmp_path, tiny_model
     assert proc.stderr.strip().splitlines() == [
         "error: data.max_prompt_tokens (1000) + rollout.max_new_tokens (100) = 1100 exceeds the model's "
         "max_position_embeddings (1024); lower one of them"]
+
+
+@pytest.mark.parametrize("clean, calls", [(True, ["barrier", "destroy"]), (False, ["destroy"])])
+def test_shutdown_waits_for_the_other_ranks_only_after_a_clean_finish(monkeypatch, clean, calls):
+    """A finished run leaves the group together (a barrier, then destroy), so no rank closes its
+    connections under a peer; after an error it must not wait for ranks that may never arrive."""
+    from pspo import distributed
+    seen = []
+    monkeypatch.setattr(distributed, "_OWN_GROUP", True)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(distributed.dist, "barrier", lambda: seen.append("barrier"))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: seen.append("destroy"))
+    distributed.shutdown(clean)
+    assert seen == calls
