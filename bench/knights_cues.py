@@ -9,8 +9,9 @@ builtin:knights and answers the role seen more often with that shape (ties: knig
   op      the operator, whether the first claim is about the speaker, and its polarity
   full    the operator and, for each claim, whether it is about the speaker and its polarity
 Its exact-match rate on the test split (every person right, as knights_reward's +3) is what a
-model can get without any logic; chance is 2^-n. The shipped tiny model scores below the op row
-on every size (bench/RESULTS.md, "K&K"): it has not learned even this cue, and RL on it finds none.
+model can get without any logic; chance is 2^-n. Version 3 of the tiny K&K model scored below the op
+row on every size (bench/RESULTS.md, section 10): it had not learned even this cue, and RL on it found
+none.
 """
 from __future__ import annotations
 

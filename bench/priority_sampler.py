@@ -1,4 +1,4 @@
-"""Cost of PPS bookkeeping per step: sample(B) and update(B) at N prompts (ALGORITHMS.md §3).
+"""Cost of PPS bookkeeping per step: sample(B) and update(B) at N prompts (docs/methods.md §3).
 
     python bench/priority_sampler.py            # prints two tables; CPU timings, median of 200 calls
 

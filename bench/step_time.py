@@ -1,4 +1,4 @@
-"""Step time of train.py against TRL's GRPOTrainer on the same tiny workload (issue 12, item 4).
+"""Step time of train.py against TRL's GRPOTrainer on the same tiny workload.
 
     pip install -r bench/requirements.txt         # TRL and accelerate: bench-only, not project dependencies
     python bench/step_time.py [--reps 3] [--steps 15] [--warmup 3] [--threads 2]

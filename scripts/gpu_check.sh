@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU recipes' architectures, random weights, nothing downloaded: a first launch rehearsed on a GPU.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [SECTION ...]      # one NVIDIA GPU; README "GPU check"
+#   bash scripts/gpu_check.sh [OUT_DIR] [SECTION ...]      # one NVIDIA GPU; docs/gpu.md
 #
 # Sections (default: all, in this order); each writes OUT_DIR/<section>.log, and the training ones
 # OUT_DIR/<section>.metrics.jsonl:
