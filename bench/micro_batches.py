@@ -36,7 +36,9 @@ from pspo.config import load_config  # noqa: E402
 from pspo.distributed import Dist  # noqa: E402
 from pspo.model import build_policy  # noqa: E402
 from pspo.standin import build_random_model  # noqa: E402
-from pspo.update import plan_micro_batches, policy_update  # noqa: E402
+from pspo.micro_batches import plan_micro_batches  # noqa: E402
+from pspo.sequences import UpdateBatch  # noqa: E402
+from pspo.update import policy_update  # noqa: E402
 
 
 def skewed_batch(n: int, vocab: int, seed: int = 0, max_completion: int = 512,
@@ -113,8 +115,8 @@ def main(argv: list[str]) -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            sums[mode] = policy_update(policy, None, optimizer, scheduler, input_ids, attention, mask, advantages,
-                                       cfg, Dist(0, 1, device))
+            batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
+            sums[mode] = policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device))
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 peaks[mode] = torch.cuda.max_memory_allocated() / 2 ** 30

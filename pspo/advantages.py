@@ -1,11 +1,11 @@
-"""Advantages from rewards: pure tensor functions, ALGORITHMS.md §1 and §6.
+"""Advantages from rewards: pure tensor functions, docs/methods.md §1 and §6.
 
 GRPO:      A_i = (r_i - μ) / (s + ε)     μ, s = mean and sample std (Bessel, G-1) of the group
 Dr. GRPO:  A_i =  r_i - μ                (scale = False)
 ERS (§2):  A_i = (r_i - m_q) / (sqrt(v_q) + ε)   m_q, v_q = the prompt's smoothed statistics
 One value per completion; the loss broadcasts it over the completion's tokens.
 
-REINFORCE++ (§6, SEED_METHODS.md §A), one value per token:
+REINFORCE++ (§6, docs/related.md §A), one value per token:
     r_t = -kl_coef·(logπ_old - logπ_ref)_t + 1[t = last]·clip(R_i, ±clip_score)
     G_t = Σ_{t'≥t} r_t'                         (γ = 1)
     A_t = (G_t - mean) / sqrt(var + 1e-8)       mean, var over every valid token of the global batch
@@ -13,13 +13,14 @@ REINFORCE++-baseline: R_i <- R_i - mean of its group first, then the same.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from pspo import distributed
+ReduceSum = Callable[[Tensor], Tensor]    # sums a tensor over every rank (distributed.all_reduce_sum)
 
-ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # algo.advantage (spo: segments.py)
-WHITENINGS = ("bessel", "population")                            # algo.whiten: PaddleNLP | OpenRLHF
+
 WHITEN_EPS = 1e-8                                                # added to the variance, as PaddleNLP
 
 
@@ -33,7 +34,7 @@ def zero_variance(rewards: Tensor) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:
-    """GRPO advantage, ALGORITHMS.md §1. rewards: (B, G) -> (B, G).
+    """GRPO advantage, docs/methods.md §1. rewards: (B, G) -> (B, G).
 
     A group whose rewards are all equal gets A = 0 exactly, for any reward values (never NaN,
     never the ~1e-3 that float32 rounding of μ divided by s + ε would give). A group of one
@@ -49,7 +50,7 @@ def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> 
 
 def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = True,
                         eps: float = 1e-4) -> Tensor:
-    """ERS advantage, ALGORITHMS.md §2, from the smoothed (m_q, sqrt(v_q)) after this step's update.
+    """ERS advantage, docs/methods.md §2, from the smoothed (m_q, sqrt(v_q)) after this step's update.
 
     rewards (B, G), mean (B,), std (B,) -> (B, G). On a prompt's first visit (or with α = 1)
     m_q = μ and sqrt(v_q) = s, so this is exactly `group_advantages`.
@@ -60,18 +61,19 @@ def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool 
     return centered / (std[:, None] + eps)
 
 
-def whiten(values: Tensor, mask: Tensor, variance: str = "bessel") -> Tensor:
+def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:
     """(values - mean) / sqrt(var + 1e-8), times the mask; mean and var over the valid tokens of
-    every rank (one all-reduce of the sum, the sum of squares and the count; a world of one needs none).
+    every rank: `reduce_sum` sums the (sum, sum of squares, count) triple over ranks (one all-reduce;
+    `lambda x: x` in a world of one).
 
     values, mask (N, T) -> (N, T). variance: "bessel" divides by count - 1 (PaddleNLP's masked_var),
     "population" by count (OpenRLHF). A batch of one valid token has no spread: its advantage is 0.
     """
-    if variance not in WHITENINGS:
-        raise ValueError(f"algo.whiten: expected one of {', '.join(WHITENINGS)}, got {variance!r}")
+    if variance not in ("bessel", "population"):
+        raise ValueError(f"algo.whiten: expected one of bessel, population, got {variance!r}")
     keep = mask.bool()
     x = values.to(torch.float64).masked_fill(~keep, 0.0)                 # (N, T) float64: Σx² - n·mean² is exact enough
-    sums = distributed.all_reduce_sum(torch.stack([x.sum(), (x ** 2).sum(), keep.sum().to(torch.float64)]))
+    sums = reduce_sum(torch.stack([x.sum(), (x ** 2).sum(), keep.sum().to(torch.float64)]))
     total, total_sq, count = sums.unbind()
     count = count.clamp(min=1.0)
     mean = total / count
@@ -112,12 +114,12 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, old_logp: Tensor | None,
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
                             kl_coef: float, clip_score: float, group_size: int | None = None,
-                            variance: str = "bessel") -> Tensor:
-    """REINFORCE++(-baseline) token-level advantages, ALGORITHMS.md §6 / SEED_METHODS.md §A. (N, T)
+                            variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:
+    """REINFORCE++(-baseline) token-level advantages, docs/methods.md §6 / docs/related.md §A. (N, T)
 
     The returns of `reinforce_pp_returns` (same arguments), whitened over every valid token of
     every rank's batch (`whiten`, "bessel" as PaddleNLP or "population" as OpenRLHF): every rank
     must call this together.
     """
     returns = reinforce_pp_returns(rewards, mask, old_logp, ref_logp, kl_coef, clip_score, group_size)
-    return whiten(returns, mask, variance)
+    return whiten(returns, mask, variance, reduce_sum=reduce_sum)

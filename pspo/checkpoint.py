@@ -4,7 +4,7 @@
     config.json, generation_config.json, model.safetensors, tokenizer files   (from_pretrained)
     optimizer.pt      full AdamW state (tensors, numbers, lists only)
     trainer_state.pt  step, scheduler, sampler (uniform order or PPS priorities + RNG), ERS statistics,
-                      generated_tokens so far, SPO-tree's replay buffer
+                      generated_tokens so far, SPO-tree's replay buffer, the method and sampler mode
     rng-rank<r>.pt    rank r's torch RNG states, and a digest of the trainer state as rank r held it
 
 The trainer state is replicated: every rank holds the same sampler, ERS and replay state. Saving checks
@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from pspo import distributed
+from pspo.config import Config, ConfigError
 from pspo.distributed import Dist
 
 _NAME = re.compile(r"checkpoint-(\d+)$")
@@ -149,6 +150,48 @@ def load_trainer_state(path: str, rank: int) -> dict:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return state
+
+
+def trainer_state(step: int, scheduler, sampler, ers, tree, generated_tokens: float, cfg: Config,
+                  sampler_mode: str) -> dict:
+    """What an exact resume needs beside the weights and AdamW: the step, the schedule, the replicated
+    sampler / ERS / SPO-tree state, the tokens generated so far, and the method and sampler mode the
+    run trained with (a resume under another one is refused)."""
+    return {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
+            "ers": ers.state_dict() if ers is not None else None, "generated_tokens": generated_tokens,
+            "spo_tree": tree.state_dict() if tree is not None else None,
+            "advantage": cfg.algo.advantage, "sampler_mode": sampler_mode}
+
+
+def restore_trainer_state(state: dict, sampler, ers, tree, cfg: Config, sampler_mode: str) -> None:
+    """Load the replicated state of a checkpoint into the run's sampler, ERS and SPO-tree.
+
+    A checkpoint trained under another algo.advantage or sampler mode (uniform, PPS paper or
+    reference), or with ERS switched the other way, is refused with one ConfigError line naming both
+    values. Hyperparameters (ers.alpha, pps.alpha, beta, ...) come from the config and may change on
+    resume like any other field; an exact continuation needs the same config.
+    """
+    was_mode = state.get("sampler_mode")
+    if was_mode is None:                  # older checkpoints: the sampler's own keys tell PPS from uniform
+        was_mode = ("reference" if "reference_priorities" in state["sampler"] else
+                    "paper" if "priorities" in state["sampler"] else "uniform")
+    both_pps = "uniform" not in (sampler_mode, was_mode)
+    pps_key = "pps.mode" if both_pps else "pps.enabled"
+    as_pps = (lambda mode: mode) if both_pps else (lambda mode: str(mode != "uniform").lower())
+    for key, now, was in (("algo.advantage", cfg.algo.advantage, state.get("advantage", cfg.algo.advantage)),
+                          (pps_key, as_pps(sampler_mode), as_pps(was_mode)),
+                          ("ers.enabled", str(cfg.ers.enabled).lower(), str(state.get("ers") is not None).lower())):
+        if now != was:
+            raise ConfigError(f"{key}: the checkpoint was trained with {key}={was}, this run has {key}={now}; "
+                              "resume with the same setting")
+    try:
+        sampler.load_state_dict(state["sampler"])
+        if ers is not None:
+            ers.load_state_dict(state["ers"])
+        if tree is not None and state.get("spo_tree") is not None:
+            tree.load_state_dict(state["spo_tree"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_optimizer(path: str, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

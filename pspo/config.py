@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses filled from YAML, then `--section.key=value` overrides.
 
 Precedence is CLI > YAML > the defaults below. Every field has one comment naming its symbol in
-ALGORITHMS.md (where it has one) and its unit. Validation runs once, right after loading, and a
+docs/methods.md (where it has one) and its unit. Validation runs once, right after loading, and a
 mistake is one `ConfigError` line naming the key (train.py turns it into exit code 2).
 A YAML file may start with `base: other.yaml` (relative to itself) to inherit from a preset.
 """
@@ -15,13 +15,18 @@ from typing import Any
 
 import yaml
 
-from pspo.advantages import ADVANTAGES, WHITENINGS
 from pspo.config_check import ConfigError, check as _check, parse_ints
-from pspo.data import SYSTEM_PROMPTS
-from pspo.loss import AGGREGATIONS
-from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.prompts import SYSTEM_PROMPTS
 from pspo.spo_config import SPOConfig, validate_spo
-PPS_MODES = ("paper", "reference")     # ALGORITHMS.md §3 (+ §3b options) | §3a
+
+# The names each setting accepts. This file is their one home: it imports no algorithm module, and
+# the modules that implement them raise on a name they do not know.
+ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")          # loss.sequence_weights, docs/methods.md §1
+WHITENINGS = ("bessel", "population")                     # advantages.whiten: PaddleNLP | OpenRLHF
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampler, docs/methods.md §3b
+IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
+PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
 
 
 @dataclass
@@ -73,14 +78,14 @@ class RewardConfig:
     accuracy: float = 1.0               # weight of the math-verify accuracy reward (§5)
     format: float = 0.0                 # weight of the <think>..</think> format reward (§5)
     cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
-    knights: float = 0.0                # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (SEED_METHODS.md §A)
+    knights: float = 0.0                # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (docs/related.md §A)
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
     workers: int = -1                   # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training threads)
 
 
 @dataclass
 class AlgoConfig:
-    advantage: str = "grpo"             # grpo (§1, per completion; ERS/Dr. GRPO through the keys below) | reinforce_pp | reinforce_pp_baseline (§6, per token) | spo_chain | spo_tree (SEED_METHODS.md §B, per token, the spo section)
+    advantage: str = "grpo"             # grpo (§1, per completion; ERS/Dr. GRPO through the keys below) | reinforce_pp | reinforce_pp_baseline (§6, per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
     scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
     beta: float = 0.04                  # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
@@ -307,7 +312,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                       "skip": False, "eps": 1e-6}
         for key, default in paper_only.items():
             _check(getattr(p, key) == default, f"pps.{key}", f"{default} (unset) with pps.mode=reference, "
-                   "the released code's fixed procedure (ALGORITHMS.md §3a)", getattr(p, key))
+                   "the released code's fixed procedure (docs/methods.md §3a)", getattr(p, key))
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     _check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
     _check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)

@@ -1,4 +1,4 @@
-"""ERS: experience-weighted reward smoothing, per-prompt EMA reward statistics (ALGORITHMS.md §2).
+"""ERS: experience-weighted reward smoothing, per-prompt EMA reward statistics (docs/methods.md §2).
 
 Per prompt q we keep (m_q, v_q, n_q): a smoothed reward mean, a smoothed reward variance and a
 visit count. With a = alpha, the weight on the current group's statistics (μ, s² of its G rewards):
@@ -32,7 +32,7 @@ def prompt_key(text: str) -> int:
 
 
 class EMAStats:
-    """Smoothed per-prompt reward mean and variance (ALGORITHMS.md §2)."""
+    """Smoothed per-prompt reward mean and variance (docs/methods.md §2)."""
 
     def __init__(self, alpha: float = 0.99):
         if not 0 < alpha <= 1:

@@ -1,4 +1,4 @@
-"""The knights-and-knaves reward of the PaddleNLP seed (SEED_METHODS.md §A), a pure function
+"""The knights-and-knaves reward of the PaddleNLP seed (docs/related.md §A), a pure function
 (prompt, completion, gold) -> float registered in rewards.py as `knights`.
 
 Format +1 / -1 (each of <think>, </think>, <answer>, </answer> exactly once, in that order);
@@ -72,7 +72,7 @@ def _knights_answer(answer: str, roles: tuple[tuple[str, str], ...]) -> bool | N
 
 
 def knights_reward(prompt: str, completion: str, gold: str) -> float:
-    """The K&K reward, SEED_METHODS.md §A: format +1 / -1 (`knights_format_ok` on `assistant_turn`)
+    """The K&K reward, docs/related.md §A: format +1 / -1 (`knights_format_ok` on `assistant_turn`)
     plus answer +2 (exact), -1.5 (parses, wrong), -2 (does not parse, empty, or the format failed).
     Totals: 3, -0.5, -1, -3. The answer is the last <answer> block's stripped content: with the
     format passed there is exactly one. A gold that is not a K&K solution raises GoldAnswerError."""

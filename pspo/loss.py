@@ -1,4 +1,4 @@
-"""Per-token log-probs and the clipped surrogate objective with a k3 KL term, ALGORITHMS.md §1.
+"""Per-token log-probs and the clipped surrogate objective with a k3 KL term, docs/methods.md §1.
 
     ρ_it  = exp(logπ_θ(o_it) - logπ_old(o_it))          logits divided by the sampling temperature
     pg_it = -min(ρ_it·Â_i, clip(ρ_it, 1-ε_low, 1+ε_high)·Â_i)
@@ -20,8 +20,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")
-
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor,
                     temperature: float) -> tuple[Tensor, Tensor]:
@@ -38,7 +36,7 @@ def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor,
 
 def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
                    chunk_tokens: int = 2048) -> tuple[Tensor, Tensor]:
-    """log softmax(h·Wᵀ / temperature)[target] per token, the logπ of ALGORITHMS.md §1.
+    """log softmax(h·Wᵀ / temperature)[target] per token, the logπ of docs/methods.md §1.
 
     hidden (N, T, H), weight (V, H) (the lm_head), targets (N, T) -> logp (N, T) float32 with
     grad, entropy (N, T) float32 detached. The N·T tokens are processed chunk_tokens at a time
@@ -65,7 +63,7 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 estimator of KL(π_θ || π_ref) per token, ALGORITHMS.md §1: exp(d) - d - 1, d = ref - logp.
+    """k3 estimator of KL(π_θ || π_ref) per token, docs/methods.md §1: exp(d) - d - 1, d = ref - logp.
 
     Non-negative, zero where the two policies agree; any shape, elementwise.
     """
@@ -75,7 +73,7 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_low: float,
                       eps_high: float) -> tuple[Tensor, Tensor]:
-    """pg_it = -min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), ALGORITHMS.md §1.
+    """pg_it = -min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), docs/methods.md §1.
 
     logp, old_logp (N, T); advantages (N,) one per completion (GRPO: broadcast over its tokens)
     or (N, T) one per token (REINFORCE++, §6). Returns pg (N, T) and is_clipped (N, T) bool:
@@ -92,27 +90,27 @@ def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_lo
 
 def sequence_weights(mask: Tensor, aggregation: str, num_seqs: int, num_tokens: int,
                      max_len: int) -> Tensor:
-    """Per-sequence multipliers w_i (N,) float32 realising an aggregation of ALGORITHMS.md §1.
+    """Per-sequence multipliers w_i (N,) float32 realising an aggregation of docs/methods.md §1.
 
     mask (N, T) marks completion tokens (bool or float). num_seqs and num_tokens are GLOBAL
     counts over every micro-batch and rank of the optimizer step; max_len is L_max. With them,
     Σ over the step of w_i Σ_t mask_it ℓ_it equals the aggregation exactly, however the step is
     split. A sequence with no tokens gets a finite weight (its token sum is 0 anyway).
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"algo.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
     lengths = mask.to(torch.float32).sum(1)                               # (N,) T_i
     if aggregation == "grpo":
         return 1.0 / (num_seqs * lengths.clamp(min=1))                    # 1/(N_seq·T_i)
     if aggregation == "token_mean":
         return torch.full_like(lengths, 1.0 / max(num_tokens, 1))         # 1/Σ_j T_j
-    return torch.full_like(lengths, 1.0 / (num_seqs * max_len))           # dr_grpo: 1/(N_seq·L_max)
+    if aggregation == "dr_grpo":
+        return torch.full_like(lengths, 1.0 / (num_seqs * max_len))       # 1/(N_seq·L_max)
+    raise ValueError(f"algo.aggregation: expected one of grpo, token_mean, dr_grpo, got {aggregation!r}")
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
                 mask: Tensor, seq_weights: Tensor, beta: float, eps_low: float,
                 eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = Σ_i w_i Σ_t mask_it ℓ_it, ℓ_it = pg_it + β·kl_it (ALGORITHMS.md §1), and stats.
+    """loss = Σ_i w_i Σ_t mask_it ℓ_it, ℓ_it = pg_it + β·kl_it (docs/methods.md §1), and stats.
 
     logp, old_logp, ref_logp, mask (N, T); seq_weights (N,); advantages (N,) per completion or
     (N, T) per token (REINFORCE++), the PPS IS weight already multiplied in. The KL term enters the

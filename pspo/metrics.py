@@ -1,16 +1,55 @@
 """Step metrics: one JSON object per line in <output_dir>/metrics.jsonl, and TensorBoard scalars.
 
 Only rank 0 writes; other ranks get a logger that does nothing, so the loop calls
-`logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics");
-`step_metrics` turns the step's rank-summed statistics into them.
+`logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics").
+`StepClock` times the step's phases; `step_record` sums this rank's statistics over ranks and
+`step_metrics` turns the sums into the logged means.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import time
+from collections.abc import Iterator
 
+from pspo import distributed
 from pspo.config import Config
+
+
+class StepClock:
+    """Wall-clock seconds of one step's phases (this rank's), keyed by metric name; a phase timed
+    twice adds up."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, key: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - t)
+
+    def add(self, key: str, seconds: float) -> None:
+        self.times[key] = self.times.get(key, 0.0) + seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def step_record(local: dict[str, float], counts: dict[str, float], cfg: Config, device) -> tuple[dict, dict]:
+    """This rank's statistics (the method's and the update's, `local`) and its generation counts
+    (rollout.CountingEngine.take) summed over ranks -> (sums, metrics). Collective."""
+    gen_s = counts["rollout_gen_s"] + counts["mc_gen_s"]
+    tokens_per_s = (counts["rollout_tokens"] + counts["mc_tokens"]) / max(gen_s, 1e-9)
+    sums = distributed.reduce_sums({**local, **counts, "gen_tokens_per_s": tokens_per_s}, device)
+    metrics = step_metrics(sums, cfg)
+    metrics.update({k: v for k, v in sums.items() if k.startswith("spo_") or k in counts})
+    return sums, metrics
 
 
 class MetricsLogger:

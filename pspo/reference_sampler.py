@@ -1,4 +1,4 @@
-"""PPS as the paper's released code ran it (`pps.mode: reference`, ALGORITHMS.md §3a).
+"""PPS as the paper's released code ran it (`pps.mode: reference`, docs/methods.md §3a).
 
 The official code (PSPO's `PERRepeatSampler` in `ergrpo_trainer.py`) differs from the paper's
 description (priority_sampler.py) in three ways, kept here exactly so that its runs can be

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pspo.advantages import group_advantages
 from pspo.config import Config, ConfigError
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
@@ -75,3 +76,35 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
     return PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, seed, None if p.beta_end == -1 else p.beta_end,
                            cfg.train.max_steps, p.is_norm, p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho,
                            p.skip_min)
+
+
+def sampler_mode(cfg: Config) -> str:
+    """The sampler a run trains with: uniform, or PPS's paper or reference mode (recorded in checkpoints)."""
+    return cfg.pps.mode if cfg.pps.enabled else "uniform"
+
+
+def importance_weights(sampler, cfg: Config, indices: Tensor, weights: Tensor, rewards: Tensor,
+                       accuracy: Tensor) -> Tensor:
+    """The step's importance weights per completion, (B, G), after the sampler has seen the scores.
+
+    indices (B,) and weights (B,) as `sample` returned them; rewards and accuracy (B, G) of every
+    rank. Uniform: the sampled weights (all 1). PPS (docs/methods.md §3): the scored prompts'
+    priorities are set from the raw GRPO |A| (priority: posterior, from the accuracy r̂ in [0, 1])
+    and the sampler returns the IS weights w (§3a: one per completion). The weight multiplies the
+    policy-gradient term of whichever advantage method runs.
+    """
+    if not cfg.pps.enabled:
+        return weights[:, None].expand_as(rewards)
+    a = cfg.algo
+    abs_advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps).abs()       # (B, G)
+    successes = accuracy if cfg.pps.priority == "posterior" else None
+    return sampler.update(indices, abs_advantages, successes)
+
+
+def sampler_metrics(sampler, cfg: Config) -> dict[str, float]:
+    """PPS's diagnostics of the step (replicated: the same on every rank); {} for uniform sampling."""
+    if not cfg.pps.enabled:
+        return {}
+    metrics = {f"pps_{k}": v for k, v in sampler.batch_stats().items()}
+    metrics["rollouts_saved"] = metrics.get("pps_skipped", 0.0) * cfg.rollout.num_generations   # skipped before generation
+    return metrics

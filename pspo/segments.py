@@ -1,4 +1,4 @@
-"""SPO segment credit, SEED_METHODS.md §B (AIFrameResearch/SPO @b9fc6a2): pure tensor functions.
+"""SPO segment credit, docs/related.md §B (AIFrameResearch/SPO @b9fc6a2): pure tensor functions.
 
 SPO-chain (§B chain 3-7), one completion of T tokens with sampling probabilities p_t = π_old(a_t):
     candidates J = {t : p_t < 0.9};  cut states c = t - 1 for t in J[::K]  (c = -1: the prompt)
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pspo.advantages import whiten
+from pspo.advantages import ReduceSum, whiten
 
 PROB_THRESHOLD = 0.9      # §B chain 3 and 6: the reference code's constant
 ZERO_TOL = 1e-9           # |V(node) - V(parent)| at or below this is an exact 0 (float rounding of nested means)
@@ -80,7 +80,7 @@ def segment_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tens
 
 def chain_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tensor, probs: Tensor,
                      mask: Tensor, threshold: float = PROB_THRESHOLD,
-                     variance: str = "bessel") -> tuple[Tensor, Tensor]:
+                     variance: str = "bessel", *, reduce_sum: ReduceSum) -> tuple[Tensor, Tensor]:
     """SPO-chain advantages and loss mask, §B chain 5-7: (A, M), (N, T) each.
 
     `segment_advantages` whitened with the mean and variance ("bessel", as §B) of the M-masked
@@ -89,7 +89,7 @@ def chain_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tensor
     """
     M = probability_mask(probs, mask, threshold)                          # (N, T)
     raw = segment_advantages(rows, cuts, values, rewards, probs, mask, threshold)
-    return whiten(raw, M, variance), M
+    return whiten(raw, M, variance, reduce_sum=reduce_sum), M
 
 
 def unique_prefixes(prompt_ids: list[list[int]], completion_ids: Tensor, rows: Tensor,

@@ -1,8 +1,6 @@
-"""What the engines, the trainer and the model share: the `Rollout` record, counter-based seeds,
-and padding. It imports nothing from the rest of pspo, so imports flow one way:
-
-    sequences  <-  vllm_engine (which also imports model)  <-  rollout (HFEngine, build_engine)
-    sequences  <-  update, evaluation, train, eval
+"""The records the engines, the methods and the trainer share: `Rollout` (what generation returns),
+`UpdateBatch` (what the optimizer step consumes), counter-based seeds, and padding. It imports
+nothing from the rest of pspo, so everything else may import it.
 
 Seeds are counter-based: one int64 per completion, a hash of (run seed, step, prompt key,
 sample index), so a completion's randomness does not depend on which prompts share its batch or
@@ -142,3 +140,17 @@ def batch_inputs(prompt_ids: list[list[int]], completion_ids: Tensor, completion
     input_ids = torch.cat([prompts, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], 1)
     return input_ids, attention_mask
+
+
+@dataclass
+class UpdateBatch:
+    """What every advantage method (methods.py) hands the optimizer step (update.py), on the rank's device.
+
+    The update reads nothing else: it does not know which method made the batch."""
+    input_ids: Tensor               # (N, P+T) long, left-padded prompt (+ prefix), then the completion
+    attention_mask: Tensor          # (N, P+T)
+    mask: Tensor                    # (N, T) completion tokens: sizes the micro-batches
+    loss_mask: Tensor               # (N, T) the tokens the loss aggregates over (SPO: M, within mask)
+    advantages: Tensor              # (N, T) token advantages Â_it, times the PPS IS weight of the completion
+    old_logp: Tensor | None = None  # (N, T) logπ_old; None with one iteration (ρ ≡ 1)
+    ref_logp: Tensor | None = None  # (N, T) logπ_ref; the k3 term with algo.beta > 0, else only logged

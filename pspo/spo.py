@@ -1,12 +1,13 @@
-"""SPO's rollouts, SEED_METHODS.md §B: what SPO-chain and SPO-tree generate, score and hand the update.
+"""SPO's rollouts, docs/related.md §B: what SPO-chain and SPO-tree generate and score beyond the step's
+completions, for the methods `methods.spo_chain` and `methods.spo_tree`.
 
 segments.py holds the math (cuts, values, advantages on a flat forest); this module makes the
-engine calls around it, on one rank's rows, and returns what `update.policy_update` takes:
-token advantages A (N, T), the loss mask M (N, T) and the π_old (N, T) they were computed from.
-- `chain_inputs` (§B chain 2-7): the trainer scores π_old of the step's G completions per prompt
+engine calls around it, on one rank's rows: token advantages A (N, T) and the loss mask M (N, T).
+- `chain_advantages_of` (§B chain 2-7): from the π_old of the step's G completions per prompt
   (logits / T; p_t = exp), the cuts are chosen, each distinct state (prompt + prefix) gets
   spo.num_mc continuations, V(cut) = their mean reward, then A and M (whitened over M).
-- `SPOTree` (§B tree 1-5): grows each prompt's depth-3 tree (b0 completions of at most M0 tokens;
+- `SPOTree` (§B tree 1-5): grows each prompt's depth-3 tree from the step's b0 completions of at
+  most M0 tokens (b1 continuations of at most M1 more under each one that did not finish; b2 to
   b1 continuations of at most M1 more under each one that did not finish; b2 to
   rollout.max_new_tokens under those), scores the leaves, keeps every non-root node with A != 0
   as an edge (query = prompt + parent's tokens, response = the node's segment) with its π_old at
@@ -39,8 +40,8 @@ from pspo.distributed import Dist
 from pspo.rewards import RewardResult
 from pspo.segments import (add_children, chain_advantages, mc_values, probability_mask, select_cuts,
                            tree_advantages, tree_edges, tree_values, unique_prefixes)
-from pspo.sequences import Rollout, batch_inputs, child_seeds, prefix_seeds
-from pspo.update import plan_micro_batches, score_logprobs
+from pspo.logprobs import score_policy
+from pspo.sequences import Rollout, UpdateBatch, batch_inputs, child_seeds, prefix_seeds
 
 Score = Callable[[list[int], list[str]], RewardResult]   # (dataset rows, completion texts) -> their rewards
 
@@ -74,29 +75,28 @@ def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Te
     """The trainer's log π_old (logits / T) of completions (N, T) after `prompts`, on the CPU.
     A forward pass, micro-batched as the update's: every rank must call it together."""
     input_ids, attention_mask = batch_inputs(prompts, completion_ids, mask, pad_id)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    t = cfg.train
-    plan = plan_micro_batches(attention_mask, mask.to(device), t.micro_batch_size, t.micro_batch_tokens)
-    return score_logprobs(policy, input_ids, attention_mask, mask.shape[1], cfg.rollout.temperature, plan).cpu()
+    old, _ = score_policy(policy, None, input_ids.to(device), attention_mask.to(device), mask.to(device), cfg,
+                          need_old=True, need_ref=False)
+    return old.cpu()
 
 
 # ---- SPO-chain ----
 
-def chain_inputs(policy, engine, rollout: Rollout, rewards: Tensor, prompt_ids: list[list[int]],
-                 examples: list[int], score: Score, cfg: Config, step: int, pad_id: int, device: torch.device,
-                 lockstep: bool) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """SPO-chain's advantages for this rank's N completions, §B chain 2-7.
+def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Tensor, prompt_ids: list[list[int]],
+                        examples: list[int], score: Score, cfg: Config, step: int, device: torch.device,
+                        lockstep: bool) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """SPO-chain's token advantages and loss mask for this rank's N completions, §B chain 2-7.
 
-    rollout: the step's completions (N rows, prompt-major); rewards (N,) their R; prompt_ids and
-    examples (dataset rows) one per completion; score(rows, texts) scores completions of rows.
-    Returns policy_update's token_advantages, loss_mask and old_logp ((N, T) each, on `device`)
-    and this rank's counts: spo_cuts (C), spo_states (U distinct, continued spo.num_mc times
-    each) and spo_mask_tokens (Σ M). Collective: the π_old forward, the whitening all-reduce and,
-    under lockstep, the continuation calls.
+    rollout: the step's completions (N rows, prompt-major); rewards (N,) their R; old_logp (N, T)
+    their π_old (logits / T), scored by the trainer; prompt_ids and examples (dataset rows) one per
+    completion; score(rows, texts) scores completions of rows. The cuts are chosen from p_t =
+    exp(old_logp), each distinct state (prompt + prefix) gets spo.num_mc continuations, V(cut) = their
+    mean reward, then A and M (whitened over M). Returns A (N, T), M (N, T) on the CPU and this
+    rank's counts: spo_cuts (C), spo_states (U distinct states) and spo_mask_tokens (Σ M).
+    Collective: the whitening all-reduce and, under lockstep, the continuation calls.
     """
     r, s, mask = cfg.rollout, cfg.spo, rollout.mask
-    old_logp = _old_logp(policy, prompt_ids, rollout.completion_ids, mask, pad_id, cfg, device)   # (N, T)
-    probs = old_logp.exp()                                                # (N, T) p_t, top-p ignored (§B chain 2)
+    probs = old_logp.cpu().exp()                                          # (N, T) p_t, top-p ignored (§B chain 2)
     rows, cuts = select_cuts(probs, mask, s.cutpoint_interval)            # (C,), (C,)
     owners, prefixes, inverse = unique_prefixes(prompt_ids, rollout.completion_ids, rows, cuts)   # (U,), U, (C,)
     owners = owners.tolist()
@@ -107,11 +107,11 @@ def chain_inputs(policy, engine, rollout: Rollout, rewards: Tensor, prompt_ids: 
     if out is not None:                                                   # V(c): mean reward of N continuations
         mc_rewards = score([examples[o] for o in owners for _ in range(s.num_mc)], out.texts).rewards   # (U*N,)
         values = mc_values(mc_rewards, s.num_mc, inverse)                 # (C,)
-    advantages, loss_mask = chain_advantages(rows, cuts, values, rewards.cpu(), probs, mask)   # (N, T) each
+    advantages, loss_mask = chain_advantages(rows, cuts, values, rewards.cpu(), probs, mask,
+                                             reduce_sum=distributed.all_reduce_sum)   # (N, T) each
     counts = {"spo_cuts": float(len(cuts)), "spo_states": float(len(owners)),
               "spo_mask_tokens": float(loss_mask.sum())}
-    return ({"token_advantages": advantages.to(device), "loss_mask": loss_mask.to(device),
-             "old_logp": old_logp.to(device)}, counts)
+    return advantages, loss_mask, counts
 
 
 # ---- SPO-tree ----
@@ -156,11 +156,8 @@ class _Forest:
 
 @dataclass
 class TreeBatch:
-    """This rank's share of the step's drawn edges, as policy_update takes them."""
-    input_ids: Tensor         # (N, P+T) prompt + parent prefix, left-padded, then the segment
-    attention_mask: Tensor    # (N, P+T)
-    mask: Tensor              # (N, T) the segments' tokens
-    update: dict[str, Tensor]  # token_advantages, loss_mask, old_logp (N, T) each
+    """This rank's share of the step's drawn edges, as the update takes them."""
+    batch: UpdateBatch        # prompt + parent prefix, then the segment; A and M over the segments' tokens
     sums: dict[str, float]    # this rank's statistics of its trees' leaves, to be summed over ranks
     reward_s: float           # seconds spent scoring leaves
 
@@ -172,32 +169,32 @@ class SPOTree:
         self.cfg, self.train_ids, self.pad_id, self.dist, self.lockstep = cfg, train_ids, pad_id, dist_, lockstep
         self.edges: list[Edge] = []
 
-    def step(self, engine, policy, examples: list[int], seeds: Tensor, step: int, score: Score) -> TreeBatch:
-        """Grow the trees of this rank's prompts (dataset rows `examples`; seeds (len*b0,) of their
-        depth-0 completions), add their edges to the buffer, draw this step's. Collective."""
+    def step(self, engine, policy, examples: list[int], rollout: Rollout, seeds: Tensor, scored: RewardResult,
+             step: int, score: Score) -> TreeBatch:
+        """Grow the trees of this rank's prompts (dataset rows `examples`) from their depth-0 completions
+        (`rollout`: b0 per prompt, at most M0 tokens, generated with `seeds` and scored as `scored`),
+        add their edges to the buffer, draw this step's. Collective."""
         r, s = self.cfg.rollout, self.cfg.spo
         b, (m0, m1) = s.branch_factors, s.segments
         prompts = [self.train_ids[e] for e in examples]
         n = len(examples)
         forest = _Forest(torch.full((n,), -1, dtype=torch.long), list(range(n)), [[] for _ in range(n)], [0] * n,
                          [False] * n, [False] * n, [""] * n)              # the roots are the prompts
-        frontier = list(range(n))
-        for depth, budget in enumerate((m0, m0 + m1, r.max_new_tokens)):  # §B tree 1
-            if depth == 0:      # fresh completions: the step's G = b0 rollouts, cut at M0 tokens
-                kids, out = seeds, engine.generate(prompts, b[0], r.temperature, r.top_p, m0, seeds)
-            else:               # b_d continuations of each unfinished node, to `budget` tokens in all
-                kids = child_seeds(torch.tensor([forest.seed[i] for i in frontier], dtype=torch.long), b[depth])
-                out = _continue(engine, [prompts[forest.owner[i]] for i in frontier],
-                                [forest.tokens[i] for i in frontier], b[depth], r.temperature, r.top_p, budget,
-                                kids, self.lockstep, prompts[0], self.dist.device)
+        frontier = forest.add(list(range(n)), b[0], rollout, seeds, last=False)   # §B tree 1, depth 0
+        for depth, budget in ((1, m0 + m1), (2, r.max_new_tokens)):      # b_d continuations of each unfinished node
+            kids = child_seeds(torch.tensor([forest.seed[i] for i in frontier], dtype=torch.long), b[depth])
+            out = _continue(engine, [prompts[forest.owner[i]] for i in frontier],
+                            [forest.tokens[i] for i in frontier], b[depth], r.temperature, r.top_p, budget,
+                            kids, self.lockstep, prompts[0], self.dist.device)
             if out is not None:  # None: nothing to grow here (no break: under lockstep other ranks may call)
                 frontier = forest.add(frontier, b[depth], out, kids, last=depth == 2)
         t_reward = time.perf_counter()
         leaves = [j for j in range(len(forest.owner)) if forest.leaf[j]]
-        scored = score([examples[forest.owner[j]] for j in leaves], [forest.text[j] for j in leaves])
+        leaf_scores = _leaf_scores(leaves, n, len(rollout.texts), scored, score,
+                                   [examples[forest.owner[j]] for j in leaves], [forest.text[j] for j in leaves])
         reward_s = time.perf_counter() - t_reward
         node_rewards = torch.full((len(forest.owner),), float("nan"), dtype=torch.float64)
-        node_rewards[leaves] = scored.rewards.double()
+        node_rewards[leaves] = leaf_scores.rewards.double()
         values = tree_values(forest.parent, node_rewards)                 # (nodes,) §B tree 2
         advantages = tree_advantages(forest.parent, values, s.tree_scale)   # (nodes,) §B tree 3
         new = self._score_edges(policy, forest, tree_edges(forest.parent, advantages).tolist(), advantages,
@@ -206,13 +203,14 @@ class SPOTree:
         drawn, expired = self._draw(step)
         share = drawn[self.dist.rank::self.dist.world_size]
         batch = self._batch(share or [self._dummy(forest.tokens[n], examples[0], step)])
-        rewards = scored.rewards.double()                                 # (leaves,)
+        rewards = leaf_scores.rewards.double()                            # (leaves,)
         per_tree = [rewards[[k for k, j in enumerate(leaves) if forest.owner[j] == q]] for q in range(n)]
         batch.sums = {
             "completions": len(leaves), "groups": n, "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-            "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
+            "accuracy": leaf_scores.components["accuracy"].sum(), "format": leaf_scores.components["format"].sum(),
             "zero_std_groups": sum(bool((x == x[0]).all()) for x in per_tree),
-            "truncated": sum(forest.truncated[j] for j in leaves), "reward_failures": sum(scored.failures.values()),
+            "truncated": sum(forest.truncated[j] for j in leaves),
+            "reward_failures": sum(leaf_scores.failures.values()),
             "completion_tokens": sum(len(forest.tokens[j]) for j in leaves), "spo_nodes": len(forest.owner) - n,
             "spo_new_edges": len(new), "spo_edges": len(share),
             # replicated values, the same on every rank: counted once
@@ -288,17 +286,17 @@ class SPOTree:
     def _batch(self, edges: list[Edge]) -> TreeBatch:
         """§B tree 4 and 7: A broadcast over each segment, zeroed outside M = 1[p < 0.9] (p from
         the stored π_old), whitened over the M tokens of every rank (collective)."""
+        device = self.dist.device
         completion, mask = _pad([e.segment for e in edges], self.pad_id)  # (N, T)
         old_logp, _ = _pad([e.old_logp for e in edges], 0.0)              # (N, T)
-        loss_mask = probability_mask(old_logp.exp(), mask)               # (N, T) M
-        raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32)[:, None] * loss_mask
-        advantages = whiten(raw, loss_mask)                               # (N, T)
+        loss_mask = probability_mask(old_logp.exp(), mask).to(device)    # (N, T) M
+        raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32, device=device)[:, None] * loss_mask
+        advantages = whiten(raw, loss_mask, reduce_sum=distributed.all_reduce_sum)                               # (N, T)
         input_ids, attention_mask = batch_inputs([self.train_ids[e.example] + e.prefix.tolist() for e in edges],
                                                  completion, mask, self.pad_id)
-        device = self.dist.device
-        update = {"token_advantages": advantages.to(device), "loss_mask": loss_mask.to(device),
-                  "old_logp": old_logp.to(device)}
-        return TreeBatch(input_ids, attention_mask, mask, update, {}, 0.0)
+        batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device), loss_mask,
+                            advantages, old_logp.to(device))
+        return TreeBatch(batch, {}, 0.0)
 
     def state_dict(self) -> dict:
         e = self.edges
@@ -311,6 +309,25 @@ class SPOTree:
         self.edges = [Edge(int(q), int(b), p, s, lp, float(a)) for q, b, a, p, s, lp in
                       zip(state["example"], state["born"], state["advantage"], state["prefix"], state["segment"],
                           state["old_logp"])]
+
+
+def _leaf_scores(leaves: list[int], n: int, depth0: int, scored: RewardResult, score: Score,
+                 examples: list[int], texts: list[str]) -> RewardResult:
+    """The rewards of a forest's leaves (node ids `leaves`, in node order; examples / texts one per
+    leaf). A depth-0 leaf (node n .. n + depth0 - 1) keeps its score from the step's rollout
+    (`scored`, one per depth-0 node); the deeper leaves are scored here, in one call. A failed call
+    on a depth-0 node that was continued still counts in `failures` (it was made)."""
+    first = [k for k, j in enumerate(leaves) if j < n + depth0]          # the depth-0 leaves come first
+    rows = torch.tensor([leaves[k] - n for k in first], dtype=torch.long)
+    names = scored.components.keys()
+    if len(first) < len(leaves):
+        deeper = score(examples[len(first):], texts[len(first):])
+    else:                                                                 # every tree ended at depth 0
+        deeper = RewardResult(torch.zeros(0), {k: torch.zeros(0) for k in names}, {})
+    return RewardResult(torch.cat([scored.rewards[rows], deeper.rewards]),
+                        {k: torch.cat([scored.components[k][rows], deeper.components[k]]) for k in names},
+                        {k: scored.failures.get(k, 0) + deeper.failures.get(k, 0)
+                         for k in set(scored.failures) | set(deeper.failures)})
 
 
 def _pad(rows: list[Tensor], value) -> tuple[Tensor, Tensor]:

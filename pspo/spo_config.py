@@ -1,4 +1,4 @@
-"""The spo section of the config (SEED_METHODS.md §B): SPO-chain and SPO-tree keys and their checks.
+"""The spo section of the config (docs/related.md §B): SPO-chain and SPO-tree keys and their checks.
 Kept apart from config.py, which imports it (config.py holds the other sections)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pspo.config_check import check, parse_ints
 
 @dataclass
 class SPOConfig:
-    """SPO, SEED_METHODS.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
+    """SPO, docs/related.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
     cutpoint_interval: int = 5          # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
     num_mc: int = 9                     # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
     branching: str = "6,6,6"            # tree: "b0,b1,b2", children per node at depths 0, 1, 2; b0 = rollout.num_generations
@@ -37,7 +37,7 @@ CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the 
 
 
 def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> None:
-    """The spo section (SEED_METHODS.md §B) beside algo.advantage, the rollout section `r` and
+    """The spo section (docs/related.md §B) beside algo.advantage, the rollout section `r` and
     pps.enabled: its chain keys only with spo_chain, its tree keys only with spo_tree, and the
     tree's shape consistent with the rollout section. Raises ConfigError (one line)."""
     default = SPOConfig()

@@ -202,6 +202,16 @@ class SyncError(RuntimeError):
     """The engine's log-probs disagree with the trainer's: its weights are stale or wrong."""
 
 
+def stale_engine(metrics: dict[str, float], step: int, r) -> SyncError | None:
+    """The error to stop with when sync_engine's measured gap exceeds rollout.sync_check_tol, else None."""
+    gap = metrics.get("sync_gap_mean", 0.0)
+    if gap <= r.sync_check_tol:
+        return None
+    return SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's by "
+                     f"{gap:.4g} per token on average (max {metrics['sync_gap_max']:.4g}) > {r.sync_check_tol}: "
+                     "its weights are stale")
+
+
 @torch.no_grad()
 def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], temperature: float,
              max_new_tokens: int, seeds: Tensor) -> tuple[float, float]:

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from pspo.loss import (AGGREGATIONS, clipped_surrogate, k3_kl, policy_loss, sequence_weights,
+from pspo.config import AGGREGATIONS
+from pspo.loss import (clipped_surrogate, k3_kl, policy_loss, sequence_weights,
                        token_logprobs)
 
 

@@ -9,9 +9,9 @@ import torch
 
 from pspo.config import load_config
 from pspo.model import build_policy
-from pspo.update import plan_micro_batches, policy_update
-from test_modes import CPU, rollout_batch
-from train import lr_lambda
+from pspo.micro_batches import plan_micro_batches
+from test_modes import CPU, method_update, rollout_batch
+from pspo.optim import lr_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,9 +63,9 @@ def updated_parameters(path, batch, overrides):
     _, _, input_ids, attention, mask, advantages = batch
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1])          # (12,) for REINFORCE++
     before = copy.deepcopy([p.detach() for p in policy.parameters()])
-    sums = policy_update(policy, ref, optimizer, scheduler, input_ids, attention, mask,
-                         torch.ones(12) if cfg.algo.advantage != "grpo" else advantages, cfg, CPU,
-                         rewards if cfg.algo.advantage != "grpo" else None)
+    sums = method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask,
+                           torch.ones(12) if cfg.algo.advantage != "grpo" else advantages, cfg, CPU,
+                           rewards if cfg.algo.advantage != "grpo" else None)
     moved = max(float((p.detach() - b).abs().max()) for p, b in zip(policy.parameters(), before))
     return [p.detach().clone() for p in policy.parameters()], sums, moved
 
@@ -111,7 +111,7 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
     policy = distributed.shard(build_policy(path, False, 64, False, False), 2)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    policy_update(policy, None, optimizer, scheduler, input_ids[rows], attention[rows], mask[rows], advantages[rows],
+    method_update(policy, None, optimizer, scheduler, input_ids[rows], attention[rows], mask[rows], advantages[rows],
                   cfg, Dist(rank, 2, torch.device("cpu")))
     state = distributed.full_model_state(policy)
     if rank == 0:
@@ -138,7 +138,7 @@ def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path
     policy = build_policy(tiny_model_path, False, 64, False, False)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    policy_update(policy, None, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
+    method_update(policy, None, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
     want = {k: v for k, v in policy.lm.state_dict().items()}
     got = r0["state"]
     assert set(got) == set(want)

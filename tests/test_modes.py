@@ -2,21 +2,25 @@
 
 transformers recomputes a checkpointed layer only when the module is in train mode, and in train
 mode a checkpointed layer drops the KV cache, so `generate` must run in eval mode: the policy is
-built in eval mode, `policy_update` scores π_old / π_ref in eval mode, runs the update in train
-mode and hands the policy back in eval mode. Checkpointing may change memory, never results.
+built in eval mode, `logprobs.score_policy` scores π_old / π_ref in eval mode, `policy_update` runs
+the update in train mode and hands the policy back in eval mode. Checkpointing may change memory, never results.
 """
 import copy
 
 import torch
 
+from pspo import distributed
+from pspo.advantages import reinforce_pp_advantages
 from pspo.config import load_config
 from pspo.data import builtin_arithmetic, format_prompt
 from pspo.distributed import Dist
 from pspo.model import build_policy, load_tokenizer
 from pspo.rollout import HFEngine
 from pspo.sequences import batch_inputs, sequence_seeds
+from pspo.logprobs import score_policy
+from pspo.optim import lr_lambda
+from pspo.sequences import UpdateBatch
 from pspo.update import policy_update
-from train import lr_lambda
 
 CPU = Dist(0, 1, torch.device("cpu"))
 
@@ -34,8 +38,29 @@ def rollout_batch(path, n_prompts=4, G=3):
     return tokenizer, ids, input_ids, attention, r.mask, advantages
 
 
+def method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, dist_,
+                  rewards=None):
+    """What methods.py hands the optimizer step, then policy_update. GRPO: A (N,) broadcast over each
+    completion's tokens. With `rewards` (N,), REINFORCE++: token advantages from them (§A, groups of
+    rollout.num_generations for the baseline variant) times `advantages` as the IS weight. π_old is
+    scored when the method needs it, π_ref when the run has a reference."""
+    a = cfg.algo
+    need_old = a.num_iterations > 1 or (rewards is not None and a.kl_coef > 0)
+    old, ref_logp = score_policy(policy, ref, input_ids, attention, mask, cfg, need_old, a.needs_reference)
+    if rewards is None:
+        token_advantages = advantages[:, None].expand_as(mask)             # (N, T)
+    else:
+        group = cfg.rollout.num_generations if a.advantage == "reinforce_pp_baseline" else None
+        token_advantages = reinforce_pp_advantages(rewards, mask, old, ref_logp, a.kl_coef, a.clip_score, group,
+                                                   a.whiten, reduce_sum=distributed.all_reduce_sum)
+        token_advantages = token_advantages * advantages[:, None]          # (N, T)
+    batch = UpdateBatch(input_ids, attention, mask, mask, token_advantages, old, ref_logp)
+    return policy_update(policy, optimizer, scheduler, batch, cfg, dist_)
+
+
 def run_update(path, batch, checkpointing, overrides=()):
-    """One policy_update with a decoder layer's forward calls recorded as (training, grad enabled)."""
+    """π_old / π_ref scored as the methods do, then one policy_update, with a decoder layer's forward
+    calls recorded as (training, grad enabled)."""
     cfg = load_config("configs/grpo.yaml", ["--train.micro_batch_size=4", *overrides])
     policy = build_policy(path, False, 64, False, checkpointing)
     ref = build_policy(path, False, 64, False, False, trainable=False)
@@ -46,14 +71,15 @@ def run_update(path, batch, checkpointing, overrides=()):
     layer.register_forward_pre_hook(lambda module, args: calls.append((module.training, torch.is_grad_enabled())))
     _, _, input_ids, attention, mask, advantages = batch
     assert not policy.training                                              # built in eval mode
-    policy_update(policy, ref, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
+    method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
     assert not policy.training and not ref.training                         # handed back in eval mode
     return policy, calls
 
 
 def test_scoring_runs_in_eval_mode_and_the_update_in_train_mode(tiny_model_path):
     batch = rollout_batch(tiny_model_path)
-    # 12 sequences, micro-batches of 4 -> 3 micro-batches; 2 iterations; π_old scored up front.
+    # 12 sequences, micro-batches of 4 -> 3 micro-batches; 2 iterations; π_old scored up front (π_ref
+    # runs on the reference model, whose layer is not hooked).
     _, calls = run_update(tiny_model_path, batch, False, ["--algo.num_iterations=2", "--algo.beta=0.04"])
     scoring, update = calls[:3], calls[3:]
     assert scoring == [(False, False)] * 3                                  # π_old: eval, no grad

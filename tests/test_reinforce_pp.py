@@ -12,14 +12,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pspo import distributed
 from pspo.advantages import reinforce_pp_advantages, reinforce_pp_returns, whiten
 from pspo.config import ConfigError, load_config
 from pspo.distributed import Dist
 from pspo.loss import policy_loss
-from pspo.model import build_policy
+from pspo.data import builtin_arithmetic, format_prompt
+from pspo.methods import Context, StepRollouts, method_for
+from pspo.model import build_policy, load_tokenizer
+from pspo.optim import lr_lambda
+from pspo.rewards import RewardResult
+from pspo.rollout import HFEngine
+from pspo.sequences import sequence_seeds
 from pspo.update import policy_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOCAL = lambda x: x                  # noqa: E731  the sum over ranks in a world of one
 
 # SEED_METHODS.md §A: one completion of 3 tokens, kl_coef .1, R = 1
 OLD = torch.tensor([[-1.0, -2.0, -0.5]])                                   # logπ_old (1, 3)
@@ -48,7 +56,8 @@ def test_token_reward_and_return_hand_worked():
     ("population", [-1.4142, 0.7071, 0.7071]),   # var = Σd²/3 = .00055556, std .023570 (OpenRLHF)
 ])
 def test_whitened_advantages_hand_worked(variance, expected):
-    A = reinforce_pp_advantages(torch.tensor([1.0]), ONE, OLD, REF, kl_coef=0.1, clip_score=10, variance=variance)
+    A = reinforce_pp_advantages(torch.tensor([1.0]), ONE, OLD, REF, kl_coef=0.1, clip_score=10, variance=variance,
+                                reduce_sum=LOCAL)
     torch.testing.assert_close(A, torch.tensor([expected]), atol=1e-4, rtol=0)
 
 
@@ -59,11 +68,12 @@ def test_baseline_subtracts_the_group_mean_first():
     rewards, mask = torch.tensor([1.0, 0, 0, 1, 3, 3, 3, 3]), torch.ones(8, 1)
     G = reinforce_pp_returns(rewards, mask, None, None, kl_coef=0.0, clip_score=10, group_size=4)
     torch.testing.assert_close(G[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]), atol=0, rtol=0)
-    A = reinforce_pp_advantages(rewards, mask, None, None, kl_coef=0.0, clip_score=10, group_size=4)
+    A = reinforce_pp_advantages(rewards, mask, None, None, kl_coef=0.0, clip_score=10, group_size=4,
+                                reduce_sum=LOCAL)
     torch.testing.assert_close(A[:, 0], torch.tensor([1.32288, -1.32288, -1.32288, 1.32288, 0, 0, 0, 0]),
                                atol=1e-4, rtol=0)
     # without the baseline the same rewards whiten around their mean 1.75 instead: a 3 stays positive
-    A_plain = reinforce_pp_advantages(rewards, mask, None, None, kl_coef=0.0, clip_score=10)
+    A_plain = reinforce_pp_advantages(rewards, mask, None, None, kl_coef=0.0, clip_score=10, reduce_sum=LOCAL)
     assert A_plain[4, 0] > 0 and A_plain[0, 0] < 0
 
 
@@ -75,7 +85,8 @@ def test_padding_is_zero_and_never_nan():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     old = torch.tensor([[-1.0, -1.0, float("-inf")], [-2.0, float("inf"), float("-inf")]])
     ref = torch.tensor([[-1.0, -1.0, float("inf")], [-2.0, float("-inf"), float("inf")]])
-    A = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), mask, old, ref, kl_coef=0.1, clip_score=10)
+    A = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), mask, old, ref, kl_coef=0.1, clip_score=10,
+                                reduce_sum=LOCAL)
     torch.testing.assert_close(A, torch.tensor([[0.57735, 0.57735, 0], [-1.15470, 0, 0]]), atol=1e-4, rtol=0)
 
 
@@ -145,7 +156,7 @@ def random_batch(seed, N=12, T=7):
 def test_matches_a_direct_loop_on_random_batches(seed, group_size, variance):
     rewards, mask, old, ref = random_batch(seed)
     assert (rewards.abs() > 5).any()                                       # clip_score 5 is exercised
-    got = reinforce_pp_advantages(rewards, mask, old, ref, 0.05, 5.0, group_size, variance)
+    got = reinforce_pp_advantages(rewards, mask, old, ref, 0.05, 5.0, group_size, variance, reduce_sum=LOCAL)
     want = loop_advantages(rewards, mask, old, ref, 0.05, 5.0, group_size, variance)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[mask].std().item() > 0.5                                    # whitened, not trivially 0
@@ -156,7 +167,8 @@ def test_matches_a_direct_loop_on_random_batches(seed, group_size, variance):
 def _whiten_on_rank(rank, init_file, values, mask, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     rows = slice(0, 5) if rank == 0 else slice(5, None)                    # unequal halves: 5 and 7 rows
-    torch.save(whiten(values[rows], mask[rows], "bessel"), os.path.join(out_dir, f"rank{rank}.pt"))
+    whitened = whiten(values[rows], mask[rows], "bessel", reduce_sum=distributed.all_reduce_sum)
+    torch.save(whitened, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -165,9 +177,9 @@ def test_whitening_over_two_ranks_equals_one_process(tmp_path):
     returns = reinforce_pp_returns(rewards, mask, old, ref, 0.05, 10.0)   # (12, 7)
     mp.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), returns, mask, str(tmp_path)), nprocs=2)
     got = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)])
-    want = whiten(returns, mask, "bessel")                                 # one process, the whole batch
+    want = whiten(returns, mask, "bessel", reduce_sum=LOCAL)                               # one process, the whole batch
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    local = whiten(returns[:5], mask[:5], "bessel")                        # control: rank-local statistics differ
+    local = whiten(returns[:5], mask[:5], "bessel", reduce_sum=LOCAL)                      # control: rank-local statistics differ
     assert (local - want[:5]).abs().max() > 1e-2
 
 
@@ -188,7 +200,7 @@ def test_config_requires_no_kl_loss_and_no_ers():
         load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp", "--algo.whiten=std"])
 
 
-# ---------------------------------------------------------------- policy_update: π_old scored once
+# ---------------------------------------------------------------- the methods: π_old scored once
 
 @pytest.mark.parametrize("overrides, scoring", [
     ([], 0),                                            # GRPO, one iteration: no extra forward pass (ρ ≡ 1)
@@ -196,25 +208,35 @@ def test_config_requires_no_kl_loss_and_no_ers():
     (["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.001", "--algo.num_iterations=2"], 3),  # reused, not twice
     (["--algo.advantage=reinforce_pp_baseline"], 0),    # no KL: the rewards alone, ρ ≡ 1
 ])
-def test_update_scores_pi_old_once_and_only_when_needed(tiny_model_path, overrides, scoring):
-    from test_modes import rollout_batch                                  # a real 12-sequence rollout
-    from train import lr_lambda
-    _, _, input_ids, attention, mask, _ = rollout_batch(tiny_model_path)
-    cfg = load_config("configs/grpo.yaml", ["--train.micro_batch_size=4", "--rollout.num_generations=3", *overrides])
+def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrides, scoring):
+    cfg = load_config("configs/grpo.yaml", ["--train.micro_batch_size=4", "--rollout.num_generations=3",
+                                            "--train.prompts_per_step=4", *overrides])
+    tokenizer = load_tokenizer(tiny_model_path)
+    examples = builtin_arithmetic("train")[:4]
+    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"] for ex in examples]
     policy = build_policy(tiny_model_path, False, 64, False, False)
     ref = build_policy(tiny_model_path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
+    seeds = sequence_seeds(0, 0, torch.arange(4), 3)                      # (12,)
+    rollout = HFEngine(policy, tokenizer, 64).generate(ids, 3, 1.0, 1.0, 6, seeds)   # a real 12-sequence rollout
+    rewards = torch.tensor([[1.0, 0, 0], [1, 1, 1], [0, 0, 0], [1, 0, 1]])    # (4, 3)
+    scored = RewardResult(rewards.reshape(-1), {"accuracy": rewards.reshape(-1), "format": torch.zeros(12)}, {})
+    cpu = Dist(0, 1, torch.device("cpu"))
+    method = method_for(cfg, ids, tokenizer.pad_token_id, cpu, False)
+    ctx = Context(cfg, policy, ref, None, ids, [ex.problem for ex in examples], tokenizer.pad_token_id, cpu,
+                  slice(0, 4), False, None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     calls = []
     policy.lm.model.layers[0].register_forward_pre_hook(lambda module, args: calls.append(module.training))
-    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1])              # (12,) 4 groups of 3
-    sums = policy_update(policy, ref, optimizer, scheduler, input_ids, attention, mask, torch.ones(12), cfg,
-                         Dist(0, 1, torch.device("cpu")), rewards if cfg.algo.advantage != "grpo" else None)
+    step = StepRollouts(0, torch.arange(4), [i for i in range(4) for _ in range(3)], seeds, rollout, scored, rewards,
+                        torch.ones(4, 3))
+    out = method.advantages(step, ctx)
+    policy_update(policy, optimizer, scheduler, out.batch, cfg, cpu)
     # 12 sequences in micro-batches of 4: 3 eval-mode scoring calls per scoring pass, then 3 per iteration
     assert calls == [False] * scoring + [True] * 3 * cfg.algo.num_iterations
     if cfg.algo.advantage != "grpo":                                      # token-level advantage stats
-        n = sums["adv_count"]
-        assert n == mask.sum() and sums["adv_sq"] / n == pytest.approx((n - 1) / n, rel=1e-4)
+        n = out.sums["adv_count"]
+        assert n == rollout.mask.sum() and out.sums["adv_sq"] / n == pytest.approx((n - 1) / n, rel=1e-4)
 
 
 # ---------------------------------------------------------------- the real loop

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pspo.config import load_config
-from train import lr_lambda
+from pspo.optim import lr_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",

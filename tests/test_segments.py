@@ -69,7 +69,7 @@ def test_whitening_over_the_probability_mask_only():
     # K = 1 case: masked A = [.4, -.3, .7], mean .26667, Bessel var (.01778 + .32111 + .18778)/2 = .26333,
     # std .51316 -> [.25983, -1.10427, .84444]; the four p >= .9 tokens stay 0 and do not enter the stats
     rows, cuts = select_cuts(P, ONES, 1)
-    adv, M = chain_advantages(rows, cuts, V(cuts), torch.tensor([R]), P, ONES)
+    adv, M = chain_advantages(rows, cuts, V(cuts), torch.tensor([R]), P, ONES, reduce_sum=lambda x: x)
     torch.testing.assert_close(adv, torch.tensor([[0, .25983, 0, -1.10427, 0, .84444, 0]]), atol=1e-4, rtol=0)
     assert torch.equal(M, probability_mask(P, ONES))
 

@@ -3,7 +3,7 @@ advantages it hands the update, exact resume, two ranks, and its config errors.
 
 A probe runs train.py in a subprocess with the transformers engine's `generate` and the loop's
 `policy_update` wrapped, recording every call, so the logged counts can be checked against the
-engine calls themselves and the update's inputs against the rules of SEED_METHODS.md §B.
+engine calls themselves and the update's inputs against the rules of docs/related.md §B.
 """
 import json
 import math
@@ -36,9 +36,10 @@ def recorded(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, pre
     return out
 rollout.HFEngine.generate = recorded
 update = train.policy_update
-def recorded_update(*args, **kwargs):
-    updates.append(dict(input_ids=args[4], mask=args[6], **{k: v for k, v in kwargs.items()}))
-    return update(*args, **kwargs)
+def recorded_update(policy, optimizer, scheduler, batch, *args):
+    updates.append(dict(input_ids=batch.input_ids, mask=batch.mask, token_advantages=batch.advantages,
+                        loss_mask=batch.loss_mask, old_logp=batch.old_logp))
+    return update(policy, optimizer, scheduler, batch, *args)
 train.policy_update = recorded_update
 train.main(sys.argv[2:])
 torch.save({"calls": calls, "updates": updates}, sys.argv[1])

@@ -177,6 +177,24 @@ def test_resume_continues_exactly(tmp_path, few_prompts, config):
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
 
 
+def test_resume_under_another_method_or_sampler_is_one_line(tmp_path, few_prompts):
+    # A GRPO checkpoint with uniform sampling: resuming it as REINFORCE++ or with PPS would load state
+    # that means something else (or none at all): one line naming both values, exit code 2.
+    out = str(tmp_path / "run")
+    train(out, *few_prompts, "--train.max_steps=1")
+    cases = {
+        ("--algo.advantage=reinforce_pp", "--algo.beta=0"): "error: algo.advantage: the checkpoint was trained "
+        "with algo.advantage=grpo, this run has algo.advantage=reinforce_pp; resume with the same setting",
+        ("--pps.enabled=true", "--pps.mode=reference"): "error: pps.enabled: the checkpoint was trained with "
+        "pps.enabled=false, this run has pps.enabled=true; resume with the same setting",
+    }
+    for overrides, message in cases.items():
+        proc = train(out, *few_prompts, "--train.max_steps=2", "--train.resume=auto", *overrides, check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and lines[-1] == message, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+
+
 def test_two_processes_match_one(tmp_path, few_prompts):
     # PSPO with the same global batch and seed: FSDP2 over 2 gloo ranks must reproduce the
     # 1-process run, and both ranks must hold identical ERS/PPS state (the rank digests agree).
@@ -252,7 +270,8 @@ def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, nine_prompts):
                  config=config, check=False)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2
-    assert lines[-1] == "error: pps.mode: the checkpoint was trained with pps.mode=reference; resume with the same mode"
+    assert lines[-1] == ("error: pps.mode: the checkpoint was trained with pps.mode=reference, this run has "
+                         "pps.mode=paper; resume with the same setting")
 
 
 def test_pps_options_run_and_log_skips(tmp_path, few_prompts):
