@@ -99,8 +99,9 @@ class AlgoConfig:
 
     @property
     def needs_reference(self) -> bool:
-        """The frozen reference model is built and scored: the k3 loss term, or REINFORCE++'s KL reward."""
-        return self.beta > 0 or (self.advantage.startswith("reinforce_pp") and self.kl_coef > 0)
+        """The frozen reference model is built and scored: the k3 loss term (β > 0), or REINFORCE++'s KL
+        reward (kl_coef > 0, which validation allows with REINFORCE++ only)."""
+        return self.beta > 0 or self.kl_coef > 0
 
 
 @dataclass

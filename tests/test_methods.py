@@ -1,0 +1,110 @@
+"""The advantage methods through their one interface (pspo/methods.py): what each hands the update,
+with hand-worked numbers, and the one dispatch on algo.advantage. Runs without a model: with one
+iteration, β = 0 and no KL reward, no log-prob needs scoring."""
+import pytest
+import torch
+
+from pspo.config import ADVANTAGES, load_config
+from pspo.distributed import Dist
+from pspo.methods import Context, StepRollouts, method_for
+from pspo.rewards import RewardResult
+from pspo.sequences import Rollout
+
+CPU = Dist(0, 1, torch.device("cpu"))
+MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])        # (N, T) 4 completions: 3, 2, 1, 3 tokens
+
+
+def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Tensor):
+    """B = 2 prompts x G = 2 completions on one rank."""
+    cfg = load_config("configs/grpo.yaml", [f"--algo.advantage={advantage}", "--rollout.num_generations=2",
+                                            "--train.prompts_per_step=2", "--algo.beta=0"])
+    rollout = Rollout(torch.tensor([[4, 5, 6], [4, 6, 0], [7, 0, 0], [4, 4, 4]]), MASK, torch.zeros(4, 3),
+                      torch.tensor([True, False, False, True]), ["a", "b", "c", "d"], 0.0)
+    flat = rewards.reshape(-1)
+    scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(4)}, {"accuracy": 0})
+    step = StepRollouts(0, torch.tensor([0, 1]), [0, 0, 1, 1], torch.arange(4), rollout, scored, rewards, is_weights)
+    ctx = Context(cfg, None, None, None, [[1, 2], [3]], ["p0", "p1"], 0, CPU, slice(0, 2), False, None)
+    return cfg, step, ctx
+
+
+def test_grpo_hands_a_times_w_on_every_token():
+    # group [1, 0]: μ = .5, sample std sqrt(.5) = .70711 -> A = ±.5/(.70711 + 1e-4) = ±.70700;
+    # group [1, 1]: no spread -> 0. IS weights 1 and .5 per prompt: A·w = [.70700, -.70700, 0, 0],
+    # broadcast over each completion's 3 columns; the loss mask is the completion mask.
+    rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
+    cfg, step, ctx = step_and_context("grpo", rewards, w)
+    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    want = torch.tensor([0.70700, -0.70700, 0, 0])[:, None].expand(4, 3)
+    torch.testing.assert_close(out.batch.advantages, want, atol=1e-5, rtol=0)
+    assert torch.equal(out.batch.loss_mask, MASK) and out.batch.old_logp is None and out.batch.ref_logp is None
+    # prompts [1, 2] then [3], left-padded with 0, then the completion tokens
+    assert out.batch.input_ids[0].tolist() == [1, 2, 4, 5, 6] and out.batch.input_ids[2].tolist() == [0, 3, 7, 0, 0]
+    assert out.batch.attention_mask[2].tolist() == [0, 1, 1, 0, 0]
+    # statistics before the IS weight: Σ|A| = 1.414, ΣA² = 2·.49985 = .99970, over 4 completions; 1 flat group
+    assert out.sums["adv_abs"] == pytest.approx(1.41400, abs=1e-4) and out.sums["adv_count"] == 4
+    assert out.sums["adv_sq"] == pytest.approx(0.99970, abs=1e-4) and int(out.sums["zero_std_groups"]) == 1
+    assert out.sums["completion_tokens"] == 9 and int(out.sums["truncated"]) == 2
+
+
+def test_dr_grpo_does_not_divide_by_the_std():
+    # Dr. GRPO: A = r - μ: group [1, 0] -> ±.5
+    rewards = torch.tensor([[1.0, 0], [1, 1]])
+    cfg, step, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
+    cfg.algo.scale_rewards = False
+    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    torch.testing.assert_close(out.batch.advantages[:, 0], torch.tensor([0.5, -0.5, 0, 0]), atol=1e-6, rtol=0)
+
+
+def test_reinforce_pp_whitens_tokens_then_applies_w():
+    # no KL: G_t = R on every valid token: 7 tokens of 1 (rows 0, 2, 3) and 2 of 0 (row 1).
+    # mean 7/9 = .77778; Bessel var = (7·.22222² + 2·.77778²)/8 = .19444, std .44096:
+    # A(1) = .22222/.44096 = .50395, A(0) = -.77778/.44096 = -1.76383. Prompt 1's w = .5 halves rows 2-3.
+    rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
+    cfg, step, ctx = step_and_context("reinforce_pp", rewards, w)
+    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    a, b = 0.50395, -1.76383
+    want = torch.tensor([[a, a, a], [b, b, 0], [a / 2, 0, 0], [a / 2, a / 2, a / 2]])
+    torch.testing.assert_close(out.batch.advantages, want, atol=1e-4, rtol=0)
+    assert out.sums["adv_count"] == 9 and out.sums["adv_sq"] == pytest.approx(8.0, abs=1e-4)   # Σ A² = n - 1
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean():
+    # group [1, 0] -> [.5, -.5]; group [1, 1] -> [0, 0]: tokens .5 x3, -.5 x2, 0 x4; mean 1.5-1 = .5/9 = .05556
+    # Σ(x - m)² = 3·.44444² + 2·.55556² + 4·.05556² = .59259 + .61728 + .01235 = 1.22222; var /8 = .15278, std .39087
+    # A(.5) = .44444/.39087 = 1.13706, A(-.5) = -1.42134, A(0) = -.14213
+    rewards = torch.tensor([[1.0, 0], [1, 1]])
+    cfg, step, ctx = step_and_context("reinforce_pp_baseline", rewards, torch.ones(2, 2))
+    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    p, n, z = 1.13706, -1.42134, -0.14213
+    want = torch.tensor([[p, p, p], [n, n, 0], [z, 0, 0], [z, z, z]])
+    torch.testing.assert_close(out.batch.advantages, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("advantage", ADVANTAGES)
+def test_every_configured_name_has_its_method(advantage):
+    over = [f"--algo.advantage={advantage}", "--algo.beta=0"]
+    if advantage == "spo_tree":
+        over += ["--rollout.num_generations=6", "--spo.segment_tokens=3"]
+    cfg = load_config("configs/grpo.yaml", over)
+    method = method_for(cfg, [[1]], 0, CPU, False)
+    assert method.name == advantage and method.advantages.__name__ == advantage
+    # the step's generation budget: SPO-tree generates the trees' first level, M0 tokens
+    assert method.max_new_tokens == (3 if advantage == "spo_tree" else cfg.rollout.max_new_tokens)
+    assert (method.tree is not None) == (advantage == "spo_tree") and method.ers is None
+
+
+def test_grpo_with_ers_smooths_the_second_visit():
+    # α = .5. Visit 1 of prompt p0 with rewards [1, 0]: m = μ = .5, v = s² = .5 -> A as GRPO, ±.70700.
+    # Visit 2 with [1, 1] (μ2 = 1, s2² = 0): m = .5·1 + .5·.5 = .75; v = .5·0 + .5·.5 + .5·.5·(1 - .5)² = .3125
+    # (docs/methods.md §2, the mixture variance), sqrt .55902 -> A = (1 - .75)/(.55902 + 1e-4) = .44713 for both.
+    cfg, step, ctx = step_and_context("grpo", torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
+    cfg.ers.enabled, cfg.ers.alpha = True, 0.5
+    method = method_for(cfg, ctx.train_ids, 0, CPU, False)
+    ctx.ers = method.ers
+    first = method.advantages(step, ctx)
+    torch.testing.assert_close(first.batch.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
+    assert first.metrics["ers_visits"] == 1 and first.metrics["ers_seen_frac"] == 1.0
+    step.rewards = torch.tensor([[1.0, 1], [1, 1]])
+    second = method.advantages(step, ctx)
+    torch.testing.assert_close(second.batch.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
+    assert second.metrics["ers_visits"] == 2
