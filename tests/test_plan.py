@@ -288,3 +288,31 @@ def test_vllm_note_counts_the_tree_at_once():
     notes = plan.make_plan(cfg, a, 8, 80 * GiB, "vllm").notes
     assert any("holds 193 sequences" in n and "generates 258 per GPU, up to 216 in one call (in waves)" in n
                for n in notes), notes
+
+
+def test_allocator_cache_term_hand_worked():
+    # test_static_parts_hand_worked's 4-GPU plan: the allocator row is 0.2 x the larger phase's tensors,
+    # every row but the constant (and vLLM's share, absent with hf); the constant stays 2 GiB.
+    a = plan.arch_from_config(small_config())
+    cfg = load_config(None, ["--algo.beta=0", "--rollout.engine=hf", "--train.prompts_per_step=8"], 4)
+    p = plan.make_plan(cfg, a, 4, 80 * GiB, "hf")
+    rows = {key: (b, ph) for key, _, b, ph in p.rows}
+    tensors = {phase: sum(b for key, (b, ph) in rows.items() if key not in ("allocator", "overhead")
+                          and ph in ("both", phase)) for phase in ("generation", "update")}
+    assert rows["allocator"] == (int(0.2 * max(tensors.values())), "both")
+    assert rows["overhead"] == (2 * GiB, "both")
+    assert p.peak == max(tensors.values()) + int(0.2 * max(tensors.values())) + 2 * GiB
+
+
+def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
+    # scripts/gpu_check.sh grpo15 on one H100 (79.2 GiB): grpo.yaml, 512 new tokens, transformers
+    # generate. The plan's tensors (the update): params 5.75 + grads 5.75 + AdamW 11.50 + reference 5.75
+    # + activations 3.16 + log-prob block 4.35 = 36.26 GiB; with the 2 GiB constant 38.26, below the
+    # 43.0 GiB torch.cuda.max_memory_reserved measured. Allocator cache 0.2 x 36.26 = 7.25 -> 45.5 GiB.
+    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512"], 1)
+    a, _ = plan.load_arch(cfg.model.name_or_path, os.path.join(QWEN, "grpo.yaml"))
+    p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "hf")
+    rows = {key: b for key, _, b, _ in p.rows}
+    tensors = p.phase_bytes("update") - rows["allocator"] - rows["overhead"]
+    assert abs(tensors / GiB - 36.26) < 0.01 and abs(rows["allocator"] / GiB - 7.25) < 0.01
+    assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 45.52) < 0.01
