@@ -1,9 +1,10 @@
 """Prompt datasets: the built-in offline task, a local jsonl/json/parquet file, or a hub dataset.
 
-Every dataset becomes a list of `Example(problem, answer)`; `format_prompt` turns a problem into
-the model's chat prompt (with the reference recipes' R1 system prompt, or none). Answers are
-checked by the math-verify accuracy reward (ALGORITHMS.md §5), so an answer is plain text such as
-"82" or "\\frac{1}{2}" (pspo/golds.py turns stored numbers and lists into such text).
+Every dataset becomes a list of `Example(problem, answer)` (pspo/example.py, beside DataError);
+`format_prompt` turns a problem into the model's chat prompt (with the reference recipes' R1
+system prompt, or none). Answers are checked by the math-verify accuracy reward (docs/methods.md
+§5), so an answer is plain text such as "82" or "\\frac{1}{2}" (pspo/golds.py turns stored numbers
+and lists into such text).
 The second built-in task, `builtin:knights` (knights-and-knaves puzzles, pspo/knights.py), has
 golds "(1) Zoey is a knight\\n(2) ..." that the K&K reward checks instead (pspo/rewards.py).
 
@@ -27,7 +28,9 @@ import os
 import random
 from dataclasses import dataclass
 
+from pspo import knights
 from pspo.distributed import print0
+from pspo.example import DataError, Example
 from pspo.golds import gold_text
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
@@ -47,17 +50,6 @@ R1_SYSTEM_PROMPT = (
 )
 SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
 MAX_LISTED_ROWS = 10                          # row numbers named in a report line, then "..."
-
-
-class DataError(ValueError):
-    """A dataset cannot be used; the message is one line naming the file/field/dataset."""
-
-
-@dataclass(frozen=True)
-class Example:
-    problem: str      # the question text the prompt is built from
-    answer: str       # gold answer text, e.g. "82" or "\\frac{1}{2}"
-    chat_formatted: bool = False   # problem is already the whole chat prompt (PaddleNLP K&K src): used as is
 
 
 def _arithmetic_example(a: int, b: int) -> Example:
@@ -104,7 +96,6 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
     K&K puzzles of those numbers of people, before max_examples; any other row is a DataError."""
     if max_examples is not None and max_examples < 1:
         raise DataError(f"{name}: max_examples must be >= 1 or None (all), got {max_examples}")
-    from pspo import knights   # knights builds on Example and DataError from here
     if name == BUILTIN_ARITHMETIC:
         examples = builtin_arithmetic(split)
     elif name == knights.BUILTIN_KNIGHTS:
