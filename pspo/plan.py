@@ -27,10 +27,13 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   block up (512 B below 1 MiB, 2 MiB multiples above), keeps freed blocks cached for reuse, and
   the blocks of one step vary in size (micro-batches of other lengths, the log-prob blocks), so
   segments hold holes no later request fits; a block cached in the update is still reserved in the
-  next generation (only a waking vLLM empties the cache). Measured on one H100 (the 1.5B GRPO
-  recipe, 1 GPU, 512 new tokens, transformers generate): peak reserved 43.0 GiB, where the plan
-  counted 36.3 GiB of tensors (38.3 with the constant), a ratio of at least 1.19 (the tensor count
-  is an upper bound of what was allocated); 0.2 covers it;
+  next generation (only a waking vLLM empties the cache). Measured on one H100: the 1.5B GRPO
+  recipe (1 GPU, 512 new tokens, transformers generate) reserved 43.0 GiB at its peak where the
+  plan counts 36.3 GiB of tensors (38.3 with the constant): 1.19 x; bench/micro_batches.py's
+  1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing) reserved 35.1 GiB for 28.8
+  allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens, 35.7 for 30.3 (1.18 x;
+  the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what is allocated, so 0.2
+  of them covers every reserved peak seen (at most 1.19 x the plan);
 - OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
 were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
@@ -57,7 +60,7 @@ from pspo.rollout import engine_name
 
 GiB = 2**30
 OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
-ALLOCATOR_SLACK = 0.2     # reserved / allocated - 1 of PyTorch's caching allocator (module docstring: measured 1.19)
+ALLOCATOR_SLACK = 0.2     # PyTorch's caching allocator: reserved / the plan's tensors - 1 (docstring: at most 0.19 seen)
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
 USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
          f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")
