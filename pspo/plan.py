@@ -329,8 +329,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
                      f"gathered params", cost + work, "generation"))
     tensors = max(sum(b for key, _, b, ph in rows if key != "vllm" and ph in ("both", phase))
                   for phase in ("generation", "update"))                 # what PyTorch's allocator hands out
-    rows.append(("allocator", f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)",
-                 int(ALLOCATOR_SLACK * tensors), "both"))
+    slack = f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)"
+    rows.append(("allocator", slack, int(ALLOCATOR_SLACK * tensors), "both"))
     rows.append(("overhead", "CUDA context, NCCL, cuBLAS (constant)", int(OVERHEAD_GIB * GiB), "both"))
     return Plan(N, gpu_bytes, rows, notes, blocker)
 

@@ -139,5 +139,5 @@ def test_only_distributed_py_calls_collectives():
     files += [os.path.join(ROOT, "pspo", f) for f in sorted(os.listdir(os.path.join(ROOT, "pspo")))
               if f.endswith(".py") and f != "distributed.py"]
     offenders = {os.path.relpath(f, ROOT): calls for f in files if (calls := _collective_calls(f))}
-    assert offenders == {}, f"call pspo.distributed's helpers instead: {offenders}"
+    assert offenders == {}, f"call pspo.distributed's functions instead: {offenders}"
     assert _collective_calls(os.path.join(ROOT, "pspo", "distributed.py"))        # the checker sees them there

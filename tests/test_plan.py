@@ -238,7 +238,9 @@ def test_generate_calls_count_what_each_method_generates():
     # 2 prompts per GPU, prompts up to 16 tokens, T = 32 new tokens, G = 2.
     base = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
             "--train.prompts_per_step=2", "--algo.beta=0"]
-    calls = lambda extra: [(c.inputs, c.n, c.longest) for c in plan.generate_calls(load_config(None, base + extra, 1), 2)]
+
+    def calls(extra):
+        return [(c.inputs, c.n, c.longest) for c in plan.generate_calls(load_config(None, base + extra, 1), 2)]
     # GRPO: one call, 2 prompts x G = 2, rows of 16 + 32 = 48 tokens
     assert calls([]) == [(2, 2, 48)]
     # SPO-chain, K = 8, N = 3: at most ceil(32 / 8) = 4 cuts per completion -> 2 x 2 x 4 = 16 states,
