@@ -1,9 +1,10 @@
 """Prompt datasets: the built-in offline task, a local jsonl/json/parquet file, or a hub dataset.
 
-Every dataset becomes a list of `Example(problem, answer)`; `format_prompt` turns a problem into
-the model's chat prompt (with the reference recipes' R1 system prompt, or none). Answers are
-checked by the math-verify accuracy reward (ALGORITHMS.md §5), so an answer is plain text such as
-"82" or "\\frac{1}{2}" (pspo/golds.py turns stored numbers and lists into such text).
+Every dataset becomes a list of `Example(problem, answer)` (pspo/example.py, beside DataError);
+`format_prompt` turns a problem into the model's chat prompt (with the reference recipes' R1
+system prompt, or none). Answers are checked by the math-verify accuracy reward (docs/methods.md
+§5), so an answer is plain text such as "82" or "\\frac{1}{2}" (pspo/golds.py turns stored numbers
+and lists into such text).
 The second built-in task, `builtin:knights` (knights-and-knaves puzzles, pspo/knights.py), has
 golds "(1) Zoey is a knight\\n(2) ..." that the K&K reward checks instead (pspo/rewards.py).
 
@@ -22,16 +23,21 @@ the test prompts and an RL gain on "test" is generalisation, not recall.
 """
 from __future__ import annotations
 
+import codecs
 import os
 import random
 from dataclasses import dataclass
 
+from pspo import knights
 from pspo.distributed import print0
+from pspo.example import DataError, Example
 from pspo.golds import gold_text
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_SPLITS = ("train", "test")
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}   # extension -> datasets builder
+TEXT_EXTENSIONS = (".jsonl", ".json")                                         # read as UTF-8 text
+UTF8_CHUNK_BYTES = 1 << 20                                                    # read this much at a time to check UTF-8
 
 # The R1 prompt of the open-rs / Open-R1 recipes: reason in <think> </think>, answer in \boxed{}.
 # Departure from the recipes' text: they also ask for <answer> </answer> tags (and print a literal
@@ -44,17 +50,6 @@ R1_SYSTEM_PROMPT = (
 )
 SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
 MAX_LISTED_ROWS = 10                          # row numbers named in a report line, then "..."
-
-
-class DataError(ValueError):
-    """A dataset cannot be used; the message is one line naming the file/field/dataset."""
-
-
-@dataclass(frozen=True)
-class Example:
-    problem: str      # the question text the prompt is built from
-    answer: str       # gold answer text, e.g. "82" or "\\frac{1}{2}"
-    chat_formatted: bool = False   # problem is already the whole chat prompt (PaddleNLP K&K src): used as is
 
 
 def _arithmetic_example(a: int, b: int) -> Example:
@@ -101,7 +96,6 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
     K&K puzzles of those numbers of people, before max_examples; any other row is a DataError."""
     if max_examples is not None and max_examples < 1:
         raise DataError(f"{name}: max_examples must be >= 1 or None (all), got {max_examples}")
-    from pspo import knights   # knights builds on Example and DataError from here
     if name == BUILTIN_ARITHMETIC:
         examples = builtin_arithmetic(split)
     elif name == knights.BUILTIN_KNIGHTS:
@@ -109,8 +103,12 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
     else:
         rows = _load_rows(name, split, config)
         layout = knights.file_layout(list(rows.column_names))
-        examples = (knights.examples_from_rows(rows, layout) if layout is not None
-                    else _field_examples(name, rows, problem_field, answer_field))
+        try:    # pyarrow decodes strings only here: a hub dataset or parquet file with bad bytes
+            examples = (knights.examples_from_rows(rows, layout) if layout is not None
+                        else _field_examples(name, rows, problem_field, answer_field))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name}: a text field is not valid UTF-8 ({e.reason}, byte 0x{e.object[e.start]:02x})") \
+                from None
     if people:
         examples = knights.with_people(name, examples, people)
     if max_examples is not None:
@@ -139,6 +137,8 @@ def _load_rows(name: str, split: str, config: str | None = None):
             raise DataError(f"{name}: file not found")
         if os.path.getsize(name) == 0:   # datasets' own error for this is an unhelpful StopIteration
             raise DataError(f"{name}: the file is empty")
+        if ext in TEXT_EXTENSIONS:
+            check_utf8(name)
         builder = LOCAL_BUILDERS[ext]
         try:   # datasets puts a plain data file in a split called "train", whatever it holds
             return datasets.load_dataset(builder, data_files=os.path.abspath(name), split="train")
@@ -150,6 +150,29 @@ def _load_rows(name: str, split: str, config: str | None = None):
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - missing dataset, unknown split, no network, ...
         raise DataError(f"{name}: cannot load split {split!r} ({_first_line(e)})") from None
+
+
+def check_utf8(path: str) -> None:
+    """DataError naming the byte offset and line of the first byte of `path` that is not UTF-8.
+
+    datasets' json reader keeps such bytes and pyarrow fails on the row later, a long traceback
+    from deep inside the reader; this reads the file once more, in chunks, before it."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, line = 0, 1                       # bytes and lines before the chunk
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(UTF8_CHUNK_BYTES)
+            pending = len(decoder.getstate()[0])                 # a character's first bytes, from the last chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:                      # e.object: the pending bytes + chunk
+                where = offset - pending + e.start
+                lines = line + e.object[:e.start].count(b"\n")
+                raise DataError(f"{path}: not valid UTF-8 at byte {where} (line {lines}): byte "
+                                f"0x{e.object[e.start]:02x}, {e.reason}; save the file as UTF-8") from None
+            if not chunk:
+                return
+            offset, line = offset + len(chunk), line + chunk.count(b"\n")
 
 
 def _root_cause(e: BaseException) -> BaseException:

@@ -85,31 +85,49 @@ def shard(policy: torch.nn.Module, world_size: int) -> torch.nn.Module:
     return policy
 
 
+def group_device() -> torch.device:
+    """The device the process group's backend takes tensors on: cuda:LOCAL_RANK for NCCL (which
+    rejects CPU tensors), cpu for gloo (which is what a CPU run uses)."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+# Every collective below runs on a copy of its input on group_device() and hands the result back on
+# the input's device, so a caller may pass CPU tensors on a GPU run (the small sums and counts the
+# advantages and SPO compute on CPU) or CUDA tensors on a CPU run. No module outside this one calls
+# torch.distributed collectives (tests/test_distributed_checks.py checks it).
+
 def all_reduce_sum(x: Tensor) -> Tensor:
-    """Sum over ranks (in place on a copy); identity in a world of one."""
-    x = x.clone()
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
+    """Sum over ranks, on x's device; identity (a copy) in a world of one."""
+    if not dist.is_initialized():
+        return x.clone()
+    y = x.to(group_device(), copy=True)
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y.to(x.device)
 
 
 def all_reduce_max(x: Tensor) -> Tensor:
-    x = x.clone()
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    return x
+    """Elementwise max over ranks, on x's device; identity (a copy) in a world of one."""
+    if not dist.is_initialized():
+        return x.clone()
+    y = x.to(group_device(), copy=True)
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    return y.to(x.device)
 
 
-def all_gather_rows(x: Tensor, device: torch.device) -> Tensor:
+def all_gather_rows(x: Tensor, device: torch.device | None = None) -> Tensor:
     """Concatenate every rank's (n, ...) tensor along dim 0, in rank order: (world*n, ...) on x's device.
 
     Each rank must pass the same shape. Used for the (B, G) rewards, so the replicated ERS and
-    PPS state sees the whole global batch on every rank.
+    PPS state sees the whole global batch on every rank. `device` is not needed (the gather runs
+    on group_device()); it is accepted so that existing callers keep working.
     """
     if not dist.is_initialized():
         return x.clone()
-    parts = [torch.empty_like(x, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.to(device))
+    y = x.to(group_device())
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, y.contiguous())
     return torch.cat(parts).to(x.device)
 
 

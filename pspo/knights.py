@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
-from pspo.data import DataError, Example
+from pspo.example import DataError, Example
 from pspo.knights_reward import knights_people
 
 BUILTIN_KNIGHTS = "builtin:knights"

@@ -18,7 +18,23 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
 - vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
   weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
   rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
-- OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces and allocator fragmentation.
+- transformers generate (rollout.engine hf): the KV cache and sampler working set of the rows in
+  flight in the step's largest generate call (`generate_calls`: G per prompt, and SPO's
+  continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for SPO-chain, in
+  chunks of rollout.batch_size rows);
+- the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
+  larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
+  block up (512 B below 1 MiB, 2 MiB multiples above), keeps freed blocks cached for reuse, and
+  the blocks of one step vary in size (micro-batches of other lengths, the log-prob blocks), so
+  segments hold holes no later request fits; a block cached in the update is still reserved in the
+  next generation (only a waking vLLM empties the cache). Measured on one H100: the 1.5B GRPO
+  recipe (1 GPU, 512 new tokens, transformers generate) reserved 43.0 GiB at its peak where the
+  plan counts 36.3 GiB of tensors (38.3 with the constant): 1.19 x; bench/micro_batches.py's
+  1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing) reserved 35.1 GiB for 28.8
+  allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens, 35.7 for 30.3 (1.18 x;
+  the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what is allocated, so 0.2
+  of them covers every reserved peak seen (at most 1.19 x the plan);
+- OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
 were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
 block, vLLM unless it sleeps). The activation and log-prob peaks do not coincide: their sum
@@ -43,7 +59,8 @@ from pspo.model import load_model_config, resolve_model_path
 from pspo.rollout import engine_name
 
 GiB = 2**30
-OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces, allocator fragmentation
+OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
+ALLOCATOR_SLACK = 0.2     # PyTorch's caching allocator: reserved / the plan's tensors - 1 (docstring: at most 0.19 seen)
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
 USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
          f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")
@@ -184,6 +201,51 @@ def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
     return 2 * a.layers * a.kv_heads * a.head_dim * dtype_bytes
 
 
+@dataclass(frozen=True)
+class GenerateCall:
+    """One engine.generate call of a training step on one GPU, at its largest."""
+    inputs: int       # prompts, or partial completions to continue
+    n: int            # samples of each input
+    longest: int      # tokens of the longest row the transformers engine holds: padded input + budget
+
+    @property
+    def sequences(self) -> int:
+        return self.inputs * self.n
+
+
+def generate_calls(cfg: Config, prompts: int) -> list[GenerateCall]:
+    """The generate calls of one step on a GPU holding `prompts` prompts (docs/related.md §B for SPO).
+
+    P_max = data.max_prompt_tokens, T = rollout.max_new_tokens.
+    - per-completion methods (GRPO, REINFORCE++): G completions of each prompt, P_max + T tokens.
+    - spo_chain: then spo.num_mc (N) continuations of each distinct cut state. Cuts are every K-th
+      token with p_t < 0.9 (K = spo.cutpoint_interval), so at most ceil(T / K) per completion and
+      G·ceil(T/K) states per prompt: G·(1 + ceil(T/K)·N) sequences per prompt in all. The
+      transformers engine pads a chunk of states to its longest prompt + prefix (up to P_max + T - 1)
+      and runs every row to the chunk's largest budget (up to T, the state before the first token):
+      a row holds up to P_max + 2T - 1 tokens.
+    - spo_tree: b0 completions of M0 tokens, b1 continuations of each to M0 + M1 tokens, b2 of those
+      to T: up to b0·b1·b2 sequences per prompt in the last call, b0·(1 + b1 + b1·b2) in all.
+    """
+    r, s, P_max, T = cfg.rollout, cfg.spo, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    if cfg.algo.advantage == "spo_tree":
+        b0, b1, b2 = s.branch_factors
+        m0, m1 = s.segments
+        return [GenerateCall(prompts, b0, P_max + m0), GenerateCall(prompts * b0, b1, P_max + m0 + m1),
+                GenerateCall(prompts * b0 * b1, b2, P_max + T)]
+    calls = [GenerateCall(prompts, r.num_generations, P_max + T)]
+    if cfg.algo.advantage == "spo_chain":
+        cuts = -(-T // s.cutpoint_interval)                                 # ceil(T / K) per completion
+        calls.append(GenerateCall(prompts * r.num_generations * cuts, s.num_mc, P_max + 2 * T - 1))
+    return calls
+
+
+def rows_in_flight(call: GenerateCall, batch_size: int) -> int:
+    """Rows the transformers engine generates at once: HFEngine.generate runs chunks of
+    max(1, rollout.batch_size // n) inputs, n rows each (so at least n rows, even above batch_size)."""
+    return min(call.inputs, max(1, batch_size // call.n)) * call.n
+
+
 @dataclass
 class Plan:
     gpus: int
@@ -216,10 +278,12 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
     """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved)."""
     m, r, N = cfg.model, cfg.rollout, gpus
     seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
-    seqs_per_gpu = cfg.train.prompts_per_step // N * r.num_generations
-    micro = min(cfg.train.micro_batch_size, seqs_per_gpu)
+    calls = generate_calls(cfg, cfg.train.prompts_per_step // N)
+    # the update trains the step's completions; SPO-tree trains replayed edges, as many as drawn
+    update_rows = calls[0].sequences if cfg.algo.advantage != "spo_tree" else cfg.train.micro_batch_size
+    micro = min(cfg.train.micro_batch_size, update_rows)
     if cfg.train.micro_batch_tokens:          # token budget: at most budget tokens at once, as many full-length rows
-        micro = min(seqs_per_gpu, max(1, cfg.train.micro_batch_tokens // seq))
+        micro = min(update_rows, max(1, cfg.train.micro_batch_tokens // seq))
     P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
     ckpt = m.gradient_checkpointing
     other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB
@@ -246,19 +310,28 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
         rows.append(("vllm", f"vLLM {r.gpu_memory_utilization:g} x GPU: weights {weights / GiB:.2f} + KV "
                      f"{kv / GiB:.2f}, {'asleep' if r.sleep else 'awake'} in update", share,
                      "generation" if r.sleep else "both"))
+        largest = max(c.sequences for c in calls)                          # submitted in one call
         notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, dtype)} B/token, holds {held} sequences of {seq} tokens; "
-                     f"a step generates {seqs_per_gpu} per GPU" + ("" if held >= seqs_per_gpu else " (in waves)"))
+                     f"a step generates {sum(c.sequences for c in calls)} per GPU, up to {largest} in one call"
+                     + ("" if held >= largest else " (in waves)"))
         if held < 1:
             blocker = "vLLM's share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
     else:                                    # transformers generate on the sharded policy (rollout.py)
-        batch = min(max(1, r.batch_size // r.num_generations) * r.num_generations, seqs_per_gpu)
-        kv = batch * seq * a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)   # fp32 K after RoPE
-        # autocast's bf16 weight copies; the sampler's (batch x vocab) working set, about 8 float32 blocks
-        # (logits/T, log_softmax, Gumbel noise and its int64 hashes: a rough figure); gathered params
-        work = (2 * P if m.bf16 else 0) + 8 * batch * a.vocab * 4 + (4 * (a.root_params + 2 * L) if N > 1 else 0)
-        rows.append(("generate", f"generate: KV of {batch} sequences, bf16 weight copies, logits, gathered params",
-                     kv + work, "generation"))
-    rows.append(("overhead", "CUDA context, NCCL, allocator (constant)", int(OVERHEAD_GIB * GiB), "both"))
+        # per call: the KV cache of its rows in flight at their longest (fp32 K after RoPE) and the
+        # sampler's (rows x vocab) working set, about 8 float32 blocks (logits/T, log_softmax, Gumbel
+        # noise and its int64 hashes: a rough figure); the largest call counts
+        per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
+        cost, batch, longest = max((rows_in_flight(c, r.batch_size) * (c.longest * per_token + 8 * a.vocab * 4),
+                                    rows_in_flight(c, r.batch_size), c.longest) for c in calls)
+        # plus autocast's bf16 weight copies and the gathered FSDP2 params
+        work = (2 * P if m.bf16 else 0) + (4 * (a.root_params + 2 * L) if N > 1 else 0)
+        rows.append(("generate", f"generate: KV of {batch} x {longest} tokens, bf16 weight copies, logits, "
+                     f"gathered params", cost + work, "generation"))
+    tensors = max(sum(b for key, _, b, ph in rows if key != "vllm" and ph in ("both", phase))
+                  for phase in ("generation", "update"))                 # what PyTorch's allocator hands out
+    slack = f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)"
+    rows.append(("allocator", slack, int(ALLOCATOR_SLACK * tensors), "both"))
+    rows.append(("overhead", "CUDA context, NCCL, cuBLAS (constant)", int(OVERHEAD_GIB * GiB), "both"))
     return Plan(N, gpu_bytes, rows, notes, blocker)
 
 
@@ -343,5 +416,6 @@ def plan_cli(argv: list[str]) -> str:
              f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, hidden {a.hidden}, "
              f"MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, vocab {a.vocab}\n"
              f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
-             f"matrix); overhead constant {OVERHEAD_GIB:g} GiB; update peak is an upper bound")
+             f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant {OVERHEAD_GIB:g} GiB; update "
+             f"peak is an upper bound")
     return format_plan(plan, title)

@@ -226,6 +226,7 @@ class PrioritySampler:
         """
         a = abs_advantages.detach().double().cpu()
         indices = indices.cpu().long()
+        weights = self._weights_for(len(indices), a.shape[1])                  # (B, G); checked before any change
         if self.priority == "posterior":                                         # §3b: decayed Beta counts
             if successes is None:
                 raise ValueError("pps.priority=posterior: update needs the completions' successes")
@@ -247,13 +248,19 @@ class PrioritySampler:
             leaves = self.tree[self.size:self.size + self.num_prompts]
             leaves[~self.seen] = new_max
             self._rebuild()
-        return self._weights_for(len(indices), a.shape[1])
+        return weights
 
     def _weights_for(self, batch: int, groups: int) -> Tensor:
-        """The last sample's weights, one per completion (B, G): every completion of a group shares its prompt's."""
+        """The last sample's weights, one per completion (B, G): every completion of a group shares its prompt's.
+
+        Ones when nothing was sampled yet (priorities set directly). An update of another number of
+        prompts than the last sample drew is a ValueError: its weights would belong to other prompts."""
         weights = getattr(self, "_weights", None)
-        if weights is None or len(weights) != batch:
+        if weights is None:
             return torch.ones(batch, groups)
+        if len(weights) != batch:
+            raise ValueError(f"PrioritySampler.update: {batch} prompts scored, but the last sample drew "
+                             f"{len(weights)}; update the prompts of the last sample")
         return weights[:, None].expand(batch, groups).clone()
 
     def state_dict(self) -> dict:

@@ -48,14 +48,12 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from pspo.rewards import GoldAnswerError, RewardFn, alarm_guard, guarded_call, score_calls
+from pspo.rewards import GoldAnswerError, RewardFn, Values, alarm_guard, guarded_call, score_calls
 
 START_S = 60.0             # seconds a (new) worker may take to start and load the functions of a chunk
 GRACE_S = 1.0              # seconds past timeout_s a worker may stay silent on one call before it is killed
 CHUNKS_PER_WORKER = 4      # chunks per worker and batch: a slow chunk does not leave the others idle
 PR_SET_PDEATHSIG = 1       # prctl option, <linux/prctl.h>
-
-Values = tuple[dict[str, list[float]], dict[str, int]]       # (name -> (N,) values, name -> failures)
 
 
 def resolve_workers(workers: int, train_threads: int) -> int:

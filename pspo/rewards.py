@@ -50,7 +50,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from math_verify import parse, verify
 
@@ -59,8 +59,6 @@ from pspo.knights_reward import assistant_turn, knights_format_ok, knights_peopl
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-    from pspo.reward_pool import RewardPool
 
 # Our guard replaces math-verify's, so its "timeout is disabled" notice is noise (one per rank).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -189,6 +187,7 @@ def cosine_reward(prompt: str, completion: str, gold: str, max_len: int = COSINE
 
 
 RewardFn = Callable[[str, str, str], float]
+Values = tuple[dict[str, list[float]], dict[str, int]]   # (name -> (N,) values, name -> failures)
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
@@ -247,7 +246,7 @@ def guarded_call(fn: RewardFn, args: tuple[str, str, str], timeout_s: float) -> 
 
 
 def score_calls(fns: dict[str, RewardFn], prompts: list[str], completions: list[str], golds: list[str],
-                timeout_s: float) -> tuple[dict[str, list[float]], dict[str, int]]:
+                timeout_s: float) -> Values:
     """Every function on every completion in this process: (values, failures), a failed call 0.0."""
     values = {name: [0.0] * len(completions) for name in fns}
     failures = dict.fromkeys(fns, 0)
@@ -262,9 +261,17 @@ def score_calls(fns: dict[str, RewardFn], prompts: list[str], completions: list[
     return values, failures
 
 
+class Scorer(Protocol):
+    """Runs `score_calls` elsewhere with the same result: pspo/reward_pool.py's RewardPool (worker
+    processes), which builds on this module; named here so that this module needs nothing from it."""
+
+    def score(self, fns: dict[str, RewardFn], prompts: list[str], completions: list[str], golds: list[str],
+              timeout_s: float) -> Values: ...
+
+
 def score_completions(prompts: list[str], completions: list[str], golds: list[str],
                       weights: dict[str, float], timeout_s: float = 5.0,
-                      pool: RewardPool | None = None) -> RewardResult:
+                      pool: Scorer | None = None) -> RewardResult:
     """Score N completions with every function named in `weights`, in `pool`'s worker processes if
     one is given, else in this process (main thread only); the result is the same either way.
 

@@ -114,6 +114,53 @@ def test_missing_empty_and_unsupported_files(tmp_path, name, content, message):
         load_examples(str(path))
 
 
+def test_a_file_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path, monkeypatch):
+    # line 1 '{"problem": "1+1?", "answer": "2"}\n' is 35 bytes; line 2 starts '{"problem": "caf' (16 bytes),
+    # then the Latin-1 byte 0xe9 of "é": offset 35 + 16 = 51, line 2. (datasets read it and pyarrow
+    # failed on the row, a 38-line traceback.)
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9?", "answer": "3"}\n')
+    message = f"{path}: not valid UTF-8 at byte 51 (line 2): byte 0xe9, invalid continuation byte"
+    with pytest.raises(DataError, match=re.escape(message)) as err:
+        load_examples(str(path))
+    assert "\n" not in str(err.value)
+    # read in 4-byte chunks: "é" in UTF-8 (c3 a9) straddles two chunks and is fine; the bad byte is
+    # found in a later chunk at the same offset. A character cut off by the end of the file: its first byte.
+    monkeypatch.setattr(data, "UTF8_CHUNK_BYTES", 4)
+    good = tmp_path / "utf8.json"
+    good.write_bytes(json.dumps([{"problem": "caf\u00e9?", "answer": "3"}], ensure_ascii=False).encode())
+    assert load_examples(str(good)) == [Example("caf\u00e9?", "3")]
+    with pytest.raises(DataError, match=re.escape(message)):
+        load_examples(str(path))
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n\xc3')                  # 35 bytes, then half an "é"
+    with pytest.raises(DataError, match=re.escape(f"{cut}: not valid UTF-8 at byte 35 (line 2): byte 0xc3")):
+        load_examples(str(cut))
+
+
+def test_a_parquet_string_that_is_not_utf8_is_one_line(tmp_path):
+    # parquet is binary: no byte offset to name, the bad byte is found when the rows are read
+    path = tmp_path / "bad.parquet"
+    bad = pa.array([b"caf\xe9?"], type=pa.binary()).view(pa.string())   # skips pyarrow's UTF-8 check
+    pq.write_table(pa.table({"problem": bad, "answer": ["3"]}), path)
+    with pytest.raises(DataError, match=re.escape(f"{path}: a text field is not valid UTF-8 (invalid continuation "
+                                                  "byte, byte 0xe9)")):
+        load_examples(str(path))
+
+
+def test_train_py_stops_on_a_file_that_is_not_utf8_with_one_line(tmp_path, tiny_model_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9?", "answer": "3"}\n')
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--data.train={path}",
+                           f"--model.name_or_path={tiny_model_path}", f"--train.output_dir={tmp_path / 'run'}",
+                           "--data.eval=", "--train.progress=false"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert errors == [f"error: {path}: not valid UTF-8 at byte 51 (line 2): byte 0xe9, invalid continuation byte; "
+                      "save the file as UTF-8"]
+
+
 def test_other_names_go_to_the_hub_with_the_split(monkeypatch):
     import datasets
     calls = []

@@ -232,3 +232,89 @@ def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
     one = plan.plan_cli(["--config", preset, "--plan", "--gpus", "1"])           # "--gpus 1" == "--gpus=1"
     assert "on 1 GPUs" in one and "does not fit" in one
     assert one == plan.plan_cli(["--config", preset, "--plan", "--gpus=1"])
+
+
+def test_generate_calls_count_what_each_method_generates():
+    # 2 prompts per GPU, prompts up to 16 tokens, T = 32 new tokens, G = 2.
+    base = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
+            "--train.prompts_per_step=2", "--algo.beta=0"]
+
+    def calls(extra):
+        return [(c.inputs, c.n, c.longest) for c in plan.generate_calls(load_config(None, base + extra, 1), 2)]
+    # GRPO: one call, 2 prompts x G = 2, rows of 16 + 32 = 48 tokens
+    assert calls([]) == [(2, 2, 48)]
+    # SPO-chain, K = 8, N = 3: at most ceil(32 / 8) = 4 cuts per completion -> 2 x 2 x 4 = 16 states,
+    # 3 continuations each; a padded chunk row holds up to 16 + 31 (longest prefix) + 32 (budget after
+    # the shortest, empty one) = 79 tokens. Per prompt: G (1 + 4 N) = 2 x 13 = 26 sequences.
+    chain = calls(["--algo.advantage=spo_chain", "--spo.cutpoint_interval=8", "--spo.num_mc=3"])
+    assert chain == [(2, 2, 48), (16, 3, 79)] and sum(i * n for i, n, _ in chain) == 2 * 26
+    # K = 5: ceil(32 / 5) = 7 cuts -> 28 states
+    assert calls(["--algo.advantage=spo_chain", "--spo.cutpoint_interval=5", "--spo.num_mc=3"])[1][0] == 28
+    # SPO-tree 2,3,4 with M = 8: depth 0 2 x 2 rows of 16 + 8 = 24; depth 1 4 nodes x 3 to 16 + 16 = 32;
+    # depth 2 12 nodes x 4 to 48. Per prompt 2 x 3 x 4 = 24 at once, 2 + 6 + 24 = 32 in all.
+    tree = calls(["--algo.advantage=spo_tree", "--spo.branching=2,3,4", "--spo.segment_tokens=8"])
+    assert tree == [(2, 2, 24), (4, 3, 32), (12, 4, 48)] and sum(i * n for i, n, _ in tree) == 2 * 32
+
+
+def test_transformers_generate_row_counts_spo_continuations():
+    # small_config: 2 layers x 2 KV heads x 16 = 64 values per token; fp32 (model.bf16 false): K and V
+    # 8 B each -> 512 B per token; the sampler's 8 float32 blocks of vocab 100: 3200 B per row.
+    # rollout.batch_size 12: HFEngine.generate runs max(1, 12 // n) inputs x n rows at once.
+    a = plan.arch_from_config(small_config())
+    base = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
+            "--train.prompts_per_step=2", "--algo.beta=0", "--rollout.engine=hf", "--rollout.batch_size=12",
+            "--model.bf16=false"]
+
+    def generate_bytes(extra):
+        p = plan.make_plan(load_config(None, base + extra, 1), a, 1, 80 * GiB, "hf")
+        return dict((k, b) for k, _, b, _ in p.rows)["generate"]
+    # GRPO: min(2, 6) x 2 = 4 rows x 48 tokens: 4 x (48 x 512 + 3200) = 111104
+    assert generate_bytes([]) == 111104
+    # SPO-chain K = 8, N = 3: 16 states in chunks of 12 // 3 = 4 -> 12 rows x 79 tokens:
+    # 12 x (79 x 512 + 3200) = 523776 (the first call's 111104 is smaller)
+    assert generate_bytes(["--algo.advantage=spo_chain", "--spo.cutpoint_interval=8", "--spo.num_mc=3"]) == 523776
+    # SPO-tree 2,3,4, M = 8: depth 2 has 12 nodes in chunks of 12 // 4 = 3 -> 12 rows x 48 tokens:
+    # 12 x (48 x 512 + 3200) = 333312; depth 1: 4 x 3 = 12 rows x 32 tokens = 235008, smaller
+    assert generate_bytes(["--algo.advantage=spo_tree", "--spo.branching=2,3,4", "--spo.segment_tokens=8"]) == 333312
+    # a branching above batch_size: chunks of max(1, 12 // 16) = 1 input, still 16 rows x 48 tokens
+    assert generate_bytes(["--algo.advantage=spo_tree", "--spo.branching=2,3,16", "--spo.segment_tokens=8"]) \
+        == 16 * (48 * 512 + 3200)
+
+
+def test_vllm_note_counts_the_tree_at_once():
+    # The 1.5B SPO-tree recipe (6,6,6) on 8 GPUs: 1 prompt per GPU; per step 6 + 36 + 216 = 258
+    # sequences, 216 submitted in the last call; 193 fit in the KV cache (test_qwen_recipe_static_numbers).
+    recipe = os.path.join(QWEN, "spo_tree.yaml")
+    cfg = load_config(recipe, ["--data.max_prompt_tokens=512", "--rollout.max_new_tokens=3584"], 8)
+    a, _ = plan.load_arch(cfg.model.name_or_path, recipe)
+    notes = plan.make_plan(cfg, a, 8, 80 * GiB, "vllm").notes
+    assert any("holds 193 sequences" in n and "generates 258 per GPU, up to 216 in one call (in waves)" in n
+               for n in notes), notes
+
+
+def test_allocator_cache_term_hand_worked():
+    # test_static_parts_hand_worked's 4-GPU plan: the allocator row is 0.2 x the larger phase's tensors,
+    # every row but the constant (and vLLM's share, absent with hf); the constant stays 2 GiB.
+    a = plan.arch_from_config(small_config())
+    cfg = load_config(None, ["--algo.beta=0", "--rollout.engine=hf", "--train.prompts_per_step=8"], 4)
+    p = plan.make_plan(cfg, a, 4, 80 * GiB, "hf")
+    rows = {key: (b, ph) for key, _, b, ph in p.rows}
+    tensors = {phase: sum(b for key, (b, ph) in rows.items() if key not in ("allocator", "overhead")
+                          and ph in ("both", phase)) for phase in ("generation", "update")}
+    assert rows["allocator"] == (int(0.2 * max(tensors.values())), "both")
+    assert rows["overhead"] == (2 * GiB, "both")
+    assert p.peak == max(tensors.values()) + int(0.2 * max(tensors.values())) + 2 * GiB
+
+
+def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
+    # scripts/gpu_check.sh grpo15 on one H100 (79.2 GiB): grpo.yaml, 512 new tokens, transformers
+    # generate. The plan's tensors (the update): params 5.75 + grads 5.75 + AdamW 11.50 + reference 5.75
+    # + activations 3.16 + log-prob block 4.35 = 36.26 GiB; with the 2 GiB constant 38.26, below the
+    # 43.0 GiB torch.cuda.max_memory_reserved measured. Allocator cache 0.2 x 36.26 = 7.25 -> 45.5 GiB.
+    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512"], 1)
+    a, _ = plan.load_arch(cfg.model.name_or_path, os.path.join(QWEN, "grpo.yaml"))
+    p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "hf")
+    rows = {key: b for key, _, b, _ in p.rows}
+    tensors = p.phase_bytes("update") - rows["allocator"] - rows["overhead"]
+    assert abs(tensors / GiB - 36.26) < 0.01 and abs(rows["allocator"] / GiB - 7.25) < 0.01
+    assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 45.52) < 0.01
