@@ -143,7 +143,7 @@ def main(argv: list[str]) -> None:
                                        seeds)
         with clock("reward_s"):
             scored = score(rows, rollout.texts)
-            rewards, accuracy = gather_scores(scored, B_local, G, dist_.device)   # (B, G) each, every rank's
+            rewards, accuracy = gather_scores(scored, B_local, G)                 # (B, G) each, every rank's
         with clock("bookkeeping_s"):                                               # PPS: priorities, IS weights
             is_weights = importance_weights(sampler, cfg, indices, is_weights, rewards, accuracy)   # (B, G)
         with clock("advantages_s"):
@@ -216,11 +216,11 @@ def reward_weights(cfg: Config) -> dict[str, float]:
     return weights
 
 
-def gather_scores(scored: RewardResult, B_local: int, G: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def gather_scores(scored: RewardResult, B_local: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rewards and accuracies (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
     state sees the whole batch on every rank. Collective."""
-    rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G), device)
-    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(B_local, G), device)
+    rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G))
+    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(B_local, G))
     return rewards, accuracy
 
 

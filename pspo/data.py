@@ -32,6 +32,7 @@ from pspo import knights
 from pspo.distributed import print0
 from pspo.example import DataError, Example
 from pspo.golds import gold_text
+from pspo.prompts import R1_SYSTEM_PROMPT, SYSTEM_PROMPTS
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_SPLITS = ("train", "test")
@@ -39,16 +40,6 @@ LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}   # 
 TEXT_EXTENSIONS = (".jsonl", ".json")                                         # read as UTF-8 text
 UTF8_CHUNK_BYTES = 1 << 20                                                    # read this much at a time to check UTF-8
 
-# The R1 prompt of the open-rs / Open-R1 recipes: reason in <think> </think>, answer in \boxed{}.
-# Departure from the recipes' text: they also ask for <answer> </answer> tags (and print a literal
-# "\boxed{{}}"); our format reward (ALGORITHMS.md §5) wants <think>..</think> then \boxed{...}.
-R1_SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
-    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
-    "the answer. The reasoning process is enclosed within <think> </think>, followed by the final answer "
-    "in \\boxed{}, i.e., <think> reasoning process here </think> The answer is \\boxed{answer here}."
-)
-SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
 MAX_LISTED_ROWS = 10                          # row numbers named in a report line, then "..."
 
 

@@ -116,12 +116,11 @@ def all_reduce_max(x: Tensor) -> Tensor:
     return y.to(x.device)
 
 
-def all_gather_rows(x: Tensor, device: torch.device | None = None) -> Tensor:
+def all_gather_rows(x: Tensor) -> Tensor:
     """Concatenate every rank's (n, ...) tensor along dim 0, in rank order: (world*n, ...) on x's device.
 
     Each rank must pass the same shape. Used for the (B, G) rewards, so the replicated ERS and
-    PPS state sees the whole global batch on every rank. `device` is not needed (the gather runs
-    on group_device()); it is accepted so that existing callers keep working.
+    PPS state sees the whole global batch on every rank.
     """
     if not dist.is_initialized():
         return x.clone()
@@ -129,6 +128,18 @@ def all_gather_rows(x: Tensor, device: torch.device | None = None) -> Tensor:
     parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, y.contiguous())
     return torch.cat(parts).to(x.device)
+
+
+def all_gather_ragged(x: Tensor) -> Tensor:
+    """Every rank's 1-D x concatenated in rank order, on x's device; the lengths may differ (each is
+    padded to the longest for the gather). Used for SPO-tree's new edges."""
+    if not dist.is_initialized():
+        return x
+    lengths = all_gather_rows(torch.tensor([x.numel()], device=x.device)).tolist()   # (world,)
+    padded = torch.zeros(1, max(1, max(lengths)), dtype=x.dtype, device=x.device)
+    padded[0, :x.numel()] = x
+    parts = all_gather_rows(padded)                                               # (world, longest)
+    return torch.cat([parts[i, :n] for i, n in enumerate(lengths)])
 
 
 def all_equal(value: bytes) -> bool:

@@ -240,13 +240,12 @@ class SPOTree:
 
     def _gather(self, edges: list[Edge], step: int) -> list[Edge]:
         """Every rank's new edges, in rank order (all-gathers of ragged tensors)."""
-        device = self.dist.device
-        meta = _all_gather(torch.tensor([[e.example, len(e.prefix), len(e.segment)] for e in edges],
-                                        dtype=torch.long).reshape(-1), device).view(-1, 3)
-        adv = _all_gather(torch.tensor([e.advantage for e in edges], dtype=torch.float64), device)
-        toks = _all_gather(torch.cat([torch.cat([e.prefix, e.segment]) for e in edges]
-                                     or [torch.zeros(0, dtype=torch.long)]), device)
-        logp = _all_gather(torch.cat([e.old_logp for e in edges] or [torch.zeros(0)]), device)
+        gather = distributed.all_gather_ragged
+        meta = gather(torch.tensor([[e.example, len(e.prefix), len(e.segment)] for e in edges],
+                                   dtype=torch.long).reshape(-1)).view(-1, 3)
+        adv = gather(torch.tensor([e.advantage for e in edges], dtype=torch.float64))
+        toks = gather(torch.cat([torch.cat([e.prefix, e.segment]) for e in edges] or [torch.zeros(0, dtype=torch.long)]))
+        logp = gather(torch.cat([e.old_logp for e in edges] or [torch.zeros(0)]))
         out, t, j = [], 0, 0
         for (example, p, q), a in zip(meta.tolist(), adv.tolist()):     # copies: no view keeps the step's tensors
             out.append(Edge(example, step, toks[t:t + p].clone(), toks[t + p:t + p + q].clone(),
@@ -338,14 +337,3 @@ def _pad(rows: list[Tensor], value) -> tuple[Tensor, Tensor]:
     for i, x in enumerate(rows):
         out[i, :len(x)], mask[i, :len(x)] = x, 1.0
     return out, mask
-
-
-def _all_gather(x: Tensor, device: torch.device) -> Tensor:
-    """Every rank's 1-D x concatenated in rank order; the lengths may differ (padded to the longest)."""
-    if not torch.distributed.is_initialized():
-        return x
-    lengths = distributed.all_gather_rows(torch.tensor([x.numel()]), device).tolist()   # (world,)
-    padded = torch.zeros(1, max(1, max(lengths)), dtype=x.dtype)
-    padded[0, :x.numel()] = x
-    parts = distributed.all_gather_rows(padded, device)                  # (world, longest)
-    return torch.cat([parts[i, :n] for i, n in enumerate(lengths)])

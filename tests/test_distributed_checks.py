@@ -66,8 +66,7 @@ def test_collectives_hand_nccl_a_cuda_tensor_and_return_on_the_callers_device(mo
     group = FakeGroup(monkeypatch, "nccl")
     calls = {"all_reduce_sum": lambda x: distributed.all_reduce_sum(x),
              "all_reduce_max": lambda x: distributed.all_reduce_max(x),
-             "all_gather_rows": lambda x: distributed.all_gather_rows(x),
-             "all_gather_rows(x, cpu)": lambda x: distributed.all_gather_rows(x, torch.device("cpu"))}
+             "all_gather_rows": lambda x: distributed.all_gather_rows(x)}
     for name, call in calls.items():
         group.seen.clear()
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -81,12 +80,13 @@ def test_collectives_hand_nccl_a_cuda_tensor_and_return_on_the_callers_device(mo
 def test_collectives_on_gloo_stay_on_cpu_with_the_right_values(monkeypatch):
     # gloo: CPU in, CPU to the backend, CPU out. World of 2 identical ranks:
     # sum [1, 2] -> [2, 4]; max [1, 2] -> [1, 2]; gather [[1, 2]] -> [[1, 2], [1, 2]];
-    # reduce_sums {"a": 1.5, "b": 2} -> {"a": 3.0, "b": 4.0}.
+    # ragged gather [1, 2] -> [1, 2, 1, 2]; reduce_sums {"a": 1.5, "b": 2} -> {"a": 3.0, "b": 4.0}.
     group = FakeGroup(monkeypatch, "gloo")
     x = torch.tensor([1.0, 2.0])
     assert distributed.all_reduce_sum(x).tolist() == [2.0, 4.0]
     assert distributed.all_reduce_max(x).tolist() == [1.0, 2.0]
     assert distributed.all_gather_rows(x[None]).tolist() == [[1.0, 2.0], [1.0, 2.0]]
+    assert distributed.all_gather_ragged(x).tolist() == [1.0, 2.0, 1.0, 2.0]   # lengths [2, 2], no padding kept
     assert distributed.reduce_sums({"b": 2.0, "a": 1.5}, torch.device("cpu")) == {"a": 3.0, "b": 4.0}
     assert x.tolist() == [1.0, 2.0]                                         # the input is never changed
     assert set(group.seen) == {torch.device("cpu")}
