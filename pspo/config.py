@@ -93,7 +93,7 @@ class AlgoConfig:
     eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
     adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
-    kl_coef: float = 0.0                # REINFORCE++ (§6): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref) (the seed: 1e-3)
+    kl_coef: float = 0.0                # REINFORCE++ (§6): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref) (the reference code: 1e-3)
     clip_score: float = 10.0            # REINFORCE++: the reward is clipped to ±clip_score before it enters the last token
     whiten: str = "bessel"              # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
 

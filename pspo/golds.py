@@ -1,4 +1,4 @@
-r"""Gold answers as the real benchmarks store them, brought to what math-verify parses (ALGORITHMS.md §5).
+r"""Gold answers as the real benchmarks store them, brought to what math-verify parses (docs/methods.md §5).
 
 The accuracy reward is `verify(parse(gold), parse(answer))`. math-verify parses most benchmark
 answers as written: `90^\circ`, `\text{(C)}`, `\text{Evelyn}`, intervals `(-\infty, 3]` and

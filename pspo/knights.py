@@ -1,4 +1,4 @@
-"""Knights-and-knaves (K&K) logic puzzles, the PaddleNLP seed's task (SEED_METHODS.md §A).
+"""Knights-and-knaves (K&K) logic puzzles, PaddleNLP's task (docs/related.md §A).
 
 An island's inhabitants are knights (every statement true) or knaves (every statement false);
 each of n people (2..8) makes one statement, and the solver names who is which. Statements are
@@ -18,9 +18,9 @@ means distinct statements (names aside): a logical puzzle never recurs under oth
 are interleaved (2, 3, .., 8, 2, 3, ..), so any prefix of a split is stratified by size.
 
 Each puzzle becomes an `Example`: the problem is the puzzle text followed by KNIGHTS_INSTRUCTION
-(a problem suffix, not a system prompt: the prompt asks for the seed's `<think>..</think>
+(a problem suffix, not a system prompt: the prompt asks for the reference code's `<think>..</think>
 <answer>..</answer>` layout under any data.system_prompt, and the arithmetic task is untouched);
-the gold is the seed's `tgt` text "(1) Michael is a knight\\n(2) Zoey is a knave", one line per
+the gold is the reference code's `tgt` text "(1) Michael is a knight\\n(2) Zoey is a knave", one line per
 person, so the number of people is its line count (knights_reward.knights_people). Local files in the
 hub data set's layout and in PaddleNLP's src/tgt layout load through `examples_from_rows`.
 """
@@ -74,7 +74,7 @@ class Puzzle:
         return f"{ISLAND} You meet {n} inhabitants: {people}. {said} {QUESTION}"
 
     def gold(self) -> str:
-        """The seed's tgt text: "(1) Michael is a knight\\n(2) Zoey is a knave"."""
+        """The reference code's tgt text: "(1) Michael is a knight\\n(2) Zoey is a knave"."""
         return solution_text(self.names, self.solution)
 
     def example(self) -> Example:
@@ -248,7 +248,7 @@ def file_layout(columns: list[str]) -> str | None:
     return None
 
 
-# The seed's src: Qwen2.5's chat template around a system prompt asking for the layout (our
+# The reference code's src: Qwen2.5's chat template around a system prompt asking for the layout (our
 # wording), ending where the assistant starts, inside its opened <think>.
 PADDLE_SYSTEM_PROMPT = (
     "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
@@ -301,7 +301,7 @@ def examples_from_rows(rows, layout: str) -> list[Example]:
 
     hub: problem = quiz + KNIGHTS_INSTRUCTION (as builtin puzzles); gold = solution_text_format
     when present, else built from names and solution (bools).
-    paddle: problem = src[0], a prompt already in the chat template (the seed's ends with
+    paddle: problem = src[0], a prompt already in the chat template (the reference code's ends with
     "<|im_start|>assistant\\n<think>"): `chat_formatted=True`, so `prompt_set` uses it as it is,
     never templated again (and without data.system_prompt); gold = tgt[0]."""
     if layout == "paddle":

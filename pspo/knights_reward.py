@@ -1,9 +1,9 @@
-"""The knights-and-knaves reward of the PaddleNLP seed (docs/related.md §A), a pure function
+"""The knights-and-knaves reward of PaddleNLP's recipe (docs/related.md §A), a pure function
 (prompt, completion, gold) -> float registered in rewards.py as `knights`.
 
 Format +1 / -1 (each of <think>, </think>, <answer>, </answer> exactly once, in that order);
 answer +2 exact, -1.5 parsed but wrong, -2 unparsable or format failed: totals in {3, -0.5, -1, -3}.
-The ground truth is read from the gold lines "(1) Zoey is a knight\n(2) ..." as the seed does.
+The ground truth is read from the gold lines "(1) Zoey is a knight\n(2) ..." as the reference code does.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pspo.golds import GoldAnswerError
 
 KNIGHTS_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 ASSISTANT_MARK = "<|im_start|>assistant"
-_GOLD_ROLE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)   # the seed's, per gold line
+_GOLD_ROLE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)   # the reference code's, per gold line
 
 
 @functools.lru_cache(maxsize=4096)
 def _knights_gold(gold: str) -> tuple[tuple[str, str], ...] | None:
-    """The seed's ground truth: on each line, the first alphabetic word followed later by knight or
+    """The reference code's ground truth: on each line, the first alphabetic word followed later by knight or
     knave gives (name, role), a later line overriding an earlier one of the same name. None unless
     every non-blank line has one (a math gold never does)."""
     lines = [line.strip() for line in gold.split("\n") if line.strip()]
@@ -36,11 +36,11 @@ def knights_people(gold: str) -> int | None:
 
 
 def assistant_turn(prompt: str, completion: str) -> str:
-    """The text the seed scores: what follows "<|im_start|>assistant". The seed scores a whole
+    """The text the reference code scores: what follows "<|im_start|>assistant". The reference code scores a whole
     decoded sequence and prepends "\n<|im_start|>assistant\n<think>" when that mark is absent,
     because its prompts end with "<|im_start|>assistant\n<think>". Our completions never hold the
     chat prefix and our prompts end where the assistant starts, so the equivalent is: a
-    completion holding the mark (a whole sequence) is scored after its first one, as the seed
+    completion holding the mark (a whole sequence) is scored after its first one, as the reference code
     does; otherwise the completion is scored, preceded by "<think>" only when the prompt ends
     with "<think>" (PaddleNLP's src). A model answering our own prompts writes its <think> itself."""
     if ASSISTANT_MARK in completion:

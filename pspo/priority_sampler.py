@@ -1,4 +1,4 @@
-"""PPS: prompt-level prioritized sampling with importance weights (ALGORITHMS.md §3).
+"""PPS: prompt-level prioritized sampling with importance weights (docs/methods.md §3).
 
 Per prompt q a priority p_q; after its group is scored
 
@@ -16,7 +16,7 @@ the priority is the group's mean |A| (`priority: mean_abs`), the expected value 
 reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
 
-The fixes of ALGORITHMS.md §3b, each off by default (the paper's method):
+The fixes of docs/methods.md §3b, each off by default (the paper's method):
   uniform_mix u    P'(q) = (1-u)·P(q) + u/N: no prompt falls below u/N. Drawn as P' ∝ p_q + c with
                    c = u·Σp / ((1-u)·N), through a second tree that counts the live leaves.
   priority posterior   a_q <- λ·a_q + Σ_i r̂_i, b_q <- λ·b_q + Σ_i (1-r̂_i) (a = b = 1 at the start),
@@ -148,7 +148,7 @@ class PrioritySampler:
 
     def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
         """B distinct prompt indices (B,) and their IS weights (B,) float32, normalised by `is_norm`
-        (ALGORITHMS.md §3b): batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is
+        (docs/methods.md §3b): batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is
         GRPO's), none w as is (the reference code's).
 
         Successive sampling without replacement, in rounds: a round draws as many prompts as are

@@ -1,6 +1,6 @@
-"""Verifiable rewards of the reference recipes, ALGORITHMS.md §5: accuracy (math-verify), format
+"""Verifiable rewards of the reference recipes, docs/methods.md §5: accuracy (math-verify), format
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and the PaddleNLP
-seed's knights-and-knaves reward (SEED_METHODS.md §A), `knights` (pspo/knights_reward.py).
+seed's knights-and-knaves reward (docs/related.md §A), `knights` (pspo/knights_reward.py).
 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role

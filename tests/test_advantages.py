@@ -1,4 +1,4 @@
-"""GRPO / Dr. GRPO group advantages, ALGORITHMS.md §1, checked against numbers worked by hand."""
+"""GRPO / Dr. GRPO group advantages, docs/methods.md §1, checked against numbers worked by hand."""
 import torch
 
 from pspo.advantages import group_advantages, zero_variance

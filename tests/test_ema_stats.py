@@ -1,4 +1,4 @@
-"""ERS: per-prompt EMA reward statistics and smoothed advantages (ALGORITHMS.md §2)."""
+"""ERS: per-prompt EMA reward statistics and smoothed advantages (docs/methods.md §2)."""
 import torch
 
 from pspo.advantages import group_advantages, smoothed_advantages

@@ -1,5 +1,5 @@
-"""Knights-and-knaves: the puzzle generator and its splits, the two file layouts, the seed's
-reward (SEED_METHODS.md §A) with adversarial completions, and per-size evaluation."""
+"""Knights-and-knaves: the puzzle generator and its splits, the two file layouts, the reference code's
+reward (docs/related.md §A) with adversarial completions, and per-size evaluation."""
 import hashlib
 import json
 import os
@@ -203,7 +203,7 @@ def test_a_templated_src_prompt_is_used_as_is_and_a_quiz_is_templated():
 # ---- the reward ------------------------------------------------------------------------------
 
 def test_the_seeds_cases_with_its_templated_prompt():
-    # The seed's prompt ends inside the assistant's <think>: the completion starts with the reasoning.
+    # The reference code's prompt ends inside the assistant's <think>: the completion starts with the reasoning.
     assert knights_reward(SEED_PROMPT, f"reasoning</think><answer>{RIGHT}</answer>", GOLD) == 3.0
     wrong = RIGHT.replace("Zoey is a knight", "Zoey is a knave")                 # format +1, answer -1.5
     assert knights_reward(SEED_PROMPT, f"r</think><answer>{wrong}</answer>", GOLD) == -0.5
@@ -218,7 +218,7 @@ def test_our_prompts_end_where_the_assistant_starts_so_the_completion_opens_thin
     ours = "<|im_start|>user\nq\n<|im_end|>\n<|im_start|>assistant\n"
     assert knights_reward(ours, f"<think>r</think>\n<answer> {RIGHT} </answer>", GOLD) == 3.0
     assert knights_reward(ours, f"r</think><answer>{RIGHT}</answer>", GOLD) == -3.0
-    # a whole decoded sequence (the seed's input) is scored after its first assistant mark
+    # a whole decoded sequence (the reference code's input) is scored after its first assistant mark
     assert knights_reward("", f"{SEED_PROMPT}r</think><answer>{RIGHT}</answer>", GOLD) == 3.0
 
 
@@ -276,7 +276,7 @@ def test_adversarial_completions_score_quickly_and_never_raise(name):
         assert total in (3.0, -0.5, -1.0, -3.0)
         accuracy_reward(prompt, completion, GOLD), format_reward(prompt, completion, GOLD)
     assert time.perf_counter() - start < 1.0
-    # a unicode gold name parses as the seed's ASCII-word rule reads it, without raising
+    # a unicode gold name parses as the reference code's ASCII-word rule reads it, without raising
     assert knights_reward("", completion, "(1) Zoë is a knight\n(2) Михаил is a knave") in (3.0, -0.5, -1.0, -3.0)
 
 

@@ -1,4 +1,4 @@
-"""Log-probs, clipped surrogate, k3 KL and aggregation, ALGORITHMS.md §1, with hand-worked numbers,
+"""Log-probs, clipped surrogate, k3 KL and aggregation, docs/methods.md §1, with hand-worked numbers,
 and the invariance of the step gradient to micro-batch / rank splitting."""
 import math
 
@@ -249,7 +249,7 @@ def _step_grads(aggregation, ranks, global_counts=True):
 
 
 def _explicit_step_loss(aggregation):
-    """The aggregation written out as in ALGORITHMS.md §1, for the one-call loss to match."""
+    """The aggregation written out as in docs/methods.md §1, for the one-call loss to match."""
     hidden, weight, targets, mask, advantages, old_logp, ref_logp = _rollout()
     logp, _ = token_logprobs(hidden, weight, targets, temperature=0.7)
     ratio = torch.exp(logp - old_logp)

@@ -1,4 +1,4 @@
-"""PPS options of ALGORITHMS.md §3b: uniform_mix, priority=posterior, skip (PrioritySampler), and
+"""PPS options of docs/methods.md §3b: uniform_mix, priority=posterior, skip (PrioritySampler), and
 their state in checkpoints."""
 import pytest
 import torch

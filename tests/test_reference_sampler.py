@@ -1,4 +1,4 @@
-"""pps.mode=reference (ALGORITHMS.md §3a): the released code's PERRepeatSampler, epoch-frozen draws
+"""pps.mode=reference (docs/methods.md §3a): the released code's PERRepeatSampler, epoch-frozen draws
 with replacement, last-sample priorities and unnormalised per-completion weights."""
 import pytest
 import torch
@@ -116,7 +116,7 @@ def test_epochs_draw_n_rows_serve_b_and_drop_the_tail():
     i3, _ = s.sample(2)
     assert s.batch_stats()["epoch"] == 1 and s.position == 2 and len(s.order) == 5
     assert torch.equal(i3, s.order[:2])
-    # the epoch's draws are the seed's multinomial over the priorities (all 1 here: uniform)
+    # the epoch's draws are the reference code's multinomial over the priorities (all 1 here: uniform)
     g = torch.Generator().manual_seed(0)
     assert torch.equal(order, torch.multinomial(torch.ones(5, dtype=torch.float64), 5, replacement=True, generator=g))
     with pytest.raises(ValueError, match="6 prompts per step asked of 5"):

@@ -1,5 +1,5 @@
-"""REINFORCE++ and REINFORCE++-baseline, ALGORITHMS.md §6 / SEED_METHODS.md §A: the token reward,
-return and global whitening with the seed's hand-worked numbers, an independent loop
+"""REINFORCE++ and REINFORCE++-baseline, docs/methods.md §6 / docs/related.md §A: the token reward,
+return and global whitening with the hand-worked numbers of docs/related.md §A, an independent loop
 implementation on random batches, whitening over 2 gloo ranks, the token-level loss seam, the
 config checks, and the real loop on the tiny model."""
 import json
@@ -29,13 +29,13 @@ from pspo.update import policy_update
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = lambda x: x                  # noqa: E731  the sum over ranks in a world of one
 
-# SEED_METHODS.md §A: one completion of 3 tokens, kl_coef .1, R = 1
+# docs/related.md §A: one completion of 3 tokens, kl_coef .1, R = 1
 OLD = torch.tensor([[-1.0, -2.0, -0.5]])                                   # logπ_old (1, 3)
 REF = torch.tensor([[-1.5, -2.0, -1.0]])                                   # logπ_ref (1, 3)
 ONE = torch.ones(1, 3, dtype=torch.bool)
 
 
-# ---------------------------------------------------------------- hand-worked (SEED_METHODS.md §A)
+# ---------------------------------------------------------------- hand-worked (docs/related.md §A)
 
 def test_token_reward_and_return_hand_worked():
     # k1 = old - ref = [.5, 0, .5] -> -kl_coef·k1 = [-.05, 0, -.05]; R = 1 on the last token:
@@ -91,7 +91,7 @@ def test_padding_is_zero_and_never_nan():
 
 
 def test_token_level_advantages_in_the_clipped_surrogate():
-    # SEED_METHODS.md §A: A = 1, ρ = 1.5, ε = (.2, .28) -> -min(1.5, 1.28) = -1.28 per token.
+    # docs/related.md §A: A = 1, ρ = 1.5, ε = (.2, .28) -> -min(1.5, 1.28) = -1.28 per token.
     # A token-level (1, 2) advantage [[1, -1]] with ρ = [1.5, .5]: the second token is
     # -min(-.5, -.8) = .8, so the sum is -.48; the PPS IS weight .5 scales both: -.24.
     logp, old = torch.tensor([[1.5, 0.5]]).log(), torch.zeros(1, 2)

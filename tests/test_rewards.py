@@ -1,4 +1,4 @@
-"""Rewards, ALGORITHMS.md §5: hand-worked values, the format rule, time limits, adversarial input."""
+"""Rewards, docs/methods.md §5: hand-worked values, the format rule, time limits, adversarial input."""
 import math
 import signal
 import threading

@@ -1,4 +1,4 @@
-"""SPO segment credit (pspo/segments.py): SEED_METHODS.md §B's hand-worked chain and tree cases,
+"""SPO segment credit (pspo/segments.py): docs/related.md §B's hand-worked chain and tree cases,
 then independent loop-style references (written like the SPO reference code) on random inputs."""
 import math
 import random

@@ -241,7 +241,7 @@ def nine_prompts(tmp_path):
 
 
 def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, nine_prompts):
-    # pspo_reference (ALGORITHMS.md §3a): 3 steps, then resumed to step 4, against 4 steps in one go.
+    # pspo_reference (docs/methods.md §3a): 3 steps, then resumed to step 4, against 4 steps in one go.
     # Epoch 0 serves steps 1-2, epoch 1 steps 3-4: the checkpoint at step 3 is mid-epoch (position 4 of
     # its 9 draws), so the resume must bring back the frozen draws and the position, not just the RNG.
     config = "configs/pspo_reference.yaml"
@@ -250,7 +250,7 @@ def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, nine_prompts):
     state3 = trainer_state(os.path.join(part, "checkpoint-3"))["sampler"]
     assert (state3["position"], state3["epoch"], len(state3["order"])) == (4, 1, 9)
     # row 8 repeats row 0's problem: its groups write row 0's priority (the reference keys priorities by
-    # problem), row 8's own stays 1. The seed's first epoch serves row 8 (checked here, so that the
+    # problem), row 8's own stays 1. Seed 0's first epoch serves row 8 (checked here, so that the
     # assertion below means something: a write of (|A| + 1e-6)^.6 is 1 only if |A| = 1 - 1e-6).
     first = ReferenceSampler(9, seed=0)
     assert 8 in first.sample(4)[0].tolist() + first.sample(4)[0].tolist()
