@@ -1,4 +1,4 @@
-"""Rewards off the critical path (issue 12): score completions in a pool of worker processes.
+"""Rewards off the critical path: score completions in a pool of worker processes.
 
 `RewardPool(workers)` keeps `workers` long-lived processes, each a fresh interpreter started with
 `python -c` (never a fork of a trainer holding torch threads, CUDA or vLLM; and not
@@ -30,7 +30,7 @@ worker is lost before it has loaded the functions.
 Lifetime: `close()` (train.py and eval.py call it) kills the workers, as does the pool's garbage
 collection or the interpreter's exit (weakref.finalize). A worker also exits when its pipe to the
 trainer closes, and on Linux gets SIGKILL when the trainer dies (PR_SET_PDEATHSIG). Workers run in
-their own session: Ctrl-C reaches the trainer only, which stops them.
+their own process group (start_new_session): Ctrl-C reaches the trainer only, which stops them.
 """
 from __future__ import annotations
 
