@@ -100,19 +100,19 @@ def group_device() -> torch.device:
 
 def all_reduce_sum(x: Tensor) -> Tensor:
     """Sum over ranks, on x's device; identity (a copy) in a world of one."""
-    if not dist.is_initialized():
-        return x.clone()
-    y = x.to(group_device(), copy=True)
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
-    return y.to(x.device)
+    return _all_reduce(x, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(x: Tensor) -> Tensor:
     """Elementwise max over ranks, on x's device; identity (a copy) in a world of one."""
+    return _all_reduce(x, dist.ReduceOp.MAX)
+
+
+def _all_reduce(x: Tensor, op) -> Tensor:
     if not dist.is_initialized():
         return x.clone()
     y = x.to(group_device(), copy=True)
-    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    dist.all_reduce(y, op=op)
     return y.to(x.device)
 
 
