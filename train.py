@@ -104,8 +104,8 @@ def main(argv: list[str]) -> None:
     weights = reward_weights(cfg)
 
     def score(examples: list[int], texts: list[str]) -> RewardResult:   # completions of these train rows
-        return score_completions([train.texts[i] for i in examples], texts, [train.examples[i].answer for i in examples],
-                                 weights, cfg.reward.timeout_s, reward_pool)
+        prompts, golds = [train.texts[i] for i in examples], [train.examples[i].answer for i in examples]
+        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, reward_pool)
 
     def run_eval() -> dict[str, float]:
         return evaluation(engine, evals, cfg, dist_, reward_pool)

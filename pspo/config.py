@@ -78,14 +78,18 @@ class RewardConfig:
     accuracy: float = 1.0               # weight of the math-verify accuracy reward (§5)
     format: float = 0.0                 # weight of the <think>..</think> format reward (§5)
     cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
-    knights: float = 0.0                # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (docs/related.md §A)
+    # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (docs/related.md §A)
+    knights: float = 0.0
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
     workers: int = -1                   # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training threads)
 
 
 @dataclass
 class AlgoConfig:
-    advantage: str = "grpo"             # grpo (§1, per completion; ERS/Dr. GRPO through the keys below) | reinforce_pp | reinforce_pp_baseline (§6, per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
+    # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO and ERS
+    # through the keys below) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A, per token) |
+    # spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
+    advantage: str = "grpo"
     scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
     beta: float = 0.04                  # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
@@ -93,7 +97,9 @@ class AlgoConfig:
     eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
     adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
-    kl_coef: float = 0.0                # REINFORCE++ (§6): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref) (the reference code: 1e-3)
+    # REINFORCE++ (docs/related.md §A): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref)
+    # (PaddleNLP's: 1e-3)
+    kl_coef: float = 0.0
     clip_score: float = 10.0            # REINFORCE++: the reward is clipped to ±clip_score before it enters the last token
     whiten: str = "bessel"              # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
 

@@ -106,5 +106,6 @@ def sampler_metrics(sampler, cfg: Config) -> dict[str, float]:
     if not cfg.pps.enabled:
         return {}
     metrics = {f"pps_{k}": v for k, v in sampler.batch_stats().items()}
-    metrics["rollouts_saved"] = metrics.get("pps_skipped", 0.0) * cfg.rollout.num_generations   # skipped before generation
+    skipped = metrics.get("pps_skipped", 0.0)                       # prompts skipped before generation
+    metrics["rollouts_saved"] = skipped * cfg.rollout.num_generations
     return metrics

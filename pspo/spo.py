@@ -244,7 +244,8 @@ class SPOTree:
         meta = gather(torch.tensor([[e.example, len(e.prefix), len(e.segment)] for e in edges],
                                    dtype=torch.long).reshape(-1)).view(-1, 3)
         adv = gather(torch.tensor([e.advantage for e in edges], dtype=torch.float64))
-        toks = gather(torch.cat([torch.cat([e.prefix, e.segment]) for e in edges] or [torch.zeros(0, dtype=torch.long)]))
+        tokens = [torch.cat([e.prefix, e.segment]) for e in edges] or [torch.zeros(0, dtype=torch.long)]
+        toks = gather(torch.cat(tokens))
         logp = gather(torch.cat([e.old_logp for e in edges] or [torch.zeros(0)]))
         out, t, j = [], 0, 0
         for (example, p, q), a in zip(meta.tolist(), adv.tolist()):     # copies: no view keeps the step's tensors
@@ -290,7 +291,7 @@ class SPOTree:
         old_logp, _ = _pad([e.old_logp for e in edges], 0.0)              # (N, T)
         loss_mask = probability_mask(old_logp.exp(), mask).to(device)    # (N, T) M
         raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32, device=device)[:, None] * loss_mask
-        advantages = whiten(raw, loss_mask, reduce_sum=distributed.all_reduce_sum)                               # (N, T)
+        advantages = whiten(raw, loss_mask, reduce_sum=distributed.all_reduce_sum)   # (N, T)
         input_ids, attention_mask = batch_inputs([self.train_ids[e.example] + e.prefix.tolist() for e in edges],
                                                  completion, mask, self.pad_id)
         batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device), loss_mask,

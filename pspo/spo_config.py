@@ -19,7 +19,8 @@ class SPOConfig:
     tree_scale: bool = False            # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
     replay_iterations: int = 8          # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
     edges_per_question: int = 32        # tree: at most this many of a question's buffered edges drawn (and removed) per step
-    edges_per_step: int = 0             # tree: at most this many drawn edges trained per step, a random subset (0 = all; the reference code: 512)
+    # tree: at most this many drawn edges trained per step, a random subset (0 = all; the reference code: 512)
+    edges_per_step: int = 0
 
     @property
     def branch_factors(self) -> tuple[int, ...]:

@@ -70,7 +70,8 @@ def test_reinforce_pp_whitens_tokens_then_applies_w():
 
 def test_reinforce_pp_baseline_subtracts_the_group_mean():
     # group [1, 0] -> [.5, -.5]; group [1, 1] -> [0, 0]: tokens .5 x3, -.5 x2, 0 x4; mean 1.5-1 = .5/9 = .05556
-    # Σ(x - m)² = 3·.44444² + 2·.55556² + 4·.05556² = .59259 + .61728 + .01235 = 1.22222; var /8 = .15278, std .39087
+    # Σ(x - m)² = 3·.44444² + 2·.55556² + 4·.05556² = .59259 + .61728 + .01235 = 1.22222;
+    # var /8 = .15278, std .39087
     # A(.5) = .44444/.39087 = 1.13706, A(-.5) = -1.42134, A(0) = -.14213
     rewards = torch.tensor([[1.0, 0], [1, 1]])
     cfg, step, ctx = step_and_context("reinforce_pp_baseline", rewards, torch.ones(2, 2))

@@ -177,9 +177,9 @@ def test_whitening_over_two_ranks_equals_one_process(tmp_path):
     returns = reinforce_pp_returns(rewards, mask, old, ref, 0.05, 10.0)   # (12, 7)
     mp.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), returns, mask, str(tmp_path)), nprocs=2)
     got = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)])
-    want = whiten(returns, mask, "bessel", reduce_sum=LOCAL)                               # one process, the whole batch
+    want = whiten(returns, mask, "bessel", reduce_sum=LOCAL)               # one process, the whole batch
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    local = whiten(returns[:5], mask[:5], "bessel", reduce_sum=LOCAL)                      # control: rank-local statistics differ
+    local = whiten(returns[:5], mask[:5], "bessel", reduce_sum=LOCAL)      # control: rank-local statistics differ
     assert (local - want[:5]).abs().max() > 1e-2
 
 
@@ -213,7 +213,8 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
                                             "--train.prompts_per_step=4", *overrides])
     tokenizer = load_tokenizer(tiny_model_path)
     examples = builtin_arithmetic("train")[:4]
-    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"] for ex in examples]
+    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
+           for ex in examples]
     policy = build_policy(tiny_model_path, False, 64, False, False)
     ref = build_policy(tiny_model_path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
     seeds = sequence_seeds(0, 0, torch.arange(4), 3)                      # (12,)
