@@ -126,8 +126,10 @@ def main(argv: list[str]) -> None:
     B, G = cfg.train.prompts_per_step, r.num_generations
     B_local = B // dist_.world_size
     mine = slice(dist_.rank * B_local, (dist_.rank + 1) * B_local)                 # this rank's rows of the batch
-    ctx = Context(cfg, policy, ref, counter, train.ids, [ex.problem for ex in train.examples],
-                  tokenizer.pad_token_id, dist_, mine, lockstep, score, method.ers, method.tree)
+    problems = [ex.problem for ex in train.examples]
+    release = engine.sleep if separate_engine else (lambda: None)       # vLLM frees its GPU memory (rollout.sleep)
+    ctx = Context(cfg, policy, ref, counter, train.ids, problems, tokenizer.pad_token_id, dist_, mine, lockstep, score,
+                  release, len(set(problems)), method.ers, method.tree)
     last_eval, skipped_in_a_row = first_eval, 0                                    # non-finite updates in a row
     preemption = distributed.PreemptionSignal()                                    # SIGTERM / SIGUSR1
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
@@ -146,12 +148,10 @@ def main(argv: list[str]) -> None:
             rewards, accuracy = gather_scores(scored, B_local, G)                 # (B, G) each, every rank's
         with clock("bookkeeping_s"):                                               # PPS: priorities, IS weights
             is_weights = importance_weights(sampler, cfg, indices, is_weights, rewards, accuracy)   # (B, G)
-        with clock("advantages_s"):
+        with clock("advantages_s"):                                                # (the engine sleeps once done)
             step_rollouts = StepRollouts(step, indices, rows, seeds, rollout, scored, rewards, is_weights)
             result = method.advantages(step_rollouts, ctx)                         # token advantages, loss mask
         with clock("update_s"):
-            if separate_engine:
-                engine.sleep()                                                     # GPU: free it for the update
             update = policy_update(policy, optimizer, scheduler, result.batch, cfg, dist_)
         step += 1
         with clock("sync_s"):
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> None:
         sums, metrics = step_record({**result.sums, **update}, counter.take(), cfg, dist_.device)
         generated_tokens += sums["rollout_tokens"] + sums["mc_tokens"]
         metrics.update(result.metrics, **sampler_metrics(sampler, cfg), **sync, **gpu_memory(dist_.device))
-        metrics.update(timings(clock, result.reward_s, sums), generated_tokens=generated_tokens,
+        metrics.update(timings(clock, result.times, sums), generated_tokens=generated_tokens,
                        lr=scheduler.get_last_lr()[0])
         if evals.examples and (step == cfg.train.max_steps or every(step, cfg.train.eval_steps)):
             with clock("eval_s"):
@@ -238,11 +238,14 @@ def every(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
-def timings(clock: StepClock, method_reward_s: float, sums: dict[str, float]) -> dict[str, float]:
-    """The step's phase times (this rank's; rank 0 logs). A method's own reward scoring (SPO's
-    continuations and leaves) counts as reward_s, not advantages_s. Evaluation is excluded."""
-    clock.add("reward_s", method_reward_s)
-    clock.add("advantages_s", -method_reward_s)
+def timings(clock: StepClock, method_times: dict[str, float], sums: dict[str, float]) -> dict[str, float]:
+    """The step's phase times (this rank's; rank 0 logs). What a method reports of its own time as
+    another phase's moves there from advantages_s: SPO-tree's leaf scoring to reward_s, the GRPO
+    advantages and ERS statistics to bookkeeping_s (with the sampler's work). advantages_s keeps
+    the rest: π_old / π_ref scoring and SPO's continuations. Evaluation is excluded."""
+    for key, seconds in method_times.items():
+        clock.add(key, seconds)
+        clock.add("advantages_s", -seconds)
     times = dict(clock.times)
     times["update_tokens_per_s"] = sums["update_tokens"] / max(times["update_s"], 1e-9)   # all ranks' tokens
     times["step_time_s"] = clock.elapsed()

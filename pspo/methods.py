@@ -17,6 +17,7 @@ in `StepRollouts.is_weights` and multiply whatever advantages a method returns.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class Context:
     mine: slice                   # this rank's rows of the (B, ...) batch
     lockstep: bool                # FSDP ranks generating with the policy itself: same forward passes
     score: Score                  # (dataset rows, texts) -> their RewardResult
+    release_engine: Callable[[], None]   # the step generates nothing more: a separate engine frees its memory
+    distinct_problems: int        # distinct problems of the train set (ERS's seen_frac)
     ers: EMAStats | None = None   # ERS statistics (grpo with ers.enabled)
     tree: SPOTree | None = None   # SPO-tree's replay buffer (spo_tree)
 
@@ -70,7 +73,7 @@ class MethodOutput:
     batch: UpdateBatch                                         # on the rank's device
     sums: dict[str, float]                                     # this rank's statistics, summed over ranks
     metrics: dict[str, float] = field(default_factory=dict)   # replicated diagnostics, logged as they are
-    reward_s: float = 0.0                                      # seconds the method spent scoring rewards
+    times: dict[str, float] = field(default_factory=dict)     # seconds spent on other phases' work (reward_s ...)
 
 
 @dataclass
@@ -90,21 +93,23 @@ def grpo(s: StepRollouts, ctx: Context) -> MethodOutput:
     replaced by the prompt's smoothed (m_q, sqrt(v_q)) after this step's update. One value per
     completion, broadcast over its tokens."""
     a = ctx.cfg.algo
+    start = time.perf_counter()
     advantages = group_advantages(s.rewards, a.scale_rewards, a.adv_eps)          # (B, G) §1
     metrics = {}
     if ctx.ers is not None:                                                        # §2
         problems = [ctx.problems[i] for i in s.indices.tolist()]
         ers_mean, ers_std = ctx.ers.update(problems, s.rewards)                   # (B,), (B,)
         advantages = smoothed_advantages(s.rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
-        distinct = len(set(ctx.problems))
-        metrics = {f"ers_{k}": v for k, v in ctx.ers.batch_stats(problems, s.rewards, ers_mean, distinct).items()}
+        stats = ctx.ers.batch_stats(problems, s.rewards, ers_mean, ctx.distinct_problems)
+        metrics = {f"ers_{k}": v for k, v in stats.items()}
+    bookkeeping_s = time.perf_counter() - start                                    # the advantages and ERS
     mine = advantages[ctx.mine]                                                    # (B_local, G)
     weighted = (mine * s.is_weights[ctx.mine]).reshape(-1)                         # (N,) A·w
     batch = _rollout_batch(s, ctx, weighted[:, None].expand_as(s.rollout.mask), s.rollout.mask,
                            need_old=a.num_iterations > 1)
     sums = {**_rollout_sums(s, ctx), "adv_abs": mine.abs().sum(), "adv_sq": (mine ** 2).sum(),
             "adv_count": mine.numel()}
-    return MethodOutput(batch, sums, metrics)
+    return MethodOutput(batch, sums, metrics, {"bookkeeping_s": bookkeeping_s})
 
 
 def reinforce_pp(s: StepRollouts, ctx: Context) -> MethodOutput:
@@ -125,11 +130,14 @@ def spo_chain(s: StepRollouts, ctx: Context) -> MethodOutput:
     prompts = [ctx.train_ids[i] for i in s.rows]
     input_ids, attention_mask = batch_inputs(prompts, s.rollout.completion_ids, s.rollout.mask, ctx.pad_id)
     input_ids, attention_mask, mask = input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)
-    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, need_old=True,
-                                      need_ref=cfg.algo.needs_reference)
+    old_logp, _ = score_policy(ctx.policy, None, input_ids, attention_mask, mask, cfg, need_old=True,
+                               need_ref=False)                                     # the cuts come from π_old
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
     advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, old_logp, prompts, s.rows,
                                                         ctx.score, cfg, s.step, device, ctx.lockstep)
+    ctx.release_engine()
+    _, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, need_old=False,
+                               need_ref=cfg.algo.needs_reference)
     advantages, loss_mask = advantages.to(device), loss_mask.to(device)           # (N, T) A, M
     w = s.is_weights[ctx.mine].reshape(-1, 1).to(device)                           # (N, 1)
     batch = UpdateBatch(input_ids, attention_mask, mask, loss_mask, advantages * w, old_logp, ref_logp)
@@ -145,11 +153,12 @@ def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     cfg, tree = ctx.cfg, ctx.tree
     local = s.indices[ctx.mine].tolist()
     grown = tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step, ctx.score)
+    ctx.release_engine()
     b = grown.batch
     _, b.ref_logp = score_policy(ctx.policy, ctx.ref, b.input_ids, b.attention_mask, b.mask, cfg, need_old=False,
                                  need_ref=cfg.algo.needs_reference)
     sums = {**grown.sums, **_token_adv_sums(b.advantages, b.loss_mask)}
-    return MethodOutput(b, sums, reward_s=grown.reward_s)
+    return MethodOutput(b, sums, times={"reward_s": grown.reward_s})
 
 
 # ---- the one place algo.advantage is read ----
@@ -192,6 +201,7 @@ def _rollout_batch(s: StepRollouts, ctx: Context, advantages: Tensor | None, los
     """The step's completions as an UpdateBatch on the rank's device, π_old scored if `need_old`
     and π_ref if the run has a reference. advantages (N, T) or None (filled in by the caller)."""
     cfg, device = ctx.cfg, ctx.dist.device
+    ctx.release_engine()                                                           # nothing more to generate
     input_ids, attention_mask = batch_inputs([ctx.train_ids[i] for i in s.rows], s.rollout.completion_ids,
                                              s.rollout.mask, ctx.pad_id)
     input_ids, attention_mask, mask = input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)

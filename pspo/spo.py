@@ -8,7 +8,6 @@ engine calls around it, on one rank's rows: token advantages A (N, T) and the lo
   spo.num_mc continuations, V(cut) = their mean reward, then A and M (whitened over M).
 - `SPOTree` (§B tree 1-5): grows each prompt's depth-3 tree from the step's b0 completions of at
   most M0 tokens (b1 continuations of at most M1 more under each one that did not finish; b2 to
-  b1 continuations of at most M1 more under each one that did not finish; b2 to
   rollout.max_new_tokens under those), scores the leaves, keeps every non-root node with A != 0
   as an edge (query = prompt + parent's tokens, response = the node's segment) with its π_old at
   generation time, and trains edges drawn from a replay buffer: at most spo.edges_per_question
@@ -289,13 +288,13 @@ class SPOTree:
         device = self.dist.device
         completion, mask = _pad([e.segment for e in edges], self.pad_id)  # (N, T)
         old_logp, _ = _pad([e.old_logp for e in edges], 0.0)              # (N, T)
-        loss_mask = probability_mask(old_logp.exp(), mask).to(device)    # (N, T) M
-        raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32, device=device)[:, None] * loss_mask
+        loss_mask = probability_mask(old_logp.exp(), mask)               # (N, T) M
+        raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32)[:, None] * loss_mask
         advantages = whiten(raw, loss_mask, reduce_sum=distributed.all_reduce_sum)   # (N, T)
         input_ids, attention_mask = batch_inputs([self.train_ids[e.example] + e.prefix.tolist() for e in edges],
                                                  completion, mask, self.pad_id)
-        batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device), loss_mask,
-                            advantages, old_logp.to(device))
+        batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device), loss_mask.to(device),
+                            advantages.to(device), old_logp.to(device))
         return TreeBatch(batch, {}, 0.0)
 
     def state_dict(self) -> dict:

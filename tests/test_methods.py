@@ -23,7 +23,8 @@ def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Te
     flat = rewards.reshape(-1)
     scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(4)}, {"accuracy": 0})
     step = StepRollouts(0, torch.tensor([0, 1]), [0, 0, 1, 1], torch.arange(4), rollout, scored, rewards, is_weights)
-    ctx = Context(cfg, None, None, None, [[1, 2], [3]], ["p0", "p1"], 0, CPU, slice(0, 2), False, None)
+    ctx = Context(cfg, None, None, None, [[1, 2], [3]], ["p0", "p1"], 0, CPU, slice(0, 2), False, None,
+                  lambda: None, 2)
     return cfg, step, ctx
 
 

@@ -11,7 +11,6 @@ from pspo.config import load_config
 from pspo.model import build_policy
 from pspo.micro_batches import plan_micro_batches
 from test_modes import CPU, method_update, rollout_batch
-from pspo.optim import lr_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,8 +63,8 @@ def updated_parameters(path, batch, overrides):
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1])          # (12,) for REINFORCE++
     before = copy.deepcopy([p.detach() for p in policy.parameters()])
     sums = method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask,
-                           torch.ones(12) if cfg.algo.advantage != "grpo" else advantages, cfg, CPU,
-                           rewards if cfg.algo.advantage != "grpo" else None)
+                         torch.ones(12) if cfg.algo.advantage != "grpo" else advantages, cfg, CPU,
+                         rewards if cfg.algo.advantage != "grpo" else None)
     moved = max(float((p.detach() - b).abs().max()) for p, b in zip(policy.parameters(), before))
     return [p.detach().clone() for p in policy.parameters()], sums, moved
 

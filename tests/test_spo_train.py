@@ -5,7 +5,6 @@ A probe runs train.py in a subprocess with the transformers engine's `generate` 
 `policy_update` wrapped, recording every call, so the logged counts can be checked against the
 engine calls themselves and the update's inputs against the rules of docs/related.md §B.
 """
-import json
 import math
 import os
 import shutil
