@@ -1,12 +1,15 @@
-"""Every shipped config, rehearsed on CPU (issue 8, item 6), so a broken recipe fails here rather
-than on a GPU node after an hour in the queue.
+"""Every shipped config, rehearsed on CPU, so a broken recipe fails here rather than on a GPU node
+after an hour in the queue.
 
 Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this file) runs as a
 real `python train.py --config X` subprocess for 2 steps plus the final eval, with only what a
 2-core CPU cannot do replaced:
-- the model: the built-in presets' tiny models stay (conftest's cached copies); a GPU recipe's model
-  becomes the stand-in built from the real config.json shipped beside it as model_config.json
-  (pspo/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
+- the model: the arithmetic presets' tiny model stays (conftest's cached copy); the K&K presets'
+  `builtin:tiny-knights` becomes its untrained twin (pspo/tiny_knights.py: the same tokenizer, so
+  the same prompt lengths against data.max_prompt_tokens, and architecture; random weights, built in
+  seconds where the trained model takes ~20 minutes); a GPU recipe's model becomes the stand-in
+  built from the real config.json shipped beside it as model_config.json (pspo/standin.py: the
+  real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
 - the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe (SPO-tree's
   segments 2 tokens each, its trees b0-2-2), 14 eval puzzles (2 per size) and at most 2
@@ -94,23 +97,24 @@ def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> sub
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
-# the presets on the tiny K&K model wait for its build (minutes on a fresh machine; conftest.py runs
-# them last), the others run meanwhile
+# the presets on the tiny K&K model: rehearsed on its untrained twin (module docstring)
 KNIGHTS = [c for c in CONFIGS if load_config(os.path.join(ROOT, c)).model.name_or_path == TINY_KNIGHTS_MODEL]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c not in KNIGHTS])
 def test_config_rehearsal(config, tmp_path, tiny_model_path):
     rehearse(config, str(tmp_path / "run"), tiny_model_path, "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", KNIGHTS)
-def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, tiny_knights_model_path):
-    rehearse(config, str(tmp_path / "run"), tiny_model_path, tiny_knights_model_path)
+def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, knights_standin_path):
+    rehearse(config, str(tmp_path / "run"), tiny_model_path, knights_standin_path)
 
 
-def rehearse(config: str, out: str, tiny_model_path: str, tiny_knights_model_path: str) -> None:
-    over = rehearsal_overrides(config, out, tiny_model_path, tiny_knights_model_path)
+def rehearse(config: str, out: str, tiny_model_path: str, knights_path: str) -> None:
+    over = rehearsal_overrides(config, out, tiny_model_path, knights_path)
     proc = run("train.py", config, over)
     assert proc.returncode == 0, f"{config} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
 
