@@ -5,4 +5,5 @@
 #   bash scripts/test.sh                  # everything, end-to-end runs included
 export PSPO_WITH_VLLM=1 PSPO_PREBUILD_TINY=1
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-python -m pytest tests -q "$@"
+# two workers (pytest-xdist) on the two cores of a CI machine; tests/conftest.py gives each one thread
+python -m pytest tests -q -n 2 --dist loadgroup "$@"

@@ -12,6 +12,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# Under pytest-xdist (scripts/test.sh runs `-n 2`), each worker and the train.py / torchrun processes
+# it starts get the cores divided among the workers, here before anything imports torch: two
+# workers of two PyTorch threads each on two cores made the preset rehearsals 2x slower than one
+# process, two of one thread each 1.5x faster.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
@@ -32,3 +40,13 @@ def tiny_knights_model_path() -> str:
         pytest.skip("the trained tiny K&K model is not built (~20 min): `bash scripts/study.sh --task knights` "
                     "builds it and runs these tests (or set PSPO_BUILD_KNIGHTS=1)")
     return ensure_tiny_knights_model()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
+    end; the tests sharing one vLLM engine (a module fixture) on one worker (--dist loadgroup)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if item.path.name == "test_vllm.py":
+                item.add_marker(pytest.mark.xdist_group("vllm"))
