@@ -16,8 +16,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from pspo.loss import token_logprobs
-from pspo.tiny import TINY_MODEL, ensure_tiny_model
-from pspo.tiny_knights import TINY_KNIGHTS_MODEL, ensure_tiny_knights_model
 
 
 hf_logging.disable_progress_bar()          # per-file "Loading weights" bars would drown the training bar
@@ -29,10 +27,15 @@ class ModelError(ValueError):
 
 def resolve_model_path(name_or_path: str) -> str:
     """`builtin:tiny` / `builtin:tiny-knights` -> the cached demo model (built on first use); anything
-    else as given."""
-    if name_or_path == TINY_KNIGHTS_MODEL:
+    else as given. The builders are imported only when their name is asked for: loading a model
+    imports neither (nor the K&K puzzle generator the K&K model's builder uses)."""
+    if name_or_path == "builtin:tiny":                  # pspo.tiny.TINY_MODEL
+        from pspo.tiny import ensure_tiny_model
+        return ensure_tiny_model()
+    if name_or_path == "builtin:tiny-knights":          # pspo.tiny_knights.TINY_KNIGHTS_MODEL
+        from pspo.tiny_knights import ensure_tiny_knights_model
         return ensure_tiny_knights_model()
-    return ensure_tiny_model() if name_or_path == TINY_MODEL else name_or_path
+    return name_or_path
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

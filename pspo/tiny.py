@@ -15,6 +15,8 @@ tokenizes exactly as the tokenizer built here does (tests/test_tiny.py checks it
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +24,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -176,15 +179,16 @@ def ensure_tiny_model(cache_dir: str | None = None, tie_word_embeddings: bool = 
     """Build the tiny model once and return its folder; later calls return the cached folder.
 
     The folder is written under a temporary name and renamed into place, so it either is complete
-    or does not exist; when two processes build at once, the later rename fails and that process
-    uses the folder that won. With the defaults (240 steps) the build takes about a minute on 2 CPU
+    or does not exist; a process asking while another builds it waits for that build (build_once).
+    With the defaults (240 steps) the build takes about a minute on 2 CPU
     cores and the model answers ~40% of the builtin test split right greedily (0.408 measured; the
     curve is steep: ~0.15 at 200 steps, ~0.55 at 260, ~0.8 at 300, and the seed moves it by ~+-30
     steps). Tied embeddings learn slower: ~0.09 at 240 steps, ~0.3 at 300-320."""
     path = tiny_model_path(cache_dir, tie_word_embeddings, warmup_steps, seed)
-    if os.path.isdir(path):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return build_once(path, lambda: _build(path, tie_word_embeddings, warmup_steps, seed, log), log)
+
+
+def _build(path: str, tie_word_embeddings: bool, warmup_steps: int, seed: int, log) -> str:
     log(f"building the tiny demo model in {path} (once: {warmup_steps} warm-up steps)")
     start = time.perf_counter()
     tokenizer = build_tiny_tokenizer()
@@ -196,6 +200,30 @@ def ensure_tiny_model(cache_dir: str | None = None, tie_word_embeddings: bool = 
             "greedy_test_accuracy": accuracy, "build_seconds": round(time.perf_counter() - start, 1)}
     log(f"  tiny model built in {info['build_seconds']} s: greedy accuracy {accuracy:.3f} on builtin test")
     return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
+
+
+def build_once(path: str, build: Callable[[], str], log=print) -> str:
+    """`path` if the folder exists, else `build()` (which saves it there, save_model_folder) under a
+    lock file beside it: a second process asking meanwhile (two test workers, a background build
+    started by scripts/env.sh) waits for that build and uses its folder instead of building again.
+
+    The lock file is removed once the folder is in place: a process that opened it before sees the
+    folder when its turn comes, and one that comes later finds the folder before looking for a lock."""
+    if os.path.isdir(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:         # released when the file closes, also on a crash
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process to finish building {path}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(path):                     # built by the process we waited for
+            return path
+        built = build()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".lock")
+        return built
 
 
 def save_model_folder(path: str, model, tokenizer, info_name: str, info: dict, log=print) -> str:

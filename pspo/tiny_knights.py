@@ -7,7 +7,7 @@ BPE) with vocab and merges trained here on K&K text, so that every name and word
 one token; the same 4-layer Qwen2 and ChatML template; `save_model_folder`. <think>, </think>,
 <answer>, </answer> are added tokens, and so is the text every built-in prompt shares (the island's
 rules, and the question with the instruction: ~70 BPE tokens as 2), so a prompt is 46-165 tokens
-instead of 126-240 and a warm-up step costs about half (session 11, bench/RESULTS.md). A puzzle
+instead of 126-240 and a warm-up step costs about half (bench/RESULTS.md). A puzzle
 worded otherwise (a hub file's quiz) is tokenized word by word as before.
 
 The supervised warm-up teaches the seed's layout with an empty think block,
@@ -17,17 +17,23 @@ the loss on the completion only. The answer lists the people in alphabetical ord
 puzzle's: the reward reads each name's role wherever it stands (knights_reward.py), and in that
 order writing the names is a set operation (the puzzle's names not yet written, first in the
 alphabet), which this model learns in ~500 steps, while the puzzle's order needs an ordinal copy
-("the k-th name of the list") that it had not learned after 2000 steps (sessions 3-4, notes in
+("the k-th name of the list") that it had not learned after 2000 steps (notes in
 bench/RESULTS.md). The warm-up stops early: the model writes the names and the layout but decides
 roles only partly, so its accuracy falls with the number of people and RL has room on every size.
 The accuracy per size measured at build time is in the folder's pspo_build.json.
 
-Two processes that need the model at once (the test session, a background build in .ci/run)
-serialise on a lock file beside the folder: the second waits for the first build and uses it.
+Two processes that need the model at once (two study runs starting together) serialise on a lock
+file beside the folder: the second waits for the first build and uses it.
+
+The build takes ~16-20 minutes on one CPU thread, so nothing in the test suite builds it. The tests
+rehearse the K&K presets on its untrained twin (`trained=False`, `knights_standin`): the same
+tokenizer (built from the same warm-up puzzles, so the same ids and prompt lengths), the same
+architecture, seeded random weights, built in seconds. What needs the trained weights (the layout,
+the accuracy spread by size) is checked by tests marked `knights_model`, which `scripts/study.sh
+--task knights` runs after building the model, before the study itself.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
@@ -41,7 +47,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 from pspo.data import Example, format_prompt
 from pspo.knights import ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights, warmup_examples
 from pspo.knights_reward import _knights_gold, knights_people, knights_reward
-from pspo.tiny import _build_model, greedy_completions, save_model_folder, train_qwen2_bpe
+from pspo.tiny import _build_model, build_once, greedy_completions, save_model_folder, train_qwen2_bpe
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
@@ -139,29 +145,36 @@ def greedy_accuracy_by_size(model, tokenizer, examples: list[Example], batch_siz
     return {n: round(correct[n] / count[n], 3) for n in SIZES if count[n]}
 
 
-def tiny_knights_path(cache_dir: str | None = None, seed: int = 0) -> str:
-    """Where the K&K model with these build parameters lives (built or not), as tiny.tiny_model_path."""
+def tiny_knights_path(cache_dir: str | None = None, seed: int = 0, trained: bool = True) -> str:
+    """Where the K&K model with these build parameters lives (built or not), as tiny.tiny_model_path.
+    trained=False: its untrained twin (module docstring), in a folder of its own."""
     cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
     key = json.dumps({"version": VERSION, "seed": seed}, sort_keys=True)
-    return os.path.join(cache_dir, f"tiny-knights-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+    name = "tiny-knights" if trained else "tiny-knights-untrained"
+    return os.path.join(cache_dir, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
 
-def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=print) -> str:
+def knights_standin(cache_dir: str | None = None, seed: int = 0, log=print) -> str:
+    """The untrained twin of `builtin:tiny-knights` (module docstring): built in seconds, cached."""
+    return ensure_tiny_knights_model(cache_dir, seed, log, trained=False)
+
+
+def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=print, trained: bool = True) -> str:
     """Build the K&K model once and return its folder; later calls return the cached folder. A call
-    while another process builds it waits for that build (a lock beside the folder)."""
-    path = tiny_knights_path(cache_dir, seed)
-    if os.path.isdir(path):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "w") as lock:   # released when the file closes, also on a crash
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another process to finish building {path}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isdir(path):                  # built by the process we waited for
-            return path
-        return _build(path, seed, log)
+    while another process builds it waits for that build (tiny.build_once: a lock beside the folder)."""
+    path = tiny_knights_path(cache_dir, seed, trained)
+    return build_once(path, lambda: _build(path, seed, log) if trained else _build_untrained(path, seed, log), log)
+
+
+def _build_untrained(path: str, seed: int, log) -> str:
+    """The tokenizer and the seeded initial weights of `_build`, saved without the warm-up."""
+    start = time.perf_counter()
+    tokenizer = build_knights_tokenizer(warmup_examples(WARMUP_PER_SIZE))
+    model = _build_model(tokenizer, False, seed)
+    info = {"version": VERSION, "seed": seed, "warmup_steps": 0, "warmup_per_size": WARMUP_PER_SIZE,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "build_seconds": round(time.perf_counter() - start, 1)}
+    return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
 
 
 def _build(path: str, seed: int, log) -> str:

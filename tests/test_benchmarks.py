@@ -50,6 +50,7 @@ def test_every_benchmark_loads_through_its_sample(name, tiny_model_path, capsys)
         assert lines == []
 
 
+@pytest.mark.slow
 def test_eval_py_benchmark_table_and_json(tmp_path, tiny_model_path):
     # The same 16 problems written in three benchmarks' formats: every table row must agree.
     examples = builtin_arithmetic("test")[:16]
@@ -80,6 +81,7 @@ def test_eval_py_benchmark_table_and_json(tmp_path, tiny_model_path):
     assert "average" in proc.stdout and "greedy_accuracy" in proc.stdout
 
 
+@pytest.mark.slow
 def test_unknown_benchmark_is_one_line(tmp_path, tiny_model_path):
     proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
                            f"--model.name_or_path={tiny_model_path}", "--benchmarks=aime2024"],

@@ -100,6 +100,7 @@ def test_a_system_prompt_of_one_unknown_word_is_a_mistyped_name():
         assert load_config(None, [f"--data.system_prompt={fine}"]).data.system_prompt == fine
 
 
+@pytest.mark.slow
 def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
     # A user mistake must not produce a traceback: one line, exit status 2.
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", "--optim.lr=fast"],

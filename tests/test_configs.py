@@ -1,16 +1,20 @@
-"""Every shipped config, rehearsed on CPU (issue 8, item 6), so a broken recipe fails here rather
-than on a GPU node after an hour in the queue.
+"""Every shipped config, rehearsed on CPU, so a broken recipe fails here rather than on a GPU node
+after an hour in the queue.
 
 Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this file) runs as a
 real `python train.py --config X` subprocess for 2 steps plus the final eval, with only what a
 2-core CPU cannot do replaced:
-- the model: the built-in presets' tiny models stay (conftest's cached copies); a GPU recipe's model
-  becomes the stand-in built from the real config.json shipped beside it as model_config.json
-  (pspo/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
+- the model: the arithmetic presets' tiny model stays (conftest's cached copy); the K&K presets'
+  `builtin:tiny-knights` becomes its untrained twin (pspo/tiny_knights.py: the same tokenizer, so
+  the same prompt lengths against data.max_prompt_tokens, and architecture; random weights, built in
+  seconds where the trained model takes ~20 minutes); a GPU recipe's model becomes the stand-in
+  built from the real config.json shipped beside it as model_config.json (pspo/standin.py: the
+  real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
-- the size: 2 steps, at most 2 prompts per step and 8 new tokens for a GPU recipe (SPO-tree's
-  segments 2 tokens each, its trees b0-2-2), 14 eval puzzles (2 per size) and at most 2
-  prompts per step when the eval set is builtin:knights, the hf engine,
+- the size: 2 steps, at most 2 prompts per step and 8 new tokens for a model with random weights
+  (a GPU recipe's stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2),
+  14 eval puzzles (2 per size) and at most 2 prompts per step when the eval set is
+  builtin:knights, the hf engine,
   no progress bar, the output under tmp_path.
 Everything else is the config's own: bf16 autocast, gradient checkpointing, rewards, ERS/PPS,
 optimizer, system prompt, max_prompt_tokens. The resolved config the run saved is compared with
@@ -63,22 +67,30 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
         over["model.name_or_path"] = knights_path
         over["data.max_eval_examples"] = "14"
         over["train.prompts_per_step"] = str(min(cfg.train.prompts_per_step, 2))
-        return over
+        return over | _short_completions(cfg)
     real_config = os.path.join(ROOT, os.path.dirname(config), "model_config.json")
     assert os.path.isfile(real_config), f"{config}: a GPU recipe needs its model's config.json beside it " \
                                         "as model_config.json (the stand-in is built from it)"
     over["model.name_or_path"] = ensure_standin_model(real_config)
     over["train.prompts_per_step"] = str(min(cfg.train.prompts_per_step, 2))
-    over["rollout.max_new_tokens"] = "8"
-    if cfg.algo.advantage == "spo_tree":               # segments that fit in the 8 tokens, trees of 6 + 12 + 24
-        over["spo.segment_tokens"] = "2"
-        over["spo.branching"] = f"{cfg.spo.branch_factors[0]},2,2"
+    over.update(_short_completions(cfg))
     for key in ("train", "eval"):
         name = getattr(cfg.data, key)
         if name and not name.startswith("builtin:"):
             over[f"data.{key}"] = _sample(name)
     if cfg.data.eval == "builtin:knights":
         over["data.max_eval_examples"] = "14"
+    return over
+
+
+def _short_completions(cfg) -> dict[str, str]:
+    """8 new tokens, for a model with random weights: it never stops early, and every token is
+    uncertain, so SPO-chain would cut at every K-th of max_new_tokens (K&K's 80: 27 cuts x 4
+    continuations a rollout, two minutes for 2 steps); SPO-tree's segments shrink to fit."""
+    over = {"rollout.max_new_tokens": "8"}
+    if cfg.algo.advantage == "spo_tree":               # segments that fit in the 8 tokens, trees of b0 + 2 b0 + 4 b0
+        over["spo.segment_tokens"] = "2"
+        over["spo.branching"] = f"{cfg.spo.branch_factors[0]},2,2"
     return over
 
 
@@ -94,23 +106,24 @@ def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> sub
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
-# the presets on the tiny K&K model wait for its build (minutes on a fresh machine; conftest.py runs
-# them last), the others run meanwhile
+# the presets on the tiny K&K model: rehearsed on its untrained twin (module docstring)
 KNIGHTS = [c for c in CONFIGS if load_config(os.path.join(ROOT, c)).model.name_or_path == TINY_KNIGHTS_MODEL]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c not in KNIGHTS])
 def test_config_rehearsal(config, tmp_path, tiny_model_path):
     rehearse(config, str(tmp_path / "run"), tiny_model_path, "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", KNIGHTS)
-def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, tiny_knights_model_path):
-    rehearse(config, str(tmp_path / "run"), tiny_model_path, tiny_knights_model_path)
+def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, knights_standin_path):
+    rehearse(config, str(tmp_path / "run"), tiny_model_path, knights_standin_path)
 
 
-def rehearse(config: str, out: str, tiny_model_path: str, tiny_knights_model_path: str) -> None:
-    over = rehearsal_overrides(config, out, tiny_model_path, tiny_knights_model_path)
+def rehearse(config: str, out: str, tiny_model_path: str, knights_path: str) -> None:
+    over = rehearsal_overrides(config, out, tiny_model_path, knights_path)
     proc = run("train.py", config, over)
     assert proc.returncode == 0, f"{config} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
 
@@ -194,6 +207,7 @@ def test_7b_preset_matches_the_seed():
     assert _values(cfg, SEED_7B) == SEED_7B
 
 
+@pytest.mark.slow
 def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path):
     # eval.py --benchmarks on the PSPO recipe, MATH-500 from its local sample, the stand-in model
     config = "configs/qwen2.5-math-1.5b/pspo.yaml"

@@ -13,6 +13,8 @@ from pspo.evaluation import evaluate
 from pspo.model import build_policy, load_tokenizer
 from pspo.rollout import HFEngine
 
+pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -164,6 +164,7 @@ def test_train_people_keeps_those_sizes_and_names_a_row_that_is_not_kk(tmp_path)
         load_examples(str(tmp_path / "two.jsonl"), people=(3, 4))
 
 
+@pytest.mark.slow
 def test_train_py_names_a_train_people_filter_on_a_task_without_kk_puzzles(tiny_model_path, tmp_path):
     # train.py passes data.train_people to the loader: on the arithmetic task it is one line, exit 2
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", "--data.train_people=2,3",
@@ -309,6 +310,7 @@ def test_evaluate_reports_greedy_accuracy_per_number_of_people():
                                     **{f"greedy_{n}ppl": 0.0 for n in range(3, 9)}})
 
 
+@pytest.mark.slow
 def test_eval_cli_on_the_kk_sample_has_a_column_per_size(tmp_path, tiny_model_path):
     # The tiny arithmetic model cannot solve K&K (accuracy ~0): this checks the table and the JSON.
     out = tmp_path / "kk.json"

@@ -120,6 +120,7 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path, tmp_path):
     import torch.multiprocessing as mp
     tokenizer, ids, input_ids, attention, mask, advantages = rollout_batch(tiny_model_path)

@@ -194,6 +194,7 @@ def run_plan(*args: str, home: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_plan_cli_on_the_recipe(tmp_path):
     out = tmp_path / "run"
     text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"])
@@ -206,12 +207,14 @@ def test_plan_cli_on_the_recipe(tmp_path):
     assert not out.exists()                                             # a plan writes nothing
 
 
+@pytest.mark.slow
 def test_plan_cli_bad_model_path(tmp_path):
     proc = run_plan("--model.name_or_path=/no/such/model", home=str(tmp_path))
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(tmp_path):
     # The recipe folder's model_config.json describes Qwen2.5-Math-1.5B only: a 70B model that is
     # not in the local cache must not be planned (and declared to fit) with the 1.5B architecture.

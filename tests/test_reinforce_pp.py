@@ -172,6 +172,7 @@ def _whiten_on_rank(rank, init_file, values, mask, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_whitening_over_two_ranks_equals_one_process(tmp_path):
     rewards, mask, old, ref = random_batch(11)
     returns = reinforce_pp_returns(rewards, mask, old, ref, 0.05, 10.0)   # (12, 7)
@@ -252,6 +253,7 @@ def train(out, model, *overrides):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
 def test_loop_runs_and_logs(tmp_path, tiny_model_path, advantage):
     out = str(tmp_path / "run")
@@ -271,6 +273,7 @@ def test_loop_runs_and_logs(tmp_path, tiny_model_path, advantage):
     assert rows[2]["kl"] > 0                                               # ... and the policy has moved from it
 
 
+@pytest.mark.slow
 def test_beta_with_reinforce_pp_is_one_line_exit_2(tmp_path, tiny_model_path):
     proc = train(str(tmp_path / "x"), tiny_model_path, "--algo.advantage=reinforce_pp", "--algo.beta=0.04")
     lines = proc.stderr.strip().splitlines()

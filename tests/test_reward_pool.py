@@ -210,6 +210,7 @@ def test_reward_workers_config_is_checked():
         load_config(None, ["--reward.workers=-2"])
 
 
+@pytest.mark.slow
 def test_a_run_survives_a_reward_that_hangs(tmp_path, tiny_model_path):
     # A run of train.py in its own process (no state left in this one) whose format reward is
     # _hang_once: its first call blocks SIGALRM and sleeps, so the trainer kills the worker after

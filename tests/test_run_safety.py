@@ -34,6 +34,7 @@ def logged_steps(out):
         return [json.loads(line)["step"] for line in f if line.strip()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, tiny_model_path, sig):
     out = str(tmp_path / "run")
@@ -65,6 +66,7 @@ def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, t
         assert lr == pytest.approx(5e-4 * lr_lambda(cfg)(last + 1), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path, tiny_model_path):
     # A model with one NaN in its final norm: every loss is NaN. Each update is skipped (the
     # weights and AdamW state untouched), logged, and the third in a row saves and stops, exit 2.
@@ -93,6 +95,7 @@ def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path
     assert all(not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in optimizer["state"].values())
 
 
+@pytest.mark.slow
 def test_a_context_the_model_cannot_hold_is_one_line_exit_2(tmp_path, tiny_model_path):
     # the tiny model has 1024 positions: 1000 prompt + 100 new tokens do not fit
     proc = subprocess.run(command(str(tmp_path / "run"), tiny_model_path, "--data.max_prompt_tokens=1000",

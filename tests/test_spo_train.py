@@ -96,6 +96,7 @@ def assert_spo_update_inputs(update):
     assert abs(kept.mean().item()) < 1e-5 and kept.std().item() == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_chain_counts_its_continuations_and_masks_its_advantages(tmp_path):
     out, probe = str(tmp_path / "run"), str(tmp_path / "probe.pt")
     train(out, "configs/spo_chain.yaml", "--train.max_steps=2", probe=probe)
@@ -115,6 +116,7 @@ def test_chain_counts_its_continuations_and_masks_its_advantages(tmp_path):
         assert rows[step]["spo_cuts"] == len(cuts) > rows[step]["spo_states"] == len(prefixes)   # deduplicated
 
 
+@pytest.mark.slow
 def test_tree_grows_depth_by_depth_and_trains_edges(tmp_path):
     out, probe = str(tmp_path / "run"), str(tmp_path / "probe.pt")
     train(out, "configs/spo_tree.yaml", "--train.max_steps=2", probe=probe)
@@ -136,6 +138,7 @@ def test_tree_grows_depth_by_depth_and_trains_edges(tmp_path):
     assert rows[1]["spo_buffer"] == rows[1]["spo_new_edges"] - rows[1]["spo_edges"]
 
 
+@pytest.mark.slow
 def test_tree_resumes_exactly_with_its_replay_buffer(tmp_path):
     # 4 steps with a checkpoint at 2 vs the same resumed from it: the replay buffer (edges, their
     # steps and π_old), the drawn edges and the count of generated tokens must all come back.
@@ -160,6 +163,7 @@ def test_tree_resumes_exactly_with_its_replay_buffer(tmp_path):
             torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["configs/spo_tree.yaml", "configs/spo_chain.yaml"])
 def test_two_processes_match_one(tmp_path, config):
     # FSDP2 over 2 gloo ranks generating on the policy (lockstep: padded continuation calls), the
@@ -203,6 +207,7 @@ def test_config_errors_name_the_key(overrides, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_presets_load_and_a_bad_key_is_one_line_exit_2(tmp_path):
     tree = load_config(os.path.join(ROOT, "configs/spo_tree.yaml"))
     assert tree.spo.branch_factors == (4, 2, 2) and tree.spo.segments == (3, 3) and not tree.algo.needs_reference

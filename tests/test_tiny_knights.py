@@ -1,13 +1,18 @@
-"""The tiny knights-and-knaves model (pspo/tiny_knights.py): its warm-up target, the build lock, and
-the built model (conftest's cached copy): it loads through from_pretrained like a hub model, writes
-the seed's layout with the puzzle's own names, and its greedy accuracy falls with the number of people."""
+"""The tiny knights-and-knaves model (pspo/tiny_knights.py): its warm-up target, the build lock, its
+untrained twin (the tests' stand-in: same tokenizer), and the built model (marked knights_model: run
+by `scripts/study.sh --task knights`, skipped while it is not built): it loads through
+from_pretrained like a hub model, writes the seed's layout with the puzzle's own names, and its
+greedy accuracy falls with the number of people."""
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import fcntl
+import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pspo.data import format_prompt
 from pspo.config import load_config
@@ -17,6 +22,8 @@ from pspo.model import resolve_model_path
 from pspo.tiny_knights import (FIXED_TEXT, TAGS, TINY_KNIGHTS_MODEL, build_knights_tokenizer,
                                ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion,
                                tiny_knights_path)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_completion_lists_people_alphabetically_and_scores_full_reward():
@@ -49,8 +56,9 @@ def test_the_prompts_fixed_text_is_one_token_each_and_every_prompt_round_trips()
     assert tokenizer.convert_tokens_to_ids("<think>") in ids
 
 
-def test_every_builtin_prompt_fits_the_presets_prompt_cap(tiny_knights_model_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_knights_model_path)
+def test_every_builtin_prompt_fits_the_presets_prompt_cap(knights_standin_path):
+    # the untrained twin's tokenizer is the trained model's (test_the_untrained_twin_matches_the_build)
+    tokenizer = AutoTokenizer.from_pretrained(knights_standin_path)
     cap = load_config("configs/knights/grpo.yaml").data.max_prompt_tokens
     prompts = [format_prompt(tokenizer, ex.problem, "") for split in ("train", "test") for ex in builtin_knights(split)]
     longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
@@ -74,6 +82,40 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
     assert result == [path] and not any(m.startswith("building") for m in logged)
 
 
+def test_loading_a_model_does_not_import_the_puzzle_generator():
+    # pspo.model resolves builtin: names lazily: neither builder, nor the K&K generator, is imported
+    code = "import sys, pspo.model; print(sorted(m for m in sys.modules if m.startswith('pspo')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "pspo.knights" not in out and "pspo.tiny" not in out and "pspo.data" not in out, out
+
+
+def test_the_untrained_twin_is_the_builds_start(knights_standin_path, tmp_path):
+    # cached apart from the trained build, and loads like it (from_pretrained, the K&K special tokens)
+    assert knights_standin_path == tiny_knights_path(trained=False) != tiny_knights_path()
+    assert ensure_tiny_knights_model(trained=False) == knights_standin_path        # cached: no rebuild
+    tokenizer = AutoTokenizer.from_pretrained(knights_standin_path)
+    model = AutoModelForCausalLM.from_pretrained(knights_standin_path, dtype=torch.float32)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert set(FIXED_TEXT + TAGS) <= set(tokenizer.get_vocab())                    # one token each
+    assert model.config.vocab_size == len(tokenizer) and model.config.num_hidden_layers == 4
+    with open(os.path.join(knights_standin_path, "pspo_build.json")) as f:
+        assert json.load(f)["warmup_steps"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.knights_model
+def test_the_untrained_twin_matches_the_build(tiny_knights_model_path, knights_standin_path):
+    # what the rehearsals rely on: the twin's tokenizer and architecture are the trained model's
+    trained, twin = (AutoTokenizer.from_pretrained(p) for p in (tiny_knights_model_path, knights_standin_path))
+    assert trained.get_vocab() == twin.get_vocab() and trained.chat_template == twin.chat_template
+    configs = [AutoConfig.from_pretrained(p).to_dict() for p in (tiny_knights_model_path, knights_standin_path)]
+    for config in configs:
+        config.pop("_name_or_path")                                   # the folder
+    assert configs[0] == configs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.knights_model
 def test_resolves_to_the_cached_build(tiny_knights_model_path):
     assert resolve_model_path(TINY_KNIGHTS_MODEL) == tiny_knights_model_path == tiny_knights_path()
     with open(os.path.join(tiny_knights_model_path, "pspo_build.json")) as f:
@@ -84,6 +126,8 @@ def test_resolves_to_the_cached_build(tiny_knights_model_path):
     assert by_size[2] > max(by_size[n] for n in range(5, 9))
 
 
+@pytest.mark.slow
+@pytest.mark.knights_model
 def test_writes_the_layout_with_the_puzzles_names(tiny_knights_model_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_knights_model_path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_knights_model_path, dtype=torch.float32)
@@ -102,6 +146,8 @@ def test_writes_the_layout_with_the_puzzles_names(tiny_knights_model_path):
     assert sum(s in (3.0, -0.5) for s in scores) >= 0.7 * len(test), list(zip(texts, scores))[:4]
 
 
+@pytest.mark.slow
+@pytest.mark.knights_model
 def test_accuracy_spreads_by_size(tiny_knights_model_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_knights_model_path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_knights_model_path, dtype=torch.float32)

@@ -13,6 +13,8 @@ from pspo.tiny import ensure_tiny_model
 from pspo.model import ModelError
 from pspo.vllm_engine import VLLMEngine, full_params, sync_gap
 
+pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
+
 T = 0.7
 
 
