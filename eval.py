@@ -33,8 +33,8 @@ from pspo.config import ConfigError, load_config
 from pspo.data import DataError, PromptSet, load_examples, prompt_set
 from pspo.distributed import print0
 from pspo.evaluation import evaluate
-from pspo.model import (ModelError, build_policy, check_context, load_model_config, load_tokenizer,
-                        resolve_model_path)
+from pspo.builtin_models import resolve_model_path
+from pspo.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
 from pspo.reward_pool import RewardPool, resolve_workers
 from pspo.rollout import build_engine, engine_name
 

@@ -32,7 +32,8 @@ from pspo.distributed import Dist, print0
 from pspo.evaluation import evaluate
 from pspo.methods import Context, StepRollouts, method_for
 from pspo.metrics import MetricsLogger, StepClock, gpu_memory, step_record
-from pspo.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer, resolve_model_path
+from pspo.builtin_models import resolve_model_path
+from pspo.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
 from pspo.optim import adopt_optim_config, build_optimizer
 from pspo.plan import plan_cli, startup_check
 from pspo.reward_pool import RewardPool, resolve_workers

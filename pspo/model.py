@@ -25,19 +25,6 @@ class ModelError(ValueError):
     """The model path cannot be loaded; the message is one line."""
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """`builtin:tiny` / `builtin:tiny-knights` -> the cached demo model (built on first use); anything
-    else as given. The builders are imported only when their name is asked for: loading a model
-    imports neither (nor the K&K puzzle generator the K&K model's builder uses)."""
-    if name_or_path == "builtin:tiny":                  # pspo.tiny.TINY_MODEL
-        from pspo.tiny import ensure_tiny_model
-        return ensure_tiny_model()
-    if name_or_path == "builtin:tiny-knights":          # pspo.tiny_knights.TINY_KNIGHTS_MODEL
-        from pspo.tiny_knights import ensure_tiny_knights_model
-        return ensure_tiny_knights_model()
-    return name_or_path
-
-
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """Left-padding tokenizer (generation pads prompts on the left); pad falls back to eos."""
     try:

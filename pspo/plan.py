@@ -55,7 +55,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pspo.config import Config, ConfigError, load_config
-from pspo.model import load_model_config, resolve_model_path
+from pspo.builtin_models import resolve_model_path
+from pspo.model import load_model_config
 from pspo.rollout import engine_name
 
 GiB = 2**30

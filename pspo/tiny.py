@@ -10,7 +10,7 @@ named by a hash of its build parameters, and from then on loaded through the sam
 
 The tokenizer runs Qwen2's own pipeline (NFC, Qwen2 split regex, byte-level BPE) with vocab and
 merges trained here: transformers rebuilds every tokenizer in a folder of model_type qwen2 as a
-`Qwen2Tokenizer` from vocab + merges (ENVIRONMENT.md), and with the same pipeline that rebuild
+`Qwen2Tokenizer` from vocab + merges, and with the same pipeline that rebuild
 tokenizes exactly as the tokenizer built here does (tests/test_tiny.py checks it).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pspo.data import R1_SYSTEM_PROMPT, Example, builtin_arithmetic, format_prom
 
 TINY_MODEL = "builtin:tiny"
 VERSION = 2                   # part of the cache key: bump it whenever the build below changes
-WARMUP_STEPS = 240            # supervised steps: greedy test accuracy ~0.3-0.4 (README)
+WARMUP_STEPS = 240            # supervised steps: greedy test accuracy ~0.3-0.4 (bench/RESULTS.md §1)
 VOCAB_SIZE = 510              # BPE vocab cap; the small corpus runs out of merges at 403 (+ 2 tags = 405 ids)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]     # pad, turn start, eos
 THINK_TOKENS = ["<think>", "</think>"]                                 # added, not special: decoded

@@ -10,7 +10,7 @@ rules, and the question with the instruction: ~70 BPE tokens as 2), so a prompt 
 instead of 126-240 and a warm-up step costs about half (bench/RESULTS.md). A puzzle
 worded otherwise (a hub file's quiz) is tokenized word by word as before.
 
-The supervised warm-up teaches the seed's layout with an empty think block,
+The supervised warm-up teaches the reference code's layout with an empty think block,
 "<think></think><answer>(1) Aaron is a knave\\n(2) Zoey is a knight</answer>" + <|im_end|>, on
 puzzles of `knights.warmup_examples` (after both builtin:knights splits, so neither is seen), with
 the loss on the completion only. The answer lists the people in alphabetical order, not the
@@ -51,7 +51,7 @@ from pspo.tiny import _build_model, build_once, greedy_completions, save_model_f
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
-WARMUP_STEPS = 1600           # supervised steps (964 s on one thread beside a pip install); accuracy by size in README
+WARMUP_STEPS = 1600           # supervised steps (964 s on one thread beside a pip install); accuracy by size in bench/RESULTS.md §8
 BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
 SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
 LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0
@@ -65,7 +65,7 @@ FIXED_TEXT = [ISLAND, f"{QUESTION}\n{KNIGHTS_INSTRUCTION}"]
 
 
 def knights_completion(gold: str) -> str:
-    """What the warm-up teaches the model to write before <|im_end|>: the seed's layout, the people
+    """What the warm-up teaches the model to write before <|im_end|>: the reference code's layout, the people
     in alphabetical order (module docstring), numbered from 1."""
     roles = sorted(_knights_gold(gold))                       # ((name, "knight" | "knave"), ...)
     lines = [f"({i + 1}) {name} is a {role}" for i, (name, role) in enumerate(roles)]

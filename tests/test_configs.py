@@ -148,7 +148,7 @@ def rehearse(config: str, out: str, tiny_model_path: str, knights_path: str) -> 
         assert getattr(ckpt.config, key) == getattr(base.config, key), key
 
 
-# The values README's "recipe beside the reference" table lists as the reference's own: the PSPO
+# The values docs/gpu.md's "Compared with the reference configuration" table lists as the reference's own: the PSPO
 # code's recipes/1.5B/*.yaml on TRL 0.18. Batch: 2 GPUs x 4 per device x 6 accumulation steps = 48
 # completions = 8 prompts of G = 6; warm-up: warmup_ratio 0.1 x 50 steps = 5.
 REFERENCE = {
@@ -171,7 +171,7 @@ def test_gpu_recipe_matches_reference(config):
     assert cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens == positions     # 512 + 3584 = 4096
 
 
-# The PaddleNLP seed's llm/config/qwen/reinforce_plus_plus_argument.yaml, in our keys (README, "GPU preset:
+# PaddleNLP's llm/config/qwen/reinforce_plus_plus_argument.yaml, in our keys (docs/gpu.md, "Preset:
 # REINFORCE++ on K&K"): global_batch_size 8 prompts x rollout_n 8, per_device_train_batch_size 8,
 # kl_coeff 1e-3, kl_loss_coeff 0, clip_range_ratio 0.2/0.2, clip_range_score 10, constant lr 5e-7.
 SEED_7B = {

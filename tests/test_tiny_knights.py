@@ -1,7 +1,7 @@
 """The tiny knights-and-knaves model (pspo/tiny_knights.py): its warm-up target, the build lock, its
 untrained twin (the tests' stand-in: same tokenizer), and the built model (marked knights_model: run
 by `scripts/study.sh --task knights`, skipped while it is not built): it loads through
-from_pretrained like a hub model, writes the seed's layout with the puzzle's own names, and its
+from_pretrained like a hub model, writes the reference code's layout with the puzzle's own names, and its
 greedy accuracy falls with the number of people."""
 import json
 import os
@@ -18,7 +18,7 @@ from pspo.data import format_prompt
 from pspo.config import load_config
 from pspo.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.knights_reward import knights_people, knights_reward
-from pspo.model import resolve_model_path
+from pspo.builtin_models import resolve_model_path
 from pspo.tiny_knights import (FIXED_TEXT, TAGS, TINY_KNIGHTS_MODEL, build_knights_tokenizer,
                                ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion,
                                tiny_knights_path)
