@@ -182,6 +182,9 @@ def test_functions_a_worker_cannot_load_are_scored_here(pool, monkeypatch):
 def test_close_and_garbage_collection_leave_no_process():
     closed, dropped = RewardPool(1), RewardPool(1)
     pids = closed.pids + dropped.pids
+    deadline = time.monotonic() + 30        # a worker just forked shows the parent's command line until its exec
+    while not _workers() >= set(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _workers() >= set(pids)
     closed.close()
     closed.close()                                             # idempotent
