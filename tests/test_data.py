@@ -38,6 +38,7 @@ def test_builtin_splits_are_fixed_disjoint_and_correct():
     assert builtin_arithmetic("test", num_examples=20) == test[:20]    # a prefix of the same order
 
 
+@pytest.mark.slow
 def test_builtin_splits_leave_the_global_rng_alone_and_match_across_processes():
     random.seed(7)
     expected = random.random()
@@ -148,6 +149,7 @@ def test_a_parquet_string_that_is_not_utf8_is_one_line(tmp_path):
         load_examples(str(path))
 
 
+@pytest.mark.slow
 def test_train_py_stops_on_a_file_that_is_not_utf8_with_one_line(tmp_path, tiny_model_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9?", "answer": "3"}\n')

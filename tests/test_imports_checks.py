@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PSPO = os.path.join(ROOT, "pspo")
 
@@ -58,6 +60,7 @@ def test_data_builds_on_knights_and_rewards_below_the_pool():
     assert graph["example"] == set()
 
 
+@pytest.mark.slow
 def test_each_module_imports_first_on_its_own():
     # Importing either module of a former circle first works (no partly initialised module).
     code = ("import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; "

@@ -96,6 +96,7 @@ def test_second_call_returns_the_cached_folder_without_building(built):
     assert logs == [] and os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_and_a_lost_race_uses_the_winner(built, tmp_path, monkeypatch):
     path, _, _ = built
     winner = tiny_model_path(str(tmp_path), warmup_steps=5)

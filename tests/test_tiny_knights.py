@@ -82,6 +82,7 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
     assert result == [path] and not any(m.startswith("building") for m in logged)
 
 
+@pytest.mark.slow
 def test_loading_a_model_does_not_import_the_puzzle_generator():
     # pspo.model resolves builtin: names lazily: neither builder, nor the K&K generator, is imported
     code = "import sys, pspo.model; print(sorted(m for m in sys.modules if m.startswith('pspo')))"
