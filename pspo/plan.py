@@ -61,7 +61,8 @@ from pspo.rollout import engine_name
 
 GiB = 2**30
 OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
-ALLOCATOR_SLACK = 0.2     # PyTorch's caching allocator: reserved / the plan's tensors - 1 (docstring: at most 0.19 seen)
+# PyTorch's caching allocator: reserved / the plan's tensors - 1 (the docstring: at most 0.19 seen)
+ALLOCATOR_SLACK = 0.2
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
 USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
          f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")

@@ -51,7 +51,8 @@ from pspo.tiny import _build_model, build_once, greedy_completions, save_model_f
 
 TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
-WARMUP_STEPS = 1600           # supervised steps (964 s on one thread beside a pip install); accuracy by size in bench/RESULTS.md §8
+# supervised steps (964 s on one thread beside a pip install); accuracy by size in bench/RESULTS.md §8
+WARMUP_STEPS = 1600
 BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
 SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
 LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0

@@ -42,7 +42,7 @@ def tiny_knights_model_path() -> str:
     return ensure_tiny_knights_model()
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(config, items):
     """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
     end; the tests sharing one vLLM engine (a module fixture) on one worker (--dist loadgroup)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
