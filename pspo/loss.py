@@ -1,6 +1,6 @@
-"""Per-token log-probs and the clipped surrogate objective with a k3 KL term, docs/methods.md §1.
+"""The clipped surrogate objective with a k3 KL term, docs/methods.md §1.
 
-    ρ_it  = exp(logπ_θ(o_it) - logπ_old(o_it))          logits divided by the sampling temperature
+    ρ_it  = exp(logπ_θ(o_it) - logπ_old(o_it))          logπ: token_logprobs.py (logits / temperature)
     pg_it = -min(ρ_it·Â_i, clip(ρ_it, 1-ε_low, 1+ε_high)·Â_i)
     kl_it = exp(logπ_ref - logπ_θ) - (logπ_ref - logπ_θ) - 1      (k3)
     ℓ_it  = pg_it + β·kl_it
@@ -18,48 +18,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
-
-
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor,
-                    temperature: float) -> tuple[Tensor, Tensor]:
-    """(n, H), (V, H), (n,) -> logp (n,) with grad, entropy (n,) detached; one (n x V) block."""
-    # Autocast off: a bf16 log_softmax over a 151k vocabulary loses the small log-probs that
-    # the ratio ρ is made of, so the head runs in float32 whatever the caller's autocast says.
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        logp_all = torch.log_softmax(hidden.float() @ weight.float().T / temperature, dim=-1)  # (n, V)
-        logp = logp_all.gather(1, targets[:, None]).squeeze(1)                                 # (n,)
-    with torch.no_grad():                          # entropy is for logging: keep it out of the graph
-        entropy = -(logp_all.exp() * logp_all).sum(-1)                                         # (n,)
-    return logp, entropy
-
-
-def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                   chunk_tokens: int = 2048) -> tuple[Tensor, Tensor]:
-    """log softmax(h·Wᵀ / temperature)[target] per token, the logπ of docs/methods.md §1.
-
-    hidden (N, T, H), weight (V, H) (the lm_head), targets (N, T) -> logp (N, T) float32 with
-    grad, entropy (N, T) float32 detached. The N·T tokens are processed chunk_tokens at a time
-    and each chunk is checkpointed, so at most one (chunk_tokens x V) logits block is alive in
-    forward and in backward (backward recomputes it): 8k tokens x a 151k vocabulary in float32
-    would otherwise keep 5 GB per micro-batch.
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
-    N, T, H = hidden.shape
-    flat_hidden, flat_targets = hidden.reshape(N * T, H), targets.reshape(N * T)   # (N·T, H), (N·T,)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logps, entropies = [], []
-    for start in range(0, N * T, chunk_tokens):
-        h = flat_hidden[start:start + chunk_tokens]                                  # (n, H)
-        t = flat_targets[start:start + chunk_tokens]                                 # (n,)
-        if needs_grad:
-            logp, entropy = checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False)
-        else:                                      # scoring π_old / π_ref: nothing to recompute
-            logp, entropy = _chunk_logprobs(h, weight, t, temperature)
-        logps.append(logp)
-        entropies.append(entropy)
-    return torch.cat(logps).view(N, T), torch.cat(entropies).view(N, T)
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 
 `Policy` wraps a transformers causal LM. Its forward returns log π(o_t | q, o_<t) for the
 completion tokens, from logits divided by the sampling temperature, in float32, one
-(tokens x vocab) block at a time (loss.token_logprobs). Generation also goes through
+(tokens x vocab) block at a time (token_logprobs.py). Generation also goes through
 `Policy.__call__` (generate=True): under FSDP2 the wrapper is the root module, and only work done
 inside the root's forward sees its gathered parameters (embeddings, final norm, lm_head).
 """
@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from pspo.loss import token_logprobs
+from pspo.token_logprobs import token_logprobs
 
 
 hf_logging.disable_progress_bar()          # per-file "Loading weights" bars would drown the training bar
@@ -77,9 +77,11 @@ class Policy(torch.nn.Module):
         with self._autocast():
             hidden = self.lm.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                                         position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state
-        # hidden at position s predicts token s+1: the last T positions predict the completion.
-        weight = self.lm.get_output_embeddings().weight                       # (V, H)
-        logp, entropy = token_logprobs(hidden[:, -T:], weight, input_ids[:, -T:], temperature, self.chunk_tokens)
+            # hidden at position s predicts token s+1: the last T positions predict the completion.
+            # Under bf16 autocast the head multiplies bf16 operands into float32 logits.
+            weight = self.lm.get_output_embeddings().weight                   # (V, H)
+            logp, entropy = token_logprobs(hidden[:, -T:], weight, input_ids[:, -T:], temperature,
+                                           self.chunk_tokens)
         return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
 
     def _autocast(self):
@@ -91,7 +93,7 @@ class Policy(torch.nn.Module):
 def check_plain_head(lm: torch.nn.Module) -> None:
     """Refuse, in one line, a model whose logits are not hidden @ lm_head.weight^T.
 
-    Policy.forward computes log-probs from the head's weight alone (loss.token_logprobs, chunked),
+    Policy.forward computes log-probs from the head's weight alone (token_logprobs.py, chunked),
     so a head bias, logit soft-capping (Gemma 2) or a logit scale (Cohere, Granite) would make
     the trainer's π differ from the model's, and from the engine's.
     """

@@ -12,9 +12,9 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   (the current one and the prefetched next) and one layer's unsharded gradient;
 - activations of one micro-batch (train.micro_batch_size sequences) at the longest sequence,
   data.max_prompt_tokens + rollout.max_new_tokens (`saved_bytes`, `activation_peak`);
-- the largest log-prob block (loss.token_logprobs): three (chunk x vocab) float32 blocks alive at
-  once (logits/T then log_softmax; the entropy's exp and product; the backward recompute holds as
-  many) plus the head's (vocab x hidden) float32 weight gradient;
+- the largest log-prob block (token_logprobs.py): forward holds two (chunk x vocab) float32 blocks
+  (the logits and their exp); backward one, its bf16 copy under model.bf16, and the head's
+  (vocab x hidden) float32 gradient (under bf16 also W's bf16 copy and one float32 product);
 - vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
   weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
   rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
@@ -193,9 +193,16 @@ def activation_peak(a: Arch, micro: int, seq: int, completion: int, bf16: bool, 
     return saved + max(a.layers * copies, recompute)
 
 
-def logprob_chunk_bytes(a: Arch, chunk_tokens: int) -> int:
-    """Peak of one token_logprobs block: 3 x (chunk x vocab) float32 + the head's fp32 weight gradient."""
-    return 3 * chunk_tokens * a.vocab * 4 + 4 * a.vocab * a.hidden
+def logprob_chunk_bytes(a: Arch, chunk_tokens: int, bf16: bool = False) -> int:
+    """Peak of the log-prob head (token_logprobs.py), forward or backward, whichever is larger.
+
+    float32: forward 2 x (chunk x V) fp32; backward 1 block + the head's fp32 gradient (V x H).
+    bf16: forward adds W's bf16 copy (2VH); backward the block, its bf16 copy (2 bytes), the fp32
+    gradient, W's bf16 copy and one fp32 (V x H) product before it is added in (4 + 2 + 4 VH)."""
+    block, head = chunk_tokens * a.vocab, a.vocab * a.hidden
+    if not bf16:
+        return max(2 * block * 4, block * 4 + 4 * head)
+    return max(2 * block * 4 + 2 * head, block * (4 + 2) + 10 * head)
 
 
 def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
@@ -302,8 +309,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
     rows.append(("acts", f"activations, {micro} x {seq} tokens, checkpointing {'on' if ckpt else 'off'} "
                  f"({'off' if ckpt else 'on'}: {other:.1f})", activation_peak(a, micro, seq, T, m.bf16, ckpt),
                  "update"))
-    rows.append(("logp", f"log-prob block ({chunk} x {a.vocab} fp32 x 3 + head grad)", logprob_chunk_bytes(a, chunk),
-                 "update"))
+    rows.append(("logp", f"log-prob head ({chunk} x {a.vocab} blocks + head grad)",
+                 logprob_chunk_bytes(a, chunk, m.bf16), "update"))
     notes, blocker = [], ""
     if engine == "vllm":
         share, weights = int(r.gpu_memory_utilization * gpu_bytes), P * dtype

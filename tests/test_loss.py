@@ -1,98 +1,13 @@
-"""Log-probs, clipped surrogate, k3 KL and aggregation, docs/methods.md §1, with hand-worked numbers,
-and the invariance of the step gradient to micro-batch / rank splitting."""
+"""Clipped surrogate, k3 KL and aggregation, docs/methods.md §1, with hand-worked numbers, and the
+invariance of the step gradient to micro-batch / rank splitting (log-probs: test_token_logprobs.py)."""
 import math
 
 import pytest
 import torch
 
 from pspo.config import AGGREGATIONS
-from pspo.loss import (clipped_surrogate, k3_kl, policy_loss, sequence_weights,
-                       token_logprobs)
-
-
-# ---------------------------------------------------------------- token_logprobs
-
-def _logits_123():
-    # H = 1, hidden = 1 and weight = [[1],[2],[3]] give logits [1, 2, 3] at every position;
-    # targets 0, 1, 2 read the three log-probs.
-    hidden = torch.ones(1, 3, 1)                                           # (N=1, T=3, H=1)
-    weight = torch.tensor([[1.], [2.], [3.]])                              # (V=3, H=1)
-    return hidden, weight, torch.tensor([[0, 1, 2]])                       # targets (1, 3)
-
-
-def test_token_logprobs_temperature_hand_worked():
-    hidden, weight, targets = _logits_123()
-    # T=1: logsumexp(1,2,3) = 3 + log(1 + e^-1 + e^-2) = 3 + log(1.503215) = 3.407606
-    #      logp = [1,2,3] - 3.407606 = [-2.407606, -1.407606, -0.407606]
-    #      p = [.090031, .244728, .665241]; H = Σ -p·logp = .216755+.344481+.271160 = .83240
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature=1.0)
-    torch.testing.assert_close(logp, torch.tensor([[-2.407606, -1.407606, -0.407606]]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, torch.full((1, 3), .83240), atol=1e-4, rtol=0)
-    # T=2: logits [.5, 1, 1.5]; logsumexp = 1.5 + log(1 + e^-.5 + e^-1) = 1.5 + log(1.974410)
-    #      = 1.5 + .680270 = 2.180270 -> logp = [-1.680270, -1.180270, -.680270]
-    #      p = [.18632, .30720, .50648]; H = .31307+.36258+.34454 = 1.02019 (flatter: higher)
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature=2.0)
-    torch.testing.assert_close(logp, torch.tensor([[-1.680270, -1.180270, -0.680270]]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, torch.full((1, 3), 1.02019), atol=1e-4, rtol=0)
-    assert logp.dtype == torch.float32 and not entropy.requires_grad
-
-
-def _random_head(seed, N=3, T=5, H=8, V=11, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, T, H, generator=g).to(dtype).requires_grad_()  # (N, T, H)
-    # scaled so logits are O(1), as in a trained head: logp ~ -log V, float32 rounding ~1e-7
-    weight = (0.3 * torch.randn(V, H, generator=g)).to(dtype).requires_grad_()  # (V, H)
-    targets = torch.randint(0, V, (N, T), generator=g)                     # (N, T)
-    upstream = torch.randn(N, T, generator=g)                              # dL/dlogp, (N, T)
-    return hidden, weight, targets, upstream
-
-
-def _logp_and_grads(chunk_tokens, seed=0):
-    hidden, weight, targets, upstream = _random_head(seed)
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_tokens=chunk_tokens)
-    (logp * upstream).sum().backward()
-    return logp.detach(), entropy, hidden.grad, weight.grad
-
-
-@pytest.mark.parametrize("chunk_tokens", [1, 4, 7, 15])
-def test_chunking_gives_same_logp_and_gradients(chunk_tokens):
-    # 15 tokens in chunks of 1, 4 (3 full + 1 of 3), 7 (2 + 1 of 1) or exactly 15 must match one block.
-    reference = _logp_and_grads(chunk_tokens=10**6)
-    for got, want in zip(_logp_and_grads(chunk_tokens), reference):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-
-
-def test_token_logprobs_matches_plain_log_softmax():
-    hidden, weight, targets, _ = _random_head(1)
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_tokens=4)
-    full = torch.log_softmax(hidden @ weight.T / 0.7, dim=-1)             # (N, T, V)
-    torch.testing.assert_close(logp, full.gather(2, targets[..., None]).squeeze(2), atol=1e-6, rtol=0)
-    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), atol=1e-6, rtol=0)
-
-
-def test_only_chunk_inputs_are_saved_for_backward():
-    # Checkpointing keeps no (chunk x V) logits block for backward: the only tensors saved at
-    # the outer level are each chunk's inputs (16 x 4 hidden, 1000 x 4 weight, 16 targets).
-    # Without checkpointing the (16 x 1000) log-softmax output would be saved for every chunk.
-    hidden, weight, targets, _ = _random_head(2, N=4, T=16, H=4, V=1000)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
-        logp, _ = token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=16)
-    assert saved and max(saved) < 16 * 1000
-    logp.sum().backward()                                                  # recomputation works
-    assert hidden.grad is not None and weight.grad.abs().sum() > 0
-
-
-def test_token_logprobs_run_in_float32_under_autocast():
-    # bf16 autocast would run the head matmul in bf16 (errors ~1e-2); the loss turns it off.
-    hidden, weight, targets, _ = _random_head(3)
-    want, _ = token_logprobs(hidden, weight, targets, temperature=1.0)
-    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
-        got, _ = token_logprobs(hidden, weight, targets, temperature=1.0)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    h16, w16, _, _ = _random_head(3, dtype=torch.bfloat16)                 # bf16 weights: float32 out
-    assert token_logprobs(h16, w16, targets, temperature=1.0)[0].dtype == torch.float32
+from pspo.loss import clipped_surrogate, k3_kl, policy_loss, sequence_weights
+from pspo.token_logprobs import token_logprobs
 
 
 # ---------------------------------------------------------------- k3 KL and the clipped surrogate
