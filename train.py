@@ -284,6 +284,8 @@ if __name__ == "__main__":
     except (ConfigError, DataError, ModelError, CheckpointError, FileNotFoundError, ImportError, SyncError,
             NonFiniteError) as e:
         print0(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    finally:
-        distributed.shutdown(clean=sys.exc_info()[0] is None)          # None: main returned
+        distributed.finish(2, clean=False)
+    except BaseException:                                # a bug or Ctrl-C: leave the group, show the traceback
+        distributed.shutdown(clean=False)
+        raise
+    distributed.finish(0, clean=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -53,13 +55,31 @@ _OWN_GROUP = False       # a world of one never creates a group; vLLM may create
 
 def shutdown(clean: bool) -> None:
     """Leave the process group. After a clean finish the ranks first wait for each other, so none
-    tears its connections down while a peer still talks on them (seen once in a CI run under load: a
-    2-process CPU run finished, saved and then aborted in one rank at exit). After an error, no wait:
-    the other ranks may never get there."""
+    tears its connections down while a peer still talks on them. After an error, no wait: the
+    other ranks may never get there."""
     if _OWN_GROUP and dist.is_initialized():
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def finish(code: int, clean: bool) -> NoReturn:
+    """End train.py: leave the process group, then exit with `code`.
+
+    A rank that owned a process group ends with os._exit once its output is flushed: everything it
+    writes (metrics, TensorBoard events, checkpoints) is closed by then, and skipping the
+    interpreter's finalization avoids an abort seen in 2-process CPU runs under load: a rank that
+    had finished and saved died with SIGABRT ("terminate called without an active exception") while
+    the collective library's C++ threads were torn down at exit, turning a finished run into a
+    failed one. A world of one exits normally.
+    """
+    owned = _OWN_GROUP
+    shutdown(clean)
+    if not owned:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def barrier() -> None:

@@ -169,7 +169,9 @@ def _whiten_on_rank(rank, init_file, values, mask, out_dir):
     rows = slice(0, 5) if rank == 0 else slice(5, None)                    # unequal halves: 5 and 7 rows
     whitened = whiten(values[rows], mask[rows], "bessel", reduce_sum=distributed.all_reduce_sum)
     torch.save(whitened, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)           # as train.py ends a rank (distributed.finish): no interpreter finalization
 
 
 @pytest.mark.slow

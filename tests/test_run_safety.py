@@ -119,3 +119,25 @@ def test_shutdown_waits_for_the_other_ranks_only_after_a_clean_finish(monkeypatc
     monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: seen.append("destroy"))
     distributed.shutdown(clean)
     assert seen == calls
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_finish_ends_a_rank_without_finalization_only_when_it_owned_a_group(monkeypatch, owned):
+    """train.py ends through distributed.finish: a rank of a process group leaves it together with
+    its peers and exits with os._exit (the collective library's threads are not torn down by the
+    interpreter's finalization); a world of one exits normally with the same code."""
+    from pspo import distributed
+    seen = []
+    monkeypatch.setattr(distributed, "_OWN_GROUP", owned)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: owned)
+    monkeypatch.setattr(distributed.dist, "barrier", lambda: seen.append("barrier"))
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", lambda: seen.append("destroy"))
+
+    def fake_exit(code):
+        seen.append(f"_exit {code}")
+        raise SystemExit(code)
+    monkeypatch.setattr(distributed.os, "_exit", fake_exit)
+    with pytest.raises(SystemExit) as stop:
+        distributed.finish(2, clean=False)
+    assert stop.value.code == 2
+    assert seen == (["destroy", "_exit 2"] if owned else [])
