@@ -76,7 +76,7 @@ def main(argv: list[str]) -> dict:
     policy = None
     if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
         policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
-        policy = distributed.shard(policy.to(dist_.device), dist_.world_size)
+        policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     longest = max(len(p) for suite in suites.values() for p in suite.ids)
     engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size, m.bf16)
     results = {}

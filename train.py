@@ -76,11 +76,11 @@ def main(argv: list[str]) -> None:
     print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))  # PlanError (exit 2) if it cannot fit
     policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
                           m.gradient_checkpointing).to(dist_.device)
-    policy = distributed.shard(policy, dist_.world_size)
+    policy = distributed.shard(policy, dist_.world_size, m.bf16)
     ref = None
     if cfg.algo.needs_reference:                  # the k3 loss term (β > 0) or REINFORCE++'s KL reward
         ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
-        ref = distributed.shard(ref.to(dist_.device), dist_.world_size)
+        ref = distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
     train, evals = prompt_sets(cfg, tokenizer)
     sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform, PPS or §3a's
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
 
@@ -87,11 +87,14 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shard(policy: torch.nn.Module, world_size: int) -> torch.nn.Module:
+def shard(policy: torch.nn.Module, world_size: int, bf16: bool = False) -> torch.nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (the Policy wrapper).
 
     Decoder layers are found by the model's own `_no_split_modules` class names, so any
-    transformers architecture works. A world of one is left unsharded (nothing to shard).
+    transformers architecture works. A world of one is left unsharded (nothing to shard; there
+    model.bf16 is bf16 autocast, model.py). With bf16, FSDP2's mixed precision: the float32 master
+    shards are all-gathered as bf16 for compute (no per-micro-batch casts of the weights) and the
+    gradients are reduce-scattered in float32 into float32 shards, which AdamW updates.
     """
     if world_size == 1:
         return policy
@@ -99,9 +102,10 @@ def shard(policy: torch.nn.Module, world_size: int) -> torch.nn.Module:
     layers = [m for m in policy.lm.modules() if type(m).__name__ in layer_names]
     if not layers:
         raise ValueError(f"cannot find decoder layers ({sorted(layer_names)}) to shard in {type(policy.lm).__name__}")
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(policy)
+        fully_shard(layer, mp_policy=precision)
+    fully_shard(policy, mp_policy=precision)
     return policy
 
 

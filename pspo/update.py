@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from pspo import distributed
 from pspo.config import Config
@@ -57,7 +58,10 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
     policy.train()
     try:
         for _ in range(a.num_iterations):
-            finite = True
+            # statistics stay on the device until the optimizer step: reading one back per micro-batch
+            # would make the CPU wait for the GPU each time instead of queueing the next micro-batch
+            finite_loss = torch.ones((), dtype=torch.bool, device=dist_.device)
+            totals: dict[str, Tensor] = {}
             for micro in plan:
                 logp, entropy = forward_logprobs(policy, micro, input_ids, attention_mask, T, temperature)  # (n, w)
                 rows, cols = micro.rows, slice(0, micro.width)
@@ -66,15 +70,17 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows, cols]
                 loss, stats = policy_loss(logp, old, ref, batch.advantages[rows, cols], m, weights[rows], a.beta,
                                           a.eps_low, a.eps_high)
-                finite &= bool(torch.isfinite(loss))
+                finite_loss &= torch.isfinite(loss.detach())
                 # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
                 (loss * dist_.world_size).backward()
                 stats["entropy"] = (entropy * m).sum()
                 for key, value in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    totals[key] = totals.get(key, 0.0) + value.detach().double()    # as a float sum would
             grad_norm = _clip_grad_norm(policy, cfg.optim.max_grad_norm)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm / dist_.world_size
-            finite &= math.isfinite(grad_norm)
+            for key, value in totals.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            finite = bool(finite_loss) and math.isfinite(grad_norm)
             if distributed.all_reduce_max(torch.tensor(float(not finite), device=dist_.device)) == 0:
                 optimizer.step()
             else:                                                       # NaN/inf: keep the weights

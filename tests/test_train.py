@@ -223,6 +223,23 @@ def test_two_processes_match_one(tmp_path, few_prompts):
         torch.testing.assert_close(wa[name], wb[name], atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
+def test_two_processes_in_bf16_train_float32_master_weights(tmp_path, few_prompts):
+    # model.bf16 over 2 gloo ranks is FSDP2's mixed precision (distributed.shard): bf16 all-gathered
+    # weights for compute, float32 gradient reduction into float32 shards. The step must run, move
+    # the weights, and save them in float32 with both ranks' state identical.
+    out = str(tmp_path / "two")
+    pspo(out, few_prompts, "--train.max_steps=1", "--model.bf16=true", "--optim.lr=1e-2", nproc=2)
+    assert metrics(out)[-1]["grad_norm"] > 0
+    saved, start = weights(os.path.join(out, "checkpoint-1")), load_file(os.path.join(os.environ["PSPO_TEST_MODEL"],
+                                                                                          "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    assert any(not torch.equal(saved[k], start[k].float()) for k in saved if k in start)
+    digests = [torch.load(os.path.join(out, "checkpoint-1", f"rng-rank{r}.pt"), weights_only=True)
+               ["trainer_state_sha256"] for r in (0, 1)]
+    assert digests[0] == digests[1]
+
+
 def test_bad_data_file_is_one_line_exit_2(tmp_path):
     proc = train(str(tmp_path / "x"), f"--data.train={tmp_path / 'missing.jsonl'}", check=False)
     assert proc.returncode == 2
