@@ -47,6 +47,7 @@ what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same te
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -344,6 +345,23 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
     return Plan(N, gpu_bytes, rows, notes, blocker)
 
 
+def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> int:
+    """The largest train.micro_batch_tokens whose plan fits: k full-length sequences (the plan
+    counts a token budget as budget // (prompt + completion) rows at full length), k up to the rows
+    one GPU trains in a step; 0 when not even one fits. The GPU recipes set their budget to this on
+    one 80 GB GPU (tests/test_plan.py), and `--plan` prints it for the GPUs asked about."""
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    calls = generate_calls(cfg, cfg.train.prompts_per_step // gpus)
+    rows = calls[0].sequences if cfg.algo.advantage != "spo_tree" else cfg.train.micro_batch_size
+    best = 0
+    for k in range(1, rows + 1):
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=k * seq))
+        if not make_plan(trial, a, gpus, gpu_bytes, engine).fits:
+            break
+        best = k * seq
+    return best
+
+
 def format_plan(plan: Plan, title: str) -> str:
     """The table `--plan` prints."""
     lines = [title, f"{'component':<76} {'GiB':>6}  phase"]
@@ -427,4 +445,9 @@ def plan_cli(argv: list[str]) -> str:
              f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
              f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant {OVERHEAD_GIB:g} GiB; update "
              f"peak is an upper bound")
-    return format_plan(plan, title)
+    budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine)
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} sequences of "
+              f"{seq} tokens; this run: {cfg.train.micro_batch_tokens or 'fixed ' + str(cfg.train.micro_batch_size)})"
+              if budget else "no token budget fits: not even one full-length sequence")
+    return format_plan(plan, title) + "\n" + advice

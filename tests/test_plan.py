@@ -318,10 +318,33 @@ def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
     # + 10 x V x H bytes = 2.17) = 35.83 GiB. The 43.0 GiB torch.cuda.max_memory_reserved measured
     # (with the former float32 head) exceeds tensors + the 2 GiB constant; the allocator cache
     # 0.2 x 35.83 = 7.17 covers it: 45.0 GiB.
-    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512"], 1)
+    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512",
+                                                        "--train.micro_batch_tokens=0"], 1)   # as measured: 4 rows
     a, _ = plan.load_arch(cfg.model.name_or_path, os.path.join(QWEN, "grpo.yaml"))
     p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "hf")
     rows = {key: b for key, _, b, _ in p.rows}
     tensors = p.phase_bytes("update") - rows["allocator"] - rows["overhead"]
     assert abs(tensors / GiB - 35.83) < 0.01 and abs(rows["allocator"] / GiB - 7.17) < 0.01
     assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 45.00) < 0.01
+
+
+@pytest.mark.parametrize("config, gpus, gib", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2),
+                                               ("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", 8, 80.0)])
+def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gib):
+    # 1.5B on one H100 (79.2 GiB), vLLM awake in the update: with 9 sequences of 512 + 3584 = 4096
+    # tokens (36864) the update totals 79.1 GiB or less, with 10 it does not fit; the 7B on 8 GPUs:
+    # 8 sequences of 512 + 4096 = 4608 (36864), all the 8 rows a GPU trains per step (a larger
+    # budget changes nothing there). Every 1.5B recipe inherits the budget and fits.
+    cfg = load_config(config, [], gpus)
+    a, _ = plan.load_arch(cfg.model.name_or_path, config)
+    budget = plan.largest_token_budget(cfg, a, gpus, int(gib * GiB), "vllm")
+    assert cfg.train.micro_batch_tokens == budget == 36864
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if gpus == 1:
+        more = load_config(config, [f"--train.micro_batch_tokens={budget + seq}"], gpus)
+        assert not plan.make_plan(more, a, gpus, int(gib * GiB), "vllm").fits
+        for name in sorted(os.listdir(QWEN)):
+            if name.endswith(".yaml"):
+                recipe = load_config(os.path.join(QWEN, name), [], 1)
+                assert recipe.train.micro_batch_tokens == budget, name
+                assert plan.make_plan(recipe, a, 1, int(gib * GiB), "vllm").fits, name
