@@ -3,20 +3,25 @@
     python bench/micro_batches.py                 # 2-core CPU: ~3 min; prints one table
     python bench/micro_batches.py --reps 5 --sequences 64     # longer, steadier
     python bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 \
-        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing     # a GPU: the 1.5B recipe's update
+        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing --budget 36864 --profile
+                                                  # a GPU: the 1.5B recipe's update (scripts/gpu_check.sh micro15)
 
 A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded) runs
 `policy_update` on one rollout batch whose completions spread from 10 to 512 tokens
 (log-uniform; prompts 20-120 tokens), as a reasoning model's do. Fixed micro-batches of
 `--micro` rows are padded to the step's longest prompt + completion; the token budget is set to
 the same padded size (micro x the longest sequence), so the peak memory of a micro-batch is the
-same and only the padding differs. The two modes alternate, `--reps` times each; the table has
+same and only the padding differs; --budget sets another budget (the GPU recipes' is 36864). The two modes alternate, `--reps` times each; the table has
 the median update time, real tokens per second and the padded share of positions, then the ratio.
 With --arch the model is that config.json's architecture at its real widths, random weights
-(pspo/standin.py), and on a GPU the table adds the peak memory of the update (AdamW state included)
-and the model FLOPs utilisation: 6 x parameters x real tokens / time / the GPU's dense bf16 peak
-(--peak-tflops; 989 = H100 SXM), attention FLOPs not counted. The optimizer is AdamW at lr 0, so
-the weights stay as built while its state is allocated as in training.
+(pspo/standin.py), and on a GPU the table adds the peak memory of the update (allocated and
+reserved, AdamW state included) and the model FLOPs utilisation: 6 x parameters x real tokens /
+time / the GPU's dense bf16 peak (--peak-tflops; 989 = H100 SXM); attention FLOPs and the forward
+that checkpointing recomputes are not counted. The optimizer is AdamW (fused on a GPU, as
+train.py builds it) at lr 0, so the weights stay as built while its state is allocated as in
+training. --profile traces one more token-budget update with torch.profiler and prints where
+the GPU's time went: GEMMs (and the share of them in float32), attention, elementwise/reductions,
+other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU).
 """
 from __future__ import annotations
 
@@ -68,6 +73,53 @@ def mfu(params: int, tokens: float, seconds: float, peak_tflops: float) -> float
     return 6 * params * tokens / seconds / (peak_tflops * 1e12)
 
 
+KERNEL_KINDS = (   # (kind, substrings of a CUDA kernel's lower-cased name), first match wins
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mma")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "copy", "cast", "unrolled", "fill", "softmax",
+                     "norm", "index", "gather", "scatter", "cat", "where", "pointwise", "adam")),
+)
+FP32_GEMM = ("f32f32", "sgemm", "tf32", "fp32")
+
+
+def kernel_kind(name: str) -> str:
+    """gemm / attention / elementwise / other for a CUDA kernel name."""
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_shares(kernels: list[tuple[str, float]], wall_us: float) -> dict[str, float]:
+    """Shares of the wall time: each kernel kind's summed time, fp32 GEMMs among them, and idle
+    (the wall time minus all kernel time; one stream, so kernels do not overlap)."""
+    shares = {kind: 0.0 for kind in ("gemm", "attention", "elementwise", "other")}
+    fp32 = 0.0
+    for name, us in kernels:
+        kind = kernel_kind(name)
+        shares[kind] += us / wall_us
+        if kind == "gemm" and any(k in name.lower() for k in FP32_GEMM):
+            fp32 += us / wall_us
+    shares["gemm_fp32"] = fp32
+    shares["idle"] = max(0.0, 1.0 - sum(shares[k] for k in ("gemm", "attention", "elementwise", "other")))
+    return shares
+
+
+def profiled_update(run) -> dict[str, float]:
+    """Run `run()` (one update) under torch.profiler on the GPU; the kernel time shares."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6
+    kernels = [(e.name, e.self_device_time_total) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    return profile_shares(kernels, wall_us)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=16)
@@ -80,6 +132,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (model.bf16)")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
+    ap.add_argument("--budget", type=int, default=0, help="token budget (default: micro x the longest sequence)")
+    ap.add_argument("--profile", action="store_true", help="a GPU: where one token-budget update spends its time")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,13 +153,14 @@ def main(argv: list[str]) -> None:
     input_ids, attention, mask, advantages = (t.to(device) for t in batch[:4])
     lengths = batch[4]
     longest = input_ids.shape[1]
-    budget = args.micro * longest
+    budget = args.budget or args.micro * longest
     modes = {"fixed": [f"--train.micro_batch_size={args.micro}"],
              "token budget": [f"--train.micro_batch_tokens={budget}"]}
     times: dict[str, list[float]] = {m: [] for m in modes}
-    peaks: dict[str, float] = {}
+    peaks: dict[str, tuple[float, float]] = {}
     sums: dict[str, dict] = {}
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0)   # the weights stay as built
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0,    # the weights stay as built
+                                  fused=True if device.type == "cuda" else None)
     for _ in range(args.reps):
         for mode, overrides in modes.items():
             cfg = load_config("configs/grpo.yaml", ["--rollout.num_generations=2",
@@ -119,7 +174,7 @@ def main(argv: list[str]) -> None:
             sums[mode] = policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device))
             if device.type == "cuda":
                 torch.cuda.synchronize()
-                peaks[mode] = torch.cuda.max_memory_allocated() / 2 ** 30
+                peaks[mode] = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30)
             times[mode].append(time.perf_counter() - start)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
@@ -127,8 +182,9 @@ def main(argv: list[str]) -> None:
           f"{where}; bf16 {'on' if args.bf16 else 'off'}, checkpointing {'on' if args.checkpointing else 'off'}; "
           f"median of {args.reps}\n")
     gpu = device.type == "cuda"
-    print("| mode | micro-batches | padded share | update s | real tokens/s |" + (" MFU | peak GiB |" if gpu else ""))
-    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""))
+    print("| mode | micro-batches | padded share | update s | real tokens/s |"
+          + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else ""))
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else ""))
     for mode in modes:
         s = sums[mode]
         plan = plan_micro_batches(attention, mask, args.micro, budget if mode != "fixed" else 0)
@@ -136,11 +192,25 @@ def main(argv: list[str]) -> None:
         row = (f"| {mode} | {len(plan)} | {1 - s['update_tokens'] / s['update_positions']:.2f} | {median:.2f} | "
                f"{s['update_tokens'] / median:,.0f} |")
         if gpu:
-            row += f" {mfu(params, s['update_tokens'], median, args.peak_tflops):.1%} | {peaks[mode]:.1f} |"
+            row += (f" {mfu(params, s['update_tokens'], median, args.peak_tflops):.1%} | {peaks[mode][0]:.1f} | "
+                    f"{peaks[mode][1]:.1f} |")
         print(row)
     ratio = statistics.median(times["fixed"]) / statistics.median(times["token budget"])
     print(f"\ntoken-budget updates are {ratio:.2f}x faster (fixed / token budget, medians; "
           f"per rep: {', '.join(f'{f / t:.2f}' for f, t in zip(times['fixed'], times['token budget']))})")
+    if args.profile and not gpu:
+        print("\nprofile: GPU only (kernel times); absent on CPU")
+    elif args.profile:
+        cfg = load_config("configs/grpo.yaml", ["--rollout.num_generations=2", f"--rollout.max_new_tokens={mask.shape[1]}",
+                                                *modes["token budget"]])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
+        shares = profiled_update(lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
+        print("\nprofile of one token-budget update (share of wall time):")
+        print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        print(f"| {shares['gemm']:.0%} | {shares['gemm_fp32']:.0%} | {shares['attention']:.0%} | "
+              f"{shares['elementwise']:.0%} | {shares['other']:.0%} | {shares['idle']:.0%} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 #             (max_new_tokens cut to $GEN tokens), the sample open-rs/MATH-500 rows in the hub's format,
 #             evaluation, a checkpoint, then eval.py reloading that checkpoint through from_pretrained
 #   micro15   bench/micro_batches.py on the 1.5B: one update of 48 sequences (completions 10-3584
-#             tokens), fixed vs token-budget micro-batches: tokens/s, MFU, peak memory
+#             tokens), fixed vs token-budget micro-batches: tokens/s, MFU, peak memory, a profile;
+#             checkpointing on and off; the 7B's widths at 4 layers
 #   rpp7b     configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml, 7B widths at $LAYERS7 of 28 layers
 #             (the full 7B needs 3+ GPUs: train.py --plan), 2 steps of 64 completions on K&K; and
 #             the plan of that truncated model beside the measured peak_mem_gib
@@ -63,9 +64,17 @@ for section in $SECTIONS; do
              --model.name_or_path=/tmp/pspo-gpu-runs/grpo15/checkpoint-2 --data.eval=data/samples/math500.jsonl \
              --data.max_eval_examples=8 --rollout.max_new_tokens=64 2>&1 | tee -a "$OUT/grpo15.log" ;;
     micro15)
+      # the 1.5B recipe's update (token budget 36864, checkpointing) with a profile; checkpointing off at
+      # the budget the plan fits without it (8192); the 7B's widths at 4 layers with its recipe's budget
       $PY bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 --micro 4 \
-        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing --reps 3 \
-        $([ "$SIZE" = full ] || echo --layers 1 --sequences 6 --max-completion 64 --reps 1) 2>&1 | tee "$OUT/micro15.log" ;;
+        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing --budget 36864 --profile --reps 2 \
+        $([ "$SIZE" = full ] || echo --layers 1 --sequences 6 --max-completion 64 --budget 0 --reps 1) 2>&1 | tee "$OUT/micro15.log"
+      $PY bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 --micro 2 \
+        --max-completion 3584 --max-prompt 512 --bf16 --budget 8192 --reps 2 \
+        $([ "$SIZE" = full ] || echo --layers 1 --sequences 6 --max-completion 64 --budget 0 --reps 1) 2>&1 | tee -a "$OUT/micro15.log"
+      [ "$SIZE" != full ] || $PY bench/micro_batches.py --arch configs/qwen2.5-7b-instruct-1m/model_config.json \
+        --layers 4 --sequences 32 --micro 4 --max-completion 4096 --max-prompt 512 --bf16 --checkpointing \
+        --budget 36864 --profile --reps 2 2>&1 | tee -a "$OUT/micro15.log" ;;
     rpp7b)
       model "qwen7b-$LAYERS7" configs/qwen2.5-7b-instruct-1m/model_config.json "$LAYERS7"
       train rpp7b configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml --model.name_or_path="$MODELS/qwen7b-$LAYERS7-$SIZE" \

@@ -161,3 +161,19 @@ def test_skewed_workload_and_mfu_of_the_bench():
     prompts = attention.sum(1) - mask.sum(1)                            # left-padded prompts of 85..512 tokens
     assert int(prompts.min()) >= 512 // 6 and int(prompts.max()) <= 512
     assert torch.equal(mask.sum(1).long(), lengths) and input_ids.shape == attention.shape
+
+
+def test_profile_summary_of_the_bench():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("micro_bench", os.path.join(ROOT, "bench", "micro_batches.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # 100 us of wall time: GEMMs 30 (fp32, the non-tensor-core kind) + 20 (bf16) = 0.5 of it, fp32 0.3;
+    # flash attention 0.1; an elementwise kernel 0.15; a Triton kernel 0.05 (other); idle 1 - 0.8 = 0.2.
+    kernels = [("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize", 30.0), ("nvjet_tst_192x192_bf16", 20.0),
+               ("pytorch_flash::flash_fwd_kernel", 10.0), ("void at::native::vectorized_elementwise_kernel", 15.0),
+               ("triton_poi_fused_0", 5.0)]
+    shares = bench.profile_shares(kernels, 100.0)
+    want = {"gemm": 0.5, "gemm_fp32": 0.3, "attention": 0.1, "elementwise": 0.15, "other": 0.05, "idle": 0.2}
+    assert shares == pytest.approx(want)
+    assert bench.kernel_kind("fmha_cutlassF_bf16_aligned_64x128") == "attention"        # attention before GEMM
