@@ -18,7 +18,8 @@ def forward_logprobs(model, batch: MicroBatch, input_ids: torch.Tensor, attentio
                      temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """log π and entropy of one micro-batch's completion columns, (n, width) each."""
     P = input_ids.shape[1] - T
-    return model(batch.cut(input_ids, P), batch.cut(attention_mask, P), batch.width, temperature)
+    return model(batch.cut(input_ids, P), batch.cut(attention_mask, P), batch.width, temperature,
+                 packed_width=batch.length)
 
 
 @torch.no_grad()

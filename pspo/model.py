@@ -64,24 +64,41 @@ class Policy(torch.nn.Module):
         self.lm, self.chunk_tokens, self.bf16 = lm, chunk_tokens, bf16
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int = 0,
-                temperature: float = 1.0, generate: bool = False, **generate_kwargs):
+                temperature: float = 1.0, generate: bool = False, packed_width: int = 0, **generate_kwargs):
         """input_ids/attention_mask (N, P+T): left-padded prompt then completion.
 
         Returns (logp (N, T), entropy (N, T)) for the last T = num_completion_tokens positions.
+
+        Scoring runs padding-free on the left: each row's real tokens are moved to the start
+        (right-padded to the longest row) and attention is plain causal, with no padding mask.
+        Causality keeps the pads at a row's end out of every real token's context, so the
+        log-probs are those of the left-padded rows, while the attention kernel skips the
+        masked triangle (flash attention on a GPU; a padding mask would force the
+        memory-efficient kernel over the full square) and no (N, s, s) mask is built.
+        packed_width: the longest row's real tokens when the caller knows it (micro_batches.py),
+        which spares reading it back from the device.
         """
         if generate:
             with self._autocast():
                 return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
         T = num_completion_tokens
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)   # skip left padding
+        N, L = input_ids.shape
+        lengths = attention_mask.sum(1)                                    # (N,) prompt + completion tokens
+        width = packed_width or int(lengths.max())
+        width = max(1, width - 1)                    # the last token predicts nothing
+        cols = torch.arange(width, device=input_ids.device)
+        pads = attention_mask.long().argmax(1)                             # (N,) left padding of each row
+        packed = input_ids.gather(1, (pads[:, None] + cols[None]).clamp(max=L - 1))          # (N, width)
+        prompts = lengths - attention_mask[:, L - T:].sum(1)               # (N,) prompt tokens
+        # hidden at position s predicts token s+1: completion token t of row i is predicted at p_i - 1 + t
+        at = (prompts[:, None] - 1 + torch.arange(T, device=input_ids.device)[None]).clamp(0, width - 1)   # (N, T)
         with self._autocast():
-            hidden = self.lm.base_model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                                        position_ids=position_ids[:, :-1], use_cache=False).last_hidden_state
-            # hidden at position s predicts token s+1: the last T positions predict the completion.
+            hidden = self.lm.base_model(input_ids=packed, position_ids=cols.expand(N, width),
+                                        use_cache=False).last_hidden_state                  # (N, width, H)
+            hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))        # (N, T, H)
             # Under bf16 autocast the head multiplies bf16 operands into float32 logits.
             weight = self.lm.get_output_embeddings().weight                   # (V, H)
-            logp, entropy = token_logprobs(hidden[:, -T:], weight, input_ids[:, -T:], temperature,
-                                           self.chunk_tokens)
+            logp, entropy = token_logprobs(hidden, weight, input_ids[:, L - T:], temperature, self.chunk_tokens)
         return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
 
     def _autocast(self):

@@ -40,10 +40,11 @@ were freed by zero_grad(set_to_none)) or update (all training state, activations
 block, vLLM unless it sleeps). The activation and log-prob peaks do not coincide: their sum
 makes the update an upper bound.
 
-Attention assumed: PyTorch sdpa with the padding mask train.py always passes, i.e. the CUDA
-memory-efficient kernel. It saves q, k, v (KV heads repeated), the output, the log-sum-exp and
-the mask as a bias; no (heads x s x s) probabilities. tests/test_plan.py checks the count against
-what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
+Attention assumed: PyTorch sdpa. The update scores rows padding-free with plain causal attention
+(model.py), where a GPU runs the flash kernel; the count is that of the memory-efficient kernel
+with a padding mask, an upper bound: it saves q, k, v (KV heads repeated), the output, the
+log-sum-exp and the mask as a bias; no (heads x s x s) probabilities. tests/test_plan.py checks the
+count against what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
 """
 from __future__ import annotations
 

@@ -51,8 +51,7 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
     num_seqs, num_tokens = int(counts[0].item()), int(counts[1].item())  # over every rank
     weights = sequence_weights(lm, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
     plan = plan_micro_batches(attention_mask, batch.mask, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
-    P = input_ids.shape[1] - T
-    positions = sum(len(b.rows) * (P - b.start + b.width) for b in plan if not b.spare)   # rows x width
+    positions = sum(len(b.rows) * b.length for b in plan if not b.spare)   # rows x the longest row (model.py)
     sums: dict[str, float] = {"skipped_steps": 0.0, "update_positions": float(positions * a.num_iterations),
                               "update_tokens": float(attention_mask.sum()) * a.num_iterations}
     policy.train()

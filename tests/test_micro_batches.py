@@ -26,23 +26,23 @@ def masks(prompt_lens, completion_lens, P, T):
 
 
 def test_packing_hand_worked():
-    # prompts [3, 1, 2, 2], completions [1, 4, 2, 1]; P = 3, T = 4; budget 10 padded tokens.
+    # prompts [3, 1, 2, 2], completions [1, 4, 2, 1]; P = 3, T = 4; budget 10 tokens.
     # lengths p + c = [4, 5, 4, 3] -> longest first (ties keep their order): rows 1, 0, 2, 3.
-    #   row 1 alone: 1 x (1 + 4) = 5 <= 10.  + row 0: 2 x (3 + 4) = 14 > 10 -> flush [1], start 3-1 = 2, width 4
-    #   row 0: 1 x (3 + 1) = 4.  + row 2: 2 x (3 + 2) = 10 <= 10.  + row 3: 3 x (3 + 2) = 15 > 10 -> flush [0, 2]
-    #   row 3 alone: start 3-2 = 1, width 1
+    #   row 1: 1 x 5 = 5.  + row 0: 2 x 5 = 10 <= 10.  + row 2: 3 x 5 = 15 > 10 -> flush [1, 0]:
+    #     cut from 3 - max(1, 3) = 0, completion width max(4, 1) = 4, scored at length 5
+    #   row 2: 1 x 4.  + row 3: 2 x 4 = 8 <= 10 -> [2, 3]: cut from 3 - 2 = 1, width 2, length 4
     attention, mask = masks([3, 1, 2, 2], [1, 4, 2, 1], 3, 4)
     plan = plan_micro_batches(attention, mask, 64, 10)
-    assert [(b.rows.tolist(), b.start, b.width, b.spare) for b in plan] == [
-        ([1], 2, 4, False), ([0, 2], 0, 2, False), ([3], 1, 1, False)]
+    assert [(b.rows.tolist(), b.start, b.width, b.length, b.spare) for b in plan] == [
+        ([1, 0], 0, 4, 5, False), ([2, 3], 1, 2, 4, False)]
     # every real token is inside its micro-batch's cut: nothing is lost by cutting
     for b in plan:
         assert int(b.cut(attention, 3).sum()) == int(attention[b.rows].sum())
-    # padded positions: 1x5 + 2x5 + 1x3 = 18 against 7 x 4 = 28 at the fixed full width
-    assert sum(len(b.rows) * (3 - b.start + b.width) for b in plan) == 18
-    # micro_batch_tokens = 0: consecutive rows at full width, micro_batch_size at a time
+    # positions scored (padding-free on the left): 2 x 5 + 2 x 4 = 18 against 4 x 7 = 28 left-padded to P + T
+    assert sum(len(b.rows) * b.length for b in plan) == 18
+    # micro_batch_tokens = 0: consecutive rows, cut to full width, scored at their longest row
     fixed = plan_micro_batches(attention, mask, 3, 0)
-    assert [(b.rows.tolist(), b.start, b.width) for b in fixed] == [([0, 1, 2], 0, 4), ([3], 0, 4)]
+    assert [(b.rows.tolist(), b.start, b.width, b.length) for b in fixed] == [([0, 1, 2], 0, 4, 5), ([3], 0, 4, 3)]
 
 
 def test_a_row_longer_than_the_budget_goes_alone():

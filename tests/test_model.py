@@ -98,3 +98,28 @@ def test_dropout_is_off_so_train_mode_scores_like_eval_mode():
     assert not torch.allclose(policy.train()(ids, mask, 3)[0], eval_logp)   # dropout active: differs
     disable_dropout(lm)
     torch.testing.assert_close(policy.train()(ids, mask, 3)[0], eval_logp, atol=1e-6, rtol=0)
+
+
+def test_scoring_is_padding_free_and_equals_each_row_alone(tiny_model_path):
+    # Rows of 3, 5 and 1 prompt tokens (left-padded to 5) with 4, 2 and 3 completion tokens (right-padded
+    # to 4): the log-probs of Policy.forward, which moves each row's tokens to the start and attends
+    # causally without a mask, equal each row scored alone with the model's own logits:
+    # log_softmax(logits / T)[next token] at positions p - 1 .. p + c - 2.
+    from pspo.model import build_policy
+    torch.manual_seed(0)
+    policy = build_policy(tiny_model_path, False, 4, False, False)
+    V = policy.lm.config.vocab_size
+    rows = [(torch.randint(3, V, (p,)), torch.randint(3, V, (c,))) for p, c in ((3, 4), (5, 2), (1, 3))]
+    input_ids = torch.zeros(3, 9, dtype=torch.long)
+    attention = torch.zeros(3, 9, dtype=torch.long)
+    for i, (prompt, completion) in enumerate(rows):
+        input_ids[i, 5 - len(prompt):5 + len(completion)] = torch.cat([prompt, completion])
+        attention[i, 5 - len(prompt):5 + len(completion)] = 1
+    with torch.no_grad():
+        logp, _ = policy(input_ids, attention, 4, 0.7)
+        for i, (prompt, completion) in enumerate(rows):
+            ids = torch.cat([prompt, completion])[None]
+            logits = policy.lm(ids).logits[0].float() / 0.7                               # (p + c, V)
+            want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, completion[:, None])[:, 0]
+            torch.testing.assert_close(logp[i, :len(completion)], want, atol=1e-5, rtol=1e-5)
+            assert torch.isfinite(logp[i]).all()                                          # pads: finite, masked later
