@@ -191,13 +191,15 @@ def _full_params_on_rank(rank, init_file, path, out_dir):
     dist.destroy_process_group()
 
 
-def test_weight_sync_from_fsdp2_shards(untied, tmp_path):
+def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path):
     # full_params on FSDP2 shards gives, on every rank in the same order, the names and full tensors of
     # the unsharded model; vLLM's reload_weights takes exactly that stream, and the engine then
-    # samples with the moved weights (the trainer's log-probs match it to float32 noise).
+    # samples with the moved weights (the trainer's log-probs match it to float32 noise). Its own
+    # engine: one built before another engine of this process was dropped no longer generates
+    # (vLLM's parallel state is per process).
     import torch.multiprocessing as mp
-    tokenizer, prompts, policy, engine = untied
-    path = engine.llm.llm_engine.vllm_config.model_config.model
+    path = tiny_model_path
+    tokenizer, prompts, policy, engine = setup(path)
     mp.spawn(_full_params_on_rank, args=(str(tmp_path / "init"), path, str(tmp_path)), nprocs=2)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     names = [n for n, _ in r0["gathered"]]
@@ -210,8 +212,7 @@ def test_weight_sync_from_fsdp2_shards(untied, tmp_path):
     engine.llm.reset_prefix_cache()
     seeds = sequence_seeds(4, 0, torch.arange(len(prompts)), 1)
     assert sync_gap(engine, moved, prompts, T, 12, seeds)[0] < 1e-4
-    assert sync_gap(engine, policy, prompts, T, 12, seeds)[1] > 0.02      # not the fixture's weights any more
-    engine.sync_weights(policy.lm)                                         # back to the fixture's policy
+    assert sync_gap(engine, policy, prompts, T, 12, seeds)[1] > 0.02      # not the saved weights any more
 
 
 def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
