@@ -27,6 +27,7 @@ WHITENINGS = ("bessel", "population")                     # advantages.whiten: P
 PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampler, docs/methods.md §3b
 IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
+IS_CORRECTIONS = ("none", "token", "sequence")            # is_correction.py, docs/methods.md §7
 
 
 @dataclass
@@ -71,6 +72,9 @@ class RolloutConfig:
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)
     sync_check_tol: float = 0.02        # stop if the mean |Δ log π| per token exceeds this (nats)
+    # engine/trainer mismatch (§7): the PG term weighted by min(π_old/π_engine, C) per token | sequence | none
+    is_correction: str = "none"
+    is_cap: float = 2.0                 # C, the truncation of that weight (> 1)
 
 
 @dataclass
@@ -280,6 +284,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]", r.gpu_memory_utilization)
     _check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
     _check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)
+    corrected = r.is_correction != "none"
+    _check(r.is_correction in IS_CORRECTIONS, "rollout.is_correction", " | ".join(IS_CORRECTIONS),
+           r.is_correction)
+    _check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)", r.is_cap)
+    _check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
+           "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
+    _check(not corrected or a.advantage != "spo_tree", "rollout.is_correction", "none with algo.advantage="
+           "spo_tree (its replayed tree edges keep no engine log-probs)", r.is_correction)
     _check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
     _check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
     _check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)

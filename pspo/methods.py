@@ -1,8 +1,9 @@
 """The advantage methods: one function per method, chosen in one place (`method_for`).
 
 Each method turns the step's scored rollouts (`StepRollouts`) into what the optimizer step consumes
-(`UpdateBatch`: token advantages (N, T) times the PPS importance weight, the loss mask, and π_old /
-π_ref where the method or the loss needs them) plus this rank's statistics:
+(`UpdateBatch`: token advantages (N, T) times the PPS importance weight and the engine-mismatch
+weight, the loss mask, and π_old / π_ref where the method or the loss needs them) plus this rank's
+statistics:
 
     grpo                   GRPO / Dr. GRPO, per completion; ERS-smoothed with ers.enabled   docs/methods.md §1, §2
     reinforce_pp           REINFORCE++, per token, KL in the reward, batch-whitened          docs/related.md §A
@@ -13,7 +14,9 @@ Each method turns the step's scored rollouts (`StepRollouts`) into what the opti
 The math lives in advantages.py and segments.py (pure tensor functions); SPO's extra generation in
 spo.py. Adding a method: one function here, one line in `method_for`, one name in config.ADVANTAGES,
 one preset, its tests. PPS (docs/methods.md §3) is the sampler's, not a method's: its weights arrive
-in `StepRollouts.is_weights` and multiply whatever advantages a method returns.
+in `StepRollouts.is_weights` and multiply whatever advantages a method returns. So does the
+truncated IS weight of rollout.is_correction (docs/methods.md §7), which corrects for an engine whose
+log-probs differ from the trainer's π_old: both are multiplied in one place, `_weigh`.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from pspo import distributed
 from pspo.config import Config
 from pspo.distributed import Dist
 from pspo.ema_stats import EMAStats
+from pspo.is_correction import correction_weights, mismatch_sums
 from pspo.logprobs import score_policy
 from pspo.rewards import RewardResult
 from pspo.sequences import Rollout, UpdateBatch, batch_inputs
@@ -104,9 +108,9 @@ def grpo(s: StepRollouts, ctx: Context) -> MethodOutput:
         metrics = {f"ers_{k}": v for k, v in stats.items()}
     bookkeeping_s = time.perf_counter() - start                                    # the advantages and ERS
     mine = advantages[ctx.mine]                                                    # (B_local, G)
-    weighted = (mine * s.is_weights[ctx.mine]).reshape(-1)                         # (N,) A·w
-    batch = _rollout_batch(s, ctx, weighted[:, None].expand_as(s.rollout.mask), s.rollout.mask,
-                           need_old=a.num_iterations > 1)
+    need_old = a.num_iterations > 1
+    batch = _rollout_batch(s, ctx, s.rollout.mask, need_old)
+    metrics |= _weigh(s, ctx, batch, mine.reshape(-1, 1).expand_as(batch.mask), keep_old=need_old)
     sums = {**_rollout_sums(s, ctx), "adv_abs": mine.abs().sum(), "adv_sq": (mine ** 2).sum(),
             "adv_count": mine.numel()}
     return MethodOutput(batch, sums, metrics, {"bookkeeping_s": bookkeeping_s})
@@ -139,17 +143,19 @@ def spo_chain(s: StepRollouts, ctx: Context) -> MethodOutput:
     _, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, need_old=False,
                                need_ref=cfg.algo.needs_reference)
     advantages, loss_mask = advantages.to(device), loss_mask.to(device)           # (N, T) A, M
-    w = s.is_weights[ctx.mine].reshape(-1, 1).to(device)                           # (N, 1)
-    batch = UpdateBatch(input_ids, attention_mask, mask, loss_mask, advantages * w, old_logp, ref_logp)
+    zeros = torch.zeros_like(mask)                                                 # _weigh sets A
+    batch = UpdateBatch(input_ids, attention_mask, mask, loss_mask, zeros, old_logp, ref_logp)
+    metrics = _weigh(s, ctx, batch, advantages, keep_old=True)
     sums = {**_rollout_sums(s, ctx), **counts, **_token_adv_sums(advantages, loss_mask)}
-    return MethodOutput(batch, sums)
+    return MethodOutput(batch, sums, metrics)
 
 
 def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     """SPO-tree, docs/related.md §B tree: the step's completions (at most M0 tokens) are the trees'
     first level; the trees grow, their leaves are scored, every node's A = V(node) - V(parent), and
     the edges drawn from the replay buffer are trained (their π_old from when they were generated).
-    PPS is refused with this method (config.py), so there is no IS weight to apply."""
+    PPS and rollout.is_correction are refused with this method (config.py): the edges are trained in
+    later steps, and they keep no engine log-probs, so there is no IS weight to apply."""
     cfg, tree = ctx.cfg, ctx.tree
     local = s.indices[ctx.mine].tolist()
     grown = tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step, ctx.score)
@@ -187,28 +193,69 @@ def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> MethodO
     """REINFORCE++(-baseline): π_old and π_ref scored first (the KL reward needs both), then §A."""
     a = ctx.cfg.algo
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    batch = _rollout_batch(s, ctx, None, s.rollout.mask, need_old=a.num_iterations > 1 or a.kl_coef > 0)
+    need_old = a.num_iterations > 1 or a.kl_coef > 0
+    batch = _rollout_batch(s, ctx, s.rollout.mask, need_old)
     advantages = reinforce_pp_advantages(rewards.to(batch.mask.device), batch.mask, batch.old_logp,
                                          batch.ref_logp, a.kl_coef, a.clip_score, group_size, a.whiten,
                                          reduce_sum=distributed.all_reduce_sum)   # (N, T)
-    batch.advantages = advantages * s.is_weights[ctx.mine].reshape(-1, 1).to(advantages.device)
+    metrics = _weigh(s, ctx, batch, advantages, keep_old=need_old)
     sums = {**_rollout_sums(s, ctx), **_token_adv_sums(advantages, batch.loss_mask)}
-    return MethodOutput(batch, sums)
+    return MethodOutput(batch, sums, metrics)
 
 
-def _rollout_batch(s: StepRollouts, ctx: Context, advantages: Tensor | None, loss_mask: Tensor,
-                   need_old: bool) -> UpdateBatch:
-    """The step's completions as an UpdateBatch on the rank's device, π_old scored if `need_old`
-    and π_ref if the run has a reference. advantages (N, T) or None (filled in by the caller)."""
+def _rollout_batch(s: StepRollouts, ctx: Context, loss_mask: Tensor, need_old: bool) -> UpdateBatch:
+    """The step's completions as an UpdateBatch on the rank's device, advantages zero (`_weigh` sets
+    them); π_old scored if `need_old` or rollout.is_correction needs it, π_ref if the run has a reference."""
     cfg, device = ctx.cfg, ctx.dist.device
     ctx.release_engine()                                                           # nothing more to generate
     input_ids, attention_mask = batch_inputs([ctx.train_ids[i] for i in s.rows], s.rollout.completion_ids,
                                              s.rollout.mask, ctx.pad_id)
     input_ids, attention_mask, mask = input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)
-    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, need_old,
+    score_old = need_old or cfg.rollout.is_correction != "none"
+    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, score_old,
                                       need_ref=cfg.algo.needs_reference)
-    advantages = advantages.to(device) if advantages is not None else torch.zeros_like(mask)
-    return UpdateBatch(input_ids, attention_mask, mask, loss_mask.to(device), advantages, old_logp, ref_logp)
+    zeros = torch.zeros_like(mask)
+    return UpdateBatch(input_ids, attention_mask, mask, loss_mask.to(device), zeros, old_logp, ref_logp)
+
+
+def _weigh(s: StepRollouts, ctx: Context, batch: UpdateBatch, advantages: Tensor,
+           keep_old: bool) -> dict[str, float]:
+    """The one place a method's token advantages A (N, T) become the batch's: A · w_PPS (the sampler's
+    weight of the completion, docs/methods.md §3) · w_TIS (rollout.is_correction, §7: min(π_old/π_engine,
+    C) per token or per sequence, from the engine's log-probs of the step's rollout). Both multiply the
+    policy-gradient term only: the loss adds its KL term unweighted. Returns the engine/trainer mismatch
+    metrics over every rank, whenever π_old was scored. keep_old false: π_old served the correction
+    alone and leaves the batch, so that ρ ≡ 1 stays exact with one iteration (docs/methods.md §1).
+    Collective when π_old was scored."""
+    r, device = ctx.cfg.rollout, batch.mask.device
+    weights = s.is_weights[ctx.mine].reshape(-1, 1).to(device)                     # (N, 1) w_PPS
+    metrics = {}
+    if batch.old_logp is not None:
+        engine_logp = s.rollout.logprobs.to(device)                                # (N, T) log π_engine
+        metrics = _mismatch_metrics(batch.old_logp, engine_logp, batch.mask, r.is_correction, r.is_cap)
+        if r.is_correction != "none":
+            tis = correction_weights(batch.old_logp, engine_logp, batch.mask, r.is_correction, r.is_cap)
+            weights = weights * tis                                                # (N, T) w_PPS · w_TIS
+    batch.advantages = advantages.to(device) * weights                            # (N, T)
+    if not keep_old:
+        batch.old_logp = None
+    return metrics
+
+
+def _mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str,
+                      cap: float) -> dict[str, float]:
+    """Over every rank's tokens: the mean and largest |log π_old − log π_engine| (engine_gap_mean,
+    engine_gap_max), and with a correction the mean TIS weight and the share of tokens it capped
+    (tis_weight_mean, tis_capped_frac), docs/methods.md §7. Collective."""
+    sums = mismatch_sums(old_logp, engine_logp, mask, mode, cap)
+    gap_max = distributed.all_reduce_max(sums.pop("gap_max").float())
+    totals = distributed.reduce_sums({k: float(v) for k, v in sums.items()}, mask.device)
+    tokens = max(totals["tokens"], 1.0)
+    metrics = {"engine_gap_mean": totals["gap_sum"] / tokens, "engine_gap_max": float(gap_max)}
+    if mode != "none":
+        metrics["tis_weight_mean"] = totals["weight_sum"] / tokens
+        metrics["tis_capped_frac"] = totals["capped"] / tokens
+    return metrics
 
 
 def _rollout_sums(s: StepRollouts, ctx: Context) -> dict[str, float]:

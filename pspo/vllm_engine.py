@@ -7,7 +7,9 @@ copies of a large model never sit in memory together; vLLM reloads them in place
 (`reload_weights`). `VLLMEngine.generate` has `HFEngine.generate`'s signature and returns the same
 `Rollout`: token ids, masks up to and including the stop token, and the sampled tokens'
 log softmax(z/T) (vLLM's `processed_logprobs`: exactly that when top_p = 1; with top_p < 1
-vLLM renormalizes them over the nucleus, so the loop never uses them as π_old).
+vLLM renormalizes them over the nucleus, so the loop never uses them as π_old). At top_p = 1 they
+are π_engine of the truncated importance weights min(π_old/π_engine, C) (rollout.is_correction,
+docs/methods.md §7), which config.py allows only there.
 
 Sampling uses vLLM's per-request seeds, derived from the same counter-based seeds as the
 transformers engine, so a completion does not depend on batching or on the number of ranks,

@@ -16,6 +16,9 @@
 #             the plan of that truncated model beside the measured peak_mem_gib
 #   spo15     configs/qwen2.5-math-1.5b/spo_tree.yaml, 1.5B: 1 step of SPO-tree (6-6-6 trees,
 #             segments cut to $SEG tokens): the share of the step spent growing trees (mc_gen_s)
+#   vllm15    (not in the default list; needs vLLM installed) the 1.5B recipe with the vLLM engine in bf16,
+#             rollout.sleep on, token TIS, a sync check every step: 3 steps of 48 completions; the
+#             metrics hold sync_gap_*, engine_gap_*, tis_*, weight_sync_s (docs/gpu.md, the vLLM list)
 # Random weights never emit end-of-sequence, so every completion runs to max_new_tokens: the
 # lengths are the worst case, the rewards are 0. The engine is vLLM where it is installed, else
 # transformers `generate` (--rollout.engine=hf forced by ENGINE=hf).
@@ -88,6 +91,12 @@ for section in $SECTIONS; do
       train spo15 configs/qwen2.5-math-1.5b/spo_tree.yaml --model.name_or_path="$MODELS/qwen15-$SIZE" \
         --data.train=data/samples/open-rs.jsonl --data.eval= --train.prompts_per_step=2 \
         --spo.segment_tokens="$SEG" --rollout.max_new_tokens="$GEN" --train.max_steps=1 --train.save_steps=0 ;;
+    vllm15)    # the vLLM-on-GPU calls CPU cannot run (sleep, bf16, memory share); tol 1: log the gap, do not stop
+      model qwen15 configs/qwen2.5-math-1.5b/model_config.json
+      train vllm15 configs/qwen2.5-math-1.5b/grpo.yaml --model.name_or_path="$MODELS/qwen15-$SIZE" \
+        --rollout.engine=vllm --rollout.sleep=true --rollout.is_correction=token --rollout.sync_check_steps=1 \
+        --rollout.sync_check_tol=1 --data.train=data/samples/open-rs.jsonl --data.eval= \
+        --rollout.max_new_tokens="$GEN" --train.max_steps=3 --train.save_steps=0 ;;
     *) echo "unknown section $section (grpo15 micro15 rpp7b spo15)" >&2; exit 2 ;;
   esac
   rm -rf "/tmp/pspo-gpu-runs/$section"                  # checkpoints of a 1.5B or 7B model fill a disk

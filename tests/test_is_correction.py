@@ -1,0 +1,187 @@
+"""Truncated importance sampling against an engine's log-probs, docs/methods.md §7: the weights with
+hand-worked numbers (token and sequence modes, the cap hit and not, padding), the logged mismatch
+sums, their config checks, and the weight entering the batch's advantages in one place (methods._weigh)."""
+import glob
+import os
+
+import pytest
+import torch
+
+from pspo.config import ConfigError, load_config
+from pspo.is_correction import correction_weights, log_ratios, mismatch_sums
+from pspo.methods import _weigh
+from pspo.sequences import Rollout, UpdateBatch
+
+# Two completions, T = 3; the second has 2 tokens (padding at t = 2, where the engine reports 0
+# and the trainer a pad token's log-prob). Δ = log π_old − log π_engine:
+#   row 0: −1.0 − (−1.5) = 0.5,  −2.0 − (−2.0) = 0,  −0.1 − (−1.2) = 1.1
+#   row 1: −0.7 − (−0.4) = −0.3, −3.0 − (−2.9) = −0.1, (padding: −5 − 0 = −5, ignored)
+OLD = torch.tensor([[-1.0, -2.0, -0.1], [-0.7, -3.0, -5.0]])
+ENGINE = torch.tensor([[-1.5, -2.0, -1.2], [-0.4, -2.9, 0.0]])
+MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
+
+
+def test_token_weights_hand_worked():
+    # exp(Δ): e^0.5 = 1.648721, e^0 = 1, e^1.1 = 3.004166 -> capped at C = 2; e^-0.3 = 0.740818,
+    # e^-0.1 = 0.904837; padding Δ = 0 -> 1
+    w = correction_weights(OLD, ENGINE, MASK, "token", cap=2.0)
+    expected = torch.tensor([[1.648721, 1.0, 2.0], [0.740818, 0.904837, 1.0]])
+    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+    # with C = 4 nothing is capped: 3.004166 stays
+    assert abs(float(correction_weights(OLD, ENGINE, MASK, "token", cap=4.0)[0, 2]) - 3.004166) < 1e-5
+
+
+def test_sequence_weights_hand_worked():
+    # row 0: Σ Δ = 0.5 + 0 + 1.1 = 1.6, e^1.6 = 4.953032 -> C = 2 on all three tokens;
+    # row 1: Σ Δ = −0.3 − 0.1 = −0.4 (the padding's −5 left out), e^−0.4 = 0.670320, on every column
+    w = correction_weights(OLD, ENGINE, MASK, "sequence", cap=2.0)
+    expected = torch.tensor([[2.0, 2.0, 2.0], [0.670320, 0.670320, 0.670320]])
+    torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
+    # C = 5 > 4.953032: not hit
+    torch.testing.assert_close(correction_weights(OLD, ENGINE, MASK, "sequence", cap=5.0)[0],
+                               torch.full((3,), 4.953032), atol=1e-5, rtol=0)
+    torch.testing.assert_close(log_ratios(OLD, ENGINE, MASK, "sequence")[:, 0], torch.tensor([1.6, -0.4]))
+
+
+def test_equal_logprobs_give_weight_one_and_extremes_stay_finite():
+    # the trainer's own engine: Δ = 0 everywhere -> w = 1 exactly, in both modes
+    for mode in ("token", "sequence"):
+        assert torch.equal(correction_weights(OLD, OLD.clone(), MASK, mode, 2.0), torch.ones(2, 3))
+    # Δ = +200 overflows exp to inf -> min(inf, C) = C; Δ = −200 underflows to 0 (no gradient)
+    w = correction_weights(torch.tensor([[0.0, -200.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2), "token", 2.0)
+    assert w.tolist() == [[2.0, 0.0]]
+    with pytest.raises(ValueError, match="rollout.is_correction"):
+        correction_weights(OLD, ENGINE, MASK, "tokens", 2.0)
+
+
+def test_mismatch_sums_hand_worked():
+    # |Δ| on the 5 tokens: .5, 0, 1.1, .3, .1 -> sum 2.0, max 1.1 (padding's 5 ignored), 5 tokens.
+    # token mode, C = 2: weights 1.648721 + 1 + 2 + .740818 + .904837 = 6.294376, 1 capped (e^1.1)
+    s = mismatch_sums(OLD, ENGINE, MASK, "token", 2.0)
+    assert abs(float(s["gap_sum"]) - 2.0) < 1e-6 and abs(float(s["gap_max"]) - 1.1) < 1e-6
+    assert float(s["tokens"]) == 5 and float(s["capped"]) == 1
+    assert abs(float(s["weight_sum"]) - 6.294376) < 1e-5
+    # sequence mode: row 0's 3 tokens capped at 2, row 1's 2 at .670320 -> 6 + 1.340640 = 7.340640
+    s = mismatch_sums(OLD, ENGINE, MASK, "sequence", 2.0)
+    assert float(s["capped"]) == 3 and abs(float(s["weight_sum"]) - 7.340640) < 1e-5
+    # none: the gap only
+    assert set(mismatch_sums(OLD, ENGINE, MASK, "none", 2.0)) == {"gap_sum", "gap_max", "tokens"}
+
+
+class _Ctx:
+    """What _weigh reads of a methods.Context: the rollout section, this rank's rows, the device."""
+
+    def __init__(self, mode, cap=2.0):
+        self.cfg = load_config(None, [f"--rollout.is_correction={mode}", f"--rollout.is_cap={cap}"])
+        self.mine = slice(0, 1)
+        self.dist = None
+
+
+def _step(mode, pps=(1.0, 0.5)):
+    """One prompt of G = 2 completions (OLD/ENGINE above), PPS weights `pps`, A = [+1, −1] per token."""
+    from pspo.methods import StepRollouts
+    rollout = Rollout(torch.zeros(2, 3, dtype=torch.long), MASK, ENGINE, torch.tensor([False, False]), ["", ""], 0.0)
+    s = StepRollouts(0, torch.tensor([0]), [0, 0], torch.zeros(2), rollout, None, torch.zeros(1, 2),
+                     torch.tensor([pps]))
+    batch = UpdateBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5), MASK, MASK, torch.zeros(2, 3),
+                        OLD.clone(), None)
+    return s, _Ctx(mode), batch, torch.tensor([[1.0], [-1.0]]).expand(2, 3)
+
+
+def test_weigh_multiplies_pps_and_tis_weights_into_the_advantages():
+    # token mode, C = 2: A·w_PPS·w_TIS = row 0: +1 · 1 · [1.648721, 1, 2]; row 1: −1 · .5 · [.740818, .904837, 1]
+    s, ctx, batch, adv = _step("token")
+    metrics = _weigh(s, ctx, batch, adv, keep_old=False)
+    expected = torch.tensor([[1.648721, 1.0, 2.0], [-0.370409, -0.452419, -0.5]])
+    torch.testing.assert_close(batch.advantages, expected, atol=1e-6, rtol=0)
+    assert batch.old_logp is None                     # scored for the correction only: ρ ≡ 1 as before
+    # metrics: gap 2.0 / 5 = .4, max 1.1; weights 6.294376 / 5 = 1.258875; 1 of 5 capped
+    assert metrics["engine_gap_mean"] == pytest.approx(0.4, abs=1e-6)
+    assert metrics["engine_gap_max"] == pytest.approx(1.1, abs=1e-6)
+    assert metrics["tis_weight_mean"] == pytest.approx(1.258875, abs=1e-5)
+    assert metrics["tis_capped_frac"] == pytest.approx(0.2)
+
+
+def test_weigh_without_correction_is_the_pps_weight_alone():
+    # none: A·w_PPS = [+1, +1, +1], [−.5, −.5, −.5]; π_old kept when the method needs it; the gap still logged
+    s, ctx, batch, adv = _step("none")
+    metrics = _weigh(s, ctx, batch, adv, keep_old=True)
+    assert torch.equal(batch.advantages, torch.tensor([[1.0, 1, 1], [-0.5, -0.5, -0.5]]))
+    assert batch.old_logp is not None and set(metrics) == {"engine_gap_mean", "engine_gap_max"}
+    # no π_old scored (one iteration, no correction): nothing to compare, no metrics
+    s, ctx, batch, adv = _step("none")
+    batch.old_logp = None
+    assert _weigh(s, ctx, batch, adv, keep_old=False) == {}
+
+
+def test_weigh_with_the_trainers_own_logprobs_is_a_no_op():
+    # the engine IS the trainer (Δ = 0): the advantages equal the uncorrected ones bit for bit
+    s, ctx, batch, adv = _step("token")
+    s.rollout.logprobs = OLD.clone()
+    _weigh(s, ctx, batch, adv, keep_old=False)
+    s0, ctx0, batch0, _ = _step("none")
+    batch0.old_logp = None
+    _weigh(s0, ctx0, batch0, adv, keep_old=False)
+    assert torch.equal(batch.advantages, batch0.advantages)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--rollout.is_correction=tokens"], "rollout.is_correction: expected none | token | sequence, got 'tokens'"),
+    (["--rollout.is_cap=1.0"], "rollout.is_cap: expected a finite number > 1"),
+    (["--rollout.is_cap=nan"], "rollout.is_cap: expected a finite number > 1"),
+    (["--rollout.is_correction=token", "--rollout.top_p=0.95"], "rollout.top_p: expected 1 with rollout.is_correction"),
+    (["--rollout.is_correction=sequence", "--algo.advantage=spo_tree"],
+     "rollout.is_correction: expected none with algo.advantage=spo_tree"),
+])
+def test_config_errors(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_defaults_and_the_presets():
+    # off by default and on the CPU presets (the transformers engine samples from the trainer itself);
+    # token level, C = 2, on the GPU presets, whose engine is vLLM, except SPO-tree's (refused there)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(None)
+    assert (cfg.rollout.is_correction, cfg.rollout.is_cap) == ("none", 2.0)
+    for path in sorted(glob.glob(os.path.join(root, "configs", "**", "*.yaml"), recursive=True)):
+        r = load_config(path).rollout
+        gpu = "/qwen2.5-" in path and not path.endswith("spo_tree.yaml")
+        assert (r.is_correction, r.is_cap) == (("token", 2.0) if gpu else ("none", 2.0)), path
+
+
+def test_is_correction_is_a_pure_math_module():
+    from tests.test_imports_checks import project_imports
+    assert project_imports()["is_correction"] == set()
+
+
+@pytest.mark.slow
+def test_with_the_transformers_engine_the_correction_is_a_no_op(tmp_path, tiny_model_path):
+    # The transformers engine samples from the trainer's own weights: its log-probs are π_old up to
+    # float32 noise (KV-cached generate against one full forward), so token and sequence TIS leave
+    # the run as it is without the correction: the same completions, losses and gradient norms.
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(mode):
+        out = tmp_path / mode
+        proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                               f"--model.name_or_path={tiny_model_path}", "--rollout.engine=hf", "--train.max_steps=3",
+                               "--train.prompts_per_step=8", "--rollout.num_generations=4", "--data.eval=",
+                               "--optim.lr=1e-3", f"--rollout.is_correction={mode}", "--train.progress=false"],
+                              cwd=root, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    plain = run("none")
+    assert "engine_gap_mean" not in plain[0]            # one iteration, no correction: π_old is not scored
+    for mode in ("token", "sequence"):
+        rows = run(mode)
+        for a, b in zip(plain, rows):
+            assert a["reward_mean"] == b["reward_mean"] and a["response_length"] == b["response_length"]
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)     # |loss| ~1e-7: Σ A ≈ 0
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            assert b["engine_gap_max"] < 1e-4 and abs(b["tis_weight_mean"] - 1) < 1e-4 and b["tis_capped_frac"] == 0
