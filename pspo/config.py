@@ -27,7 +27,7 @@ WHITENINGS = ("bessel", "population")                     # advantages.whiten: P
 PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampler, docs/methods.md §3b
 IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
-PRM_SPLITS = ("seed", "lines")                            # process_reward.split_steps, docs/related.md §C
+PRM_SPLITS = ("reference", "lines")                       # process_reward.split_steps, docs/related.md §C
 PRM_SHAPINGS = ("wrs", "weibull", "none")                 # process_reward.shaped_reward, docs/related.md §C
 
 
@@ -94,7 +94,7 @@ class PRMConfig:
     model: str = ""
     trust_remote_code: bool = False     # run model code shipped with the PRM (off: safer)
     label: int = 2                      # the "correct" class: s_j = softmax(logits)[label] (-1, 0, 1: 2)
-    split: str = "seed"                 # steps: seed (the released code's markers) | lines (lines, "Step k:")
+    split: str = "reference"            # steps: reference (the released code's markers) | lines (and "Step k:")
     # what joins the previous step to the step: "" = the PRM tokenizer's pair encoding (its sep token);
     # else this text (the released code: " </s><s>")
     separator: str = ""

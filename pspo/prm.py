@@ -12,10 +12,11 @@ float32 on the CPU), never wrapped by FSDP, never in the optimizer nor in a chec
 
 Scoring a batch of completions (`PRM.__call__`, called by rewards.score_completions where the
 rewards are summed): split every completion into steps (prm.split), pair each step with the one
-before it (§C.2), tokenize all the pairs at once (truncated to prm.max_tokens), sort them by length
-and run padded forwards of at most prm.batch_tokens tokens each (rows x longest row); a step's score
-is softmax(logits)[prm.label] in float32. So a training step's thousands of steps cost a few
-forwards; padding changes no score (tests/test_prm.py compares them with one-at-a-time scoring).
+before it (§C, "Step scores"), tokenize all the pairs at once (truncated to prm.max_tokens), sort
+them by length and run padded forwards of at most prm.batch_tokens tokens each (rows x longest row);
+a step's score is softmax(logits)[prm.label] in float32. So a training step's thousands of steps
+cost a few forwards; padding changes no score (tests/test_prm.py compares them with one-at-a-time
+scoring).
 The pair is the tokenizer's own pair encoding ("[CLS] a [SEP] b [SEP]" for BERT, token types
 included) when prm.separator is "", else one text, previous step + separator + step (the released
 code joins them with " </s><s>").
@@ -73,7 +74,7 @@ class PRM:
         return rewards
 
     def encode(self, pairs: list[tuple[str | None, str]]) -> list[dict[str, list[int]]]:
-        """Token ids of each (previous step or None, step), truncated to prm.max_tokens (§C.2)."""
+        """Token ids of each (previous step or None, step), truncated to prm.max_tokens (§C)."""
         kw = {"truncation": True, "max_length": self.cfg.max_tokens}
         sep = self.cfg.separator
         if sep:                                                                       # one text
@@ -81,14 +82,16 @@ class PRM:
             batch = self.tokenizer(texts, **kw)
             return [{k: batch[k][i] for k in batch} for i in range(len(pairs))]
         out: list[dict[str, list[int]]] = [{} for _ in pairs]
-        alone = [i for i, (prev, _) in enumerate(pairs) if prev is None]
+        alone = [i for i, (prev, _) in enumerate(pairs) if prev is None]          # first steps
         paired = [i for i, (prev, _) in enumerate(pairs) if prev is not None]
-        for rows, texts in ((alone, ([pairs[i][1] for i in alone],)),
-                            (paired, ([pairs[i][0] for i in paired], [pairs[i][1] for i in paired]))):
-            if rows:
-                batch = self.tokenizer(*texts, **kw)
-                for j, i in enumerate(rows):
-                    out[i] = {k: batch[k][j] for k in batch}
+        if alone:
+            batch = self.tokenizer([pairs[i][1] for i in alone], **kw)
+            for j, i in enumerate(alone):
+                out[i] = {k: batch[k][j] for k in batch}
+        if paired:                                                                    # the tokenizer's pairs
+            batch = self.tokenizer([pairs[i][0] for i in paired], [pairs[i][1] for i in paired], **kw)
+            for j, i in enumerate(paired):
+                out[i] = {k: batch[k][j] for k in batch}
         return out
 
     @torch.inference_mode()

@@ -12,16 +12,16 @@ import math
 import re
 from collections.abc import Sequence
 
-# §C.1, the released code's split: five alternatives, each one group (so re.split returns the
+# §C "Steps", the released code's split: five alternatives, each one group (so re.split returns the
 # marker's five groups between the texts). Note `\n*1+\.` is "any newlines, then the digit 1":
 # only "1." (or "11.") opens a list by itself; "k." for k > 1 needs a "." or "?" before it.
-SEED_PATTERN = re.compile(r"(\.\s+\d+\.\s)|(\?\s+\d+\.\s)|(\n*1+\.\s+)|(\\n\s*\d+\.)|(\[\d\])")
-SEED_GROUPS = 5
+REFERENCE_PATTERN = re.compile(r"(\.\s+\d+\.\s)|(\?\s+\d+\.\s)|(\n*1+\.\s+)|(\\n\s*\d+\.)|(\[\d\])")
+REFERENCE_GROUPS = 5
 # The alternative split (prm.split: lines): a break at every newline and before every "Step k:" /
 # "Step k." marker (any case), which stays at the head of its step.
 LINES_PATTERN = re.compile(r"\n|(?=\bstep\s*\d+\s*[:.])", re.IGNORECASE)
 
-# §C.4, the released code's shaping constants
+# §C "Accumulation and shaping", the released code's constants
 FF_K = 0.5             # k, growth rate up to the threshold: f = g·e^{k·n}
 FF_M = 0.1             # m, growth rate past the threshold
 FF_THRESHOLD = 4       # τ, steps
@@ -29,21 +29,22 @@ FF_E1 = 0.88433        # E1, a mean above it grows past τ
 FF_E3 = 0.21159        # E3, the middle band grows by (g - E3) / E1
 FF_LOW = 0.2           # a mean in (0, 0.2) shrinks past τ
 FF_SHARPNESS = 10.0    # σ = 1 / (1 + e^{-10 (n - τ)})
-# §C.5, the adjusted Weibull: w(n) = C (κ/λ) (n/λ)^{κ-1} e^{-(n/λ)^κ}, peak ≈ 1 at n* ≈ 3.85
+# the adjusted Weibull: w(n) = C (κ/λ) (n/λ)^{κ-1} e^{-(n/λ)^κ}, peak ≈ 1 at n* ≈ 3.85
 WEIBULL_KAPPA = 1.5
 WEIBULL_LAMBDA = 8.0
 WEIBULL_C = 10.735
 
 
-def split_seed(text: str) -> list[str]:
-    """The released code's step split, §C.1, exactly: the text before the first marker is dropped;
+def split_reference(text: str) -> list[str]:
+    """The released code's step split (§C, "Steps"), exactly: the text before the first marker is dropped;
     each step is "marker text", the marker with its newlines removed and then one leading "." and
     one leading space taken off; an empty text between two markers is no step.
     "x\\n1. A. 2. B. 3. C." -> ["1.  A", "2.  B", "3.  C."]; "Step\\n2. a\\n3. b" -> [] (no marker)."""
-    parts = SEED_PATTERN.split(text)          # [text_0, 5 groups, text_1, 5 groups, text_2, ...]
+    parts = REFERENCE_PATTERN.split(text)          # [text_0, 5 groups, text_1, 5 groups, text_2, ...]
     steps = []
-    for j in range(SEED_GROUPS + 1, len(parts), SEED_GROUPS + 1):
-        marker = next(group for group in parts[j - SEED_GROUPS:j] if group)   # the alternative that matched
+    for j in range(REFERENCE_GROUPS + 1, len(parts), REFERENCE_GROUPS + 1):
+        groups = parts[j - REFERENCE_GROUPS:j]                    # one matched, the others are None
+        marker = next(group for group in groups if group)
         marker = marker.replace("\n", "")
         if marker[0] == ".":
             marker = marker[1:]
@@ -62,23 +63,23 @@ def split_lines(text: str) -> list[str]:
 
 
 def split_steps(text: str, rule: str) -> list[str]:
-    """The steps of a completion under prm.split: seed (the released code's) or lines."""
-    if rule == "seed":
-        return split_seed(text)
+    """The steps of a completion under prm.split: reference (the released code's) or lines."""
+    if rule == "reference":
+        return split_reference(text)
     if rule == "lines":
         return split_lines(text)
     raise ValueError(f"prm.split: no rule named {rule!r}")    # config.py validates the name first
 
 
 def step_pairs(steps: Sequence[str]) -> list[tuple[str | None, str]]:
-    """What the PRM scores, §C.2: step 1 alone, then each step after the one before it.
+    """What the PRM scores (§C, "Step scores"): step 1 alone, then each step after the one before it.
     ["a", "b", "c"] -> [(None, "a"), ("a", "b"), ("b", "c")]."""
     return [(steps[j - 1] if j > 0 else None, step) for j, step in enumerate(steps)]
 
 
 def geometric_mean(scores: Sequence[float]) -> float:
-    """g = (Π s_j)^{1/n}, §C.3, as exp(mean log s_j): the same number without the product's underflow
-    over many small scores; 0 if a score is 0."""
+    """g = (Π s_j)^{1/n} (§C), as exp(mean log s_j): the same number without the product's underflow over
+    many small scores; 0 if a score is 0."""
     if not scores:
         raise ValueError("geometric_mean: no scores")
     if min(scores) <= 0.0:
@@ -87,7 +88,7 @@ def geometric_mean(scores: Sequence[float]) -> float:
 
 
 def ff(g: float, n: int) -> float:
-    """The released code's shaping factor f(g, n), §C.4 (the reward is g·f):
+    """The released code's shaping factor f(g, n) (§C; the reward is g·f):
     n <= τ: g·e^{k n}; n > τ: B(1 - σ) + σ·B·e^{m (n - τ) h(g)}, B = g·e^{k τ}, σ = 1/(1 + e^{-10 (n - τ)}),
     h = 1 if g > E1, -1 if 0 < g < 0.2, else (g - E3)/E1."""
     if n < 1:
@@ -107,7 +108,7 @@ def ff(g: float, n: int) -> float:
 
 
 def weibull_weight(n: int) -> float:
-    """The adjusted Weibull weight w(n) = C (κ/λ) (n/λ)^{κ-1} e^{-(n/λ)^κ}, §C.5."""
+    """The adjusted Weibull weight w(n) = C (κ/λ) (n/λ)^{κ-1} e^{-(n/λ)^κ} (§C)."""
     if n < 1:
         raise ValueError(f"weibull_weight: expected n >= 1 steps, got {n}")
     x = n / WEIBULL_LAMBDA
@@ -116,7 +117,7 @@ def weibull_weight(n: int) -> float:
 
 
 def shaped_reward(scores: Sequence[float], shaping: str) -> float:
-    """R from the step scores s_1..s_n, §C.3-5: 0 when n <= 1; else with g = geometric_mean(s),
+    """R from the step scores s_1..s_n (§C): 0 when n <= 1; else with g = geometric_mean(s),
     wrs: g·ff(g, n) (the released code's), weibull: g·w(n), none: g."""
     n = len(scores)
     if n <= 1:

@@ -1,7 +1,7 @@
 """The offline process reward model (`prm.model: builtin:tiny-prm`): a 3-class step classifier built in
 code in a few seconds, so that PSPO*'s reward (docs/related.md §C) runs on a laptop CPU and in the tests.
 
-It has the seed PRM's interface: an AutoModelForSequenceClassification (here a 2-layer BERT of ~39k
+It has the released PSPO* PRM's interface: an AutoModelForSequenceClassification (here a 2-layer BERT of ~39k
 parameters, hidden size 32) with labels (-1, 0, 1), "1" (index 2) meaning a correct step, and a
 BERT tokenizer whose pair encoding is "[CLS] previous step [SEP] step [SEP]". Its word vocabulary
 is the knights-and-knaves text (pspo/knights.py: the names, the island, the question, the sayings)
@@ -11,7 +11,7 @@ What it judges is the form of a step, the way a K&K answer line is written: a st
 ("1") when it names a person and gives a role ("(2) Zoey is a knave"), neutral ("0") when it names
 a person without a role ("(2) Zoey", a saying cut short) or restates the question, wrong ("-1")
 when it names no one (other words, gibberish). The answer tags (<think>, <answer>, ...) may stand
-on any kind of step and tell nothing. In a pair the label is the second step's. Like the seed's
+on any kind of step and tell nothing. In a pair the label is the second step's. Like the released
 PRM it never sees the puzzle, so it cannot tell a true statement from a false one. On the K&K task
 with `prm.split: lines`, an answer's lines are its steps: a completion that writes every person's
 role gets n = people steps scored near 1, a malformed one fewer steps or lower scores
@@ -49,7 +49,7 @@ EXAMPLES = 3000               # synthetic training inputs, drawn once
 HELD_OUT = 1000               # fresh inputs for the accuracy recorded at build time
 MAX_TOKENS = 64               # the synthetic inputs are at most ~30 tokens
 SINGLE_SHARE = 0.3            # share of inputs that are a first step alone (no previous step)
-LABELS = ("-1", "0", "1")     # the seed's label list: wrong, neutral, correct
+LABELS = ("-1", "0", "1")     # the released PRM's label list: wrong, neutral, correct
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 ROLES = ("knight", "knave")
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]

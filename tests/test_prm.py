@@ -51,7 +51,7 @@ def test_no_prm_without_its_weight():
     assert load_prm(load_config(None, ["--prm.model=does/not/matter"]), CPU) is None
 
 
-def test_the_prm_is_frozen_and_has_the_seed_labels(tiny_prm):
+def test_the_prm_is_frozen_and_has_the_released_labels(tiny_prm):
     model = tiny_prm.model
     assert not model.training and all(not p.requires_grad for p in model.parameters())
     assert model.config.id2label == {0: "-1", 1: "0", 2: "1"}
@@ -59,7 +59,7 @@ def test_the_prm_is_frozen_and_has_the_seed_labels(tiny_prm):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--prm.split=sentences"], "prm.split: expected seed | lines, got 'sentences'"),
+    (["--prm.split=sentences"], "prm.split: expected reference | lines, got 'sentences'"),
     (["--prm.shaping=linear"], "prm.shaping: expected wrs | weibull | none, got 'linear'"),
     (["--prm.label=-1"], "prm.label: expected >= 0"),
     (["--prm.max_tokens=4"], "prm.max_tokens: expected >= 8, got 4"),

@@ -8,14 +8,14 @@ import os
 import pytest
 
 from pspo import process_reward as pr
-from pspo.process_reward import (ff, geometric_mean, shaped_reward, split_lines, split_seed, split_steps,
+from pspo.process_reward import (ff, geometric_mean, shaped_reward, split_lines, split_reference, split_steps,
                                  step_pairs, weibull_weight)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E2 = math.exp(2.0)                     # e^{k τ} = e^{0.5 · 4} = 7.389056
 
 
-# ---- §C.1 the released code's split ----
+# ---- the released code's split ----
 
 @pytest.mark.parametrize("text, steps", [
     # "\n1. " (newlines then 1.), then ". 2. " and ". 3. " (a period, the number, a period): 3 steps; the
@@ -32,18 +32,18 @@ E2 = math.exp(2.0)                     # e^{k τ} = e^{0.5 · 4} = 7.389056
     ("[1] a [2] ", ["[1]  a ", "[2]  "]),                    # ... but a blank one is (the code: `if text`)
     ("no markers at all", []),
 ])
-def test_seed_split(text, steps):
-    assert split_seed(text) == steps
-    assert split_steps(text, "seed") == steps
+def test_reference_split(text, steps):
+    assert split_reference(text) == steps
+    assert split_steps(text, "reference") == steps
 
 
-def test_seed_split_finds_no_steps_in_modern_chains_of_thought():
+def test_reference_split_finds_no_steps_in_modern_chains_of_thought():
     # paragraphs, one step a line, "Step k:" lines: none has "1." followed by ". k. " markers
     paragraphs = "First compute 3 + 4 = 7.\nThen multiply by 2 to get 14.\nSo the answer is 14."
     step_lines = "Step 1: 3 + 4 = 7.\nStep 2: 7 * 2 = 14.\nThe answer is \\boxed{14}."
     knights = "<think></think><answer>(1) Zoey is a knight\n(2) Ethan is a knave</answer>"
     for text in (paragraphs, step_lines, knights):
-        assert split_seed(text) == []
+        assert split_reference(text) == []
     assert split_lines(paragraphs) == ["First compute 3 + 4 = 7.", "Then multiply by 2 to get 14.",
                                        "So the answer is 14."]
     assert len(split_lines(step_lines)) == 3 and len(split_lines(knights)) == 2
@@ -70,7 +70,7 @@ def test_step_pairs_first_alone_then_previous_step():
     assert step_pairs([]) == []
 
 
-# ---- §C.3 the geometric mean ----
+# ---- the geometric mean ----
 
 def test_geometric_mean_hand_worked():
     # (.9 · .8 · .5)^{1/3} = .36^{1/3} = .71138
@@ -83,7 +83,7 @@ def test_geometric_mean_hand_worked():
         geometric_mean([])
 
 
-# ---- §C.4 ff, every branch ----
+# ---- ff, every branch ----
 
 def test_ff_up_to_the_threshold():
     # n <= 4: g·e^{n/2}; n = 1: .5·e^.5 = .82436; n = 4: .5·e^2 = 3.69453
@@ -114,7 +114,7 @@ def test_ff_transition_at_five_steps():
     assert ff(.9, 5) == pytest.approx(7.349522, abs=1e-6)
 
 
-# ---- §C.3-5 the reward ----
+# ---- the reward ----
 
 def test_reward_hand_worked():
     # (.9, .8, .5): g = .71138, n = 3 <= 4: R = g·g·e^{1.5} = .50606 · 4.48169 = 2.2680
