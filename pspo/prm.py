@@ -4,8 +4,9 @@ scores every step of a completion, and R from those scores (the math in pspo/pro
 `load_prm(cfg, device)` loads `prm.model` (any AutoModelForSequenceClassification folder or hub id,
 or builtin:tiny-prm) when reward.prm != 0, and checks it at start-up: a model or tokenizer that does
 not load, a classifier whose head is not in the checkpoint (a causal LM loaded as a classifier gets a
-random head), fewer labels than prm.label + 1, or a tokenizer with no sep token to pair steps with
-(prm.separator "") stop the run with one line naming the key (ConfigError: exit 2).
+random head), fewer labels than prm.label + 1, inputs longer than its positions (prm.max_tokens), or
+a tokenizer with no sep token to pair steps with (prm.separator "") stop the run with one line
+naming the key (ConfigError: exit 2).
 
 The PRM is frozen: requires_grad False, eval mode, its own copy on each rank's device (bf16 on a GPU,
 float32 on the CPU), never wrapped by FSDP, never in the optimizer nor in a checkpoint.
@@ -156,6 +157,9 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
     if p.label >= labels:
         raise ConfigError(f"prm.label: expected an index below the PRM's {labels} labels "
                           f"({model.config.id2label}), got {p.label}")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and p.max_tokens > positions:
+        raise ConfigError(f"prm.max_tokens: expected at most the PRM's {positions} positions, got {p.max_tokens}")
     if not p.separator and tokenizer.sep_token is None:
         raise ConfigError(f"prm.separator: {p.model!r}'s tokenizer has no sep token to pair steps with; "
                           "expected a text to join them (e.g. \" </s><s>\")")

@@ -84,7 +84,7 @@ def decoder_classifier(path) -> str:
                                         unk_token="[UNK]", pad_token="[PAD]")
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, num_labels=3,
-                         max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id)
+                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     Qwen2ForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -97,6 +97,8 @@ def test_a_prm_that_cannot_serve_stops_with_one_line(tmp_path, tiny_prm_path):
     cases = [(prm_config(model=absent), f"prm.model: '{absent}': no such folder"),
              (prm_config(model=str(tmp_path / "empty")), "prm.model: cannot load"),
              (prm_config("--prm.label=3"), "prm.label: expected an index below the PRM's 3 labels"),
+             (prm_config("--prm.max_tokens=600", "--prm.batch_tokens=600"),
+              "prm.max_tokens: expected at most the PRM's 512 positions, got 600"),
              (prm_config(model=decoder_classifier(tmp_path / "decoder")), "prm.separator: ")]
     encoder = tmp_path / "encoder"                       # the PRM's encoder without its classification head
     base = AutoModelForSequenceClassification.from_pretrained(tiny_prm_path)
