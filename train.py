@@ -36,6 +36,7 @@ from pspo.builtin_models import resolve_model_path
 from pspo.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
 from pspo.optim import adopt_optim_config, build_optimizer
 from pspo.plan import plan_cli, startup_check
+from pspo.prm import load_prm, prm_metrics
 from pspo.reward_pool import RewardPool, resolve_workers
 from pspo.rewards import RewardResult, score_completions
 from pspo.rollout import CountingEngine, HFEngine, build_engine, engine_name
@@ -74,6 +75,7 @@ def main(argv: list[str]) -> None:
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
     check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens, r.max_new_tokens)
     print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))  # PlanError (exit 2) if it cannot fit
+    prm = load_prm(cfg, dist_.device)             # reward.prm != 0: PSPO*'s frozen process reward model (§C)
     policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
                           m.gradient_checkpointing).to(dist_.device)
     policy = distributed.shard(policy, dist_.world_size, m.bf16)
@@ -106,7 +108,7 @@ def main(argv: list[str]) -> None:
 
     def score(examples: list[int], texts: list[str]) -> RewardResult:   # completions of these train rows
         prompts, golds = [train.texts[i] for i in examples], [train.examples[i].answer for i in examples]
-        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, reward_pool)
+        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, reward_pool, prm)
 
     def run_eval() -> dict[str, float]:
         return evaluation(engine, evals, cfg, dist_, reward_pool)
@@ -165,7 +167,8 @@ def main(argv: list[str]) -> None:
         skipped_in_a_row = skipped_in_a_row + 1 if update["skipped_steps"] else 0
         sums, metrics = step_record({**result.sums, **update}, counter.take(), cfg, dist_.device)
         generated_tokens += sums["rollout_tokens"] + sums["mc_tokens"]
-        metrics.update(result.metrics, **sampler_metrics(sampler, cfg), **sync, **gpu_memory(dist_.device))
+        metrics.update(result.metrics, **sampler_metrics(sampler, cfg), **sync, **gpu_memory(dist_.device),
+                       **prm_metrics(prm, dist_.device))
         metrics.update(timings(clock, result.times, sums), generated_tokens=generated_tokens,
                        lr=scheduler.get_last_lr()[0])
         if evals.examples and (step == cfg.train.max_steps or every(step, cfg.train.eval_steps)):
@@ -211,9 +214,10 @@ def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
 
 def reward_weights(cfg: Config) -> dict[str, float]:
     """Accuracy and format are always scored (logged even at weight 0; on K&K golds they are the K&K
-    exact match and tag check, rewards.py); cosine and knights only when weighted."""
+    exact match and tag check, rewards.py); cosine, knights and the process reward only when weighted."""
     weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
-    weights.update({k: getattr(cfg.reward, k) for k in ("cosine", "knights") if getattr(cfg.reward, k)})
+    optional = ("cosine", "knights", "prm")
+    weights.update({k: getattr(cfg.reward, k) for k in optional if getattr(cfg.reward, k)})
     return weights
 
 

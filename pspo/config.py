@@ -28,6 +28,8 @@ PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampl
 IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
 IS_CORRECTIONS = ("none", "token", "sequence")            # is_correction.py, docs/methods.md §7
+PRM_SPLITS = ("reference", "lines")                       # process_reward.split_steps, docs/related.md §C
+PRM_SHAPINGS = ("wrs", "weibull", "none")                 # process_reward.shaped_reward, docs/related.md §C
 
 
 @dataclass
@@ -84,8 +86,25 @@ class RewardConfig:
     cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
     # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (docs/related.md §A)
     knights: float = 0.0
+    prm: float = 0.0                    # weight of PSPO*'s process reward R (docs/related.md §C; section prm)
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
     workers: int = -1                   # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training threads)
+
+
+@dataclass
+class PRMConfig:
+    """The process reward model of reward.prm (PSPO*, docs/related.md §C), loaded when reward.prm != 0."""
+    # an AutoModelForSequenceClassification folder or hub id, or builtin:tiny-prm (pspo/tiny_prm.py)
+    model: str = ""
+    trust_remote_code: bool = False     # run model code shipped with the PRM (off: safer)
+    label: int = 2                      # the "correct" class: s_j = softmax(logits)[label] (-1, 0, 1: 2)
+    split: str = "reference"            # steps: reference (the released code's markers) | lines (and "Step k:")
+    # what joins the previous step to the step: "" = the PRM tokenizer's pair encoding (its sep token);
+    # else this text (the released code: " </s><s>")
+    separator: str = ""
+    max_tokens: int = 512               # each scored input truncated to this many tokens
+    shaping: str = "wrs"                # R from g and n: wrs g·ff(g, n) | weibull g·w(n) | none g (§C)
+    batch_tokens: int = 16384           # padded tokens per PRM forward (the inputs sorted by length)
 
 
 @dataclass
@@ -179,6 +198,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)
     pps: PPSConfig = field(default_factory=PPSConfig)
@@ -344,11 +364,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            t.micro_batch_tokens)
     for key in ("eval_steps", "save_steps", "keep_checkpoints"):
         _check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
-    weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights")}
+    weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights", "prm")}
     _check(any(w != 0 for w in weights.values()), "reward", "at least one non-zero weight", weights)
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "> 0", cfg.reward.timeout_s)
     _check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
            "the training threads)", cfg.reward.workers)
+    validate_prm(cfg.prm, cfg.reward.prm)
     _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
@@ -362,6 +383,18 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            f"name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) or \"\"", cfg.data.system_prompt)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
+
+
+def validate_prm(p: PRMConfig, weight: float) -> None:
+    """The prm section (docs/related.md §C); a model is required only when reward.prm weighs it."""
+    _check(weight == 0 or bool(p.model.strip()), "prm.model", "a sequence-classifier folder or hub id (or "
+           f"builtin:tiny-prm) with reward.prm={weight:g}", p.model)
+    _check(p.label >= 0, "prm.label", ">= 0 (the index of the PRM's \"correct\" class)", p.label)
+    _check(p.split in PRM_SPLITS, "prm.split", " | ".join(PRM_SPLITS), p.split)
+    _check(p.shaping in PRM_SHAPINGS, "prm.shaping", " | ".join(PRM_SHAPINGS), p.shaping)
+    _check(p.max_tokens >= 8, "prm.max_tokens", ">= 8", p.max_tokens)
+    _check(p.batch_tokens >= p.max_tokens, "prm.batch_tokens", f">= prm.max_tokens = {p.max_tokens}",
+           p.batch_tokens)
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

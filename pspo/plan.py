@@ -34,6 +34,10 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens, 35.7 for 30.3 (1.18 x;
   the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what is allocated, so 0.2
   of them covers every reserved peak seen (at most 1.19 x the plan);
+- PSPO*'s process reward model (reward.prm != 0, docs/related.md §C): its bf16 weights, a whole copy
+  per GPU, and one scoring forward of prm.batch_tokens tokens in the generation phase (no grad: about
+  the hidden states, q, k, v and the MLP's intermediate of those tokens alive at once, (6H + 2I) x 2 B
+  per token);
 - OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
 were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
@@ -54,7 +58,7 @@ import re
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from pspo.config import Config, ConfigError, load_config
 from pspo.builtin_models import resolve_model_path
@@ -149,6 +153,33 @@ def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = Fal
     fallback = "" if os.path.isfile(standin) else f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
     raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the local "
                     f"Hugging Face cache{fallback}")
+
+
+@dataclass(frozen=True)
+class PRMArch:
+    """What the plan needs of the process reward model (docs/related.md §C)."""
+    params: int
+    hidden: int
+    intermediate: int
+
+
+def load_prm_arch(cfg: Config, local_only: bool) -> tuple[PRMArch | None, str]:
+    """(PRMArch, "") of prm.model's config.json, or (None, why) when reward.prm is 0 or it cannot be read
+    (local_only: the `--plan` command, no download)."""
+    if cfg.reward.prm == 0:
+        return None, ""
+    remote = cfg.prm.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.prm.model), local_files_only=local_only,
+                                            trust_remote_code=remote)
+        with torch.device("meta"):                                      # shapes only, no memory
+            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
+    except Exception as e:  # noqa: BLE001 - not a local folder nor cached, or not a classifier
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        return None, f"prm.model {cfg.prm.model!r}: not counted, its config.json cannot be read ({why})"
+    hidden = getattr(config, "hidden_size", 0)
+    return PRMArch(sum(p.numel() for p in model.parameters()), hidden,
+                   getattr(config, "intermediate_size", 0) or 4 * hidden), ""
 
 
 def layer_saved_bytes(a: Arch, tokens: int, seq: int, bf16: bool) -> int:
@@ -285,8 +316,10 @@ class Plan:
         return head + (f"fits, {margin:.1f} GiB to spare" if self.fits else f"does not fit, {margin:.1f} GiB over")
 
 
-def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> Plan:
-    """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved)."""
+def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
+              prm: PRMArch | None = None) -> Plan:
+    """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved); prm: the
+    process reward model's shape when reward.prm != 0."""
     m, r, N = cfg.model, cfg.rollout, gpus
     seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
     calls = generate_calls(cfg, cfg.train.prompts_per_step // N)
@@ -338,6 +371,11 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> P
         work = (2 * P if m.bf16 else 0) + (4 * (a.root_params + 2 * L) if N > 1 else 0)
         rows.append(("generate", f"generate: KV of {batch} x {longest} tokens, bf16 weight copies, logits, "
                      f"gathered params", cost + work, "generation"))
+    if prm is not None:                      # PSPO*'s PRM: bf16 on every GPU, one forward at a time
+        rows.append(("prm", f"process reward model ({prm.params / 1e6:.1f}M, bf16, whole on each GPU)",
+                     2 * prm.params, "both"))
+        rows.append(("prm_acts", f"PRM forward, {cfg.prm.batch_tokens} tokens", cfg.prm.batch_tokens * 2 *
+                     (6 * prm.hidden + 2 * prm.intermediate), "generation"))
     tensors = max(sum(b for key, _, b, ph in rows if key != "vllm" and ph in ("both", phase))
                   for phase in ("generation", "update"))                 # what PyTorch's allocator hands out
     slack = f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)"
@@ -405,7 +443,7 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
         return f"memory plan: unavailable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
     on_gpu = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
-    plan = make_plan(cfg, a, world_size, total, engine_name(cfg.rollout.engine))
+    plan = make_plan(cfg, a, world_size, total, engine_name(cfg.rollout.engine), load_prm_arch(cfg, False)[0])
     if on_gpu and cfg.train.memory_check:
         check_fits(plan, cfg)
         return one_line(plan)
@@ -439,7 +477,9 @@ def plan_cli(argv: list[str]) -> str:
     cfg = load_config(rest[1], rest[2:], gpus)
     a, source = load_arch(cfg.model.name_or_path, rest[1], cfg.model.trust_remote_code)
     engine = "vllm" if cfg.rollout.engine == "auto" else cfg.rollout.engine          # auto on a GPU
-    plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine)
+    prm, missing = load_prm_arch(cfg, local_only=True)
+    plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
+    plan.notes += [missing] if missing else []
     title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"
              f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, hidden {a.hidden}, "
              f"MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, vocab {a.vocab}\n"

@@ -1,6 +1,8 @@
 """Verifiable rewards of the reference recipes, docs/methods.md §5: accuracy (math-verify), format
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and the PaddleNLP
-seed's knights-and-knaves reward (docs/related.md §A), `knights` (pspo/knights_reward.py).
+seed's knights-and-knaves reward (docs/related.md §A), `knights` (pspo/knights_reward.py). PSPO*'s
+process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
+(`StepReward`, pspo/prm.py) and summed with them.
 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
@@ -261,6 +263,14 @@ def score_calls(fns: dict[str, RewardFn], prompts: list[str], completions: list[
     return values, failures
 
 
+class StepReward(Protocol):
+    """A reward computed beside the functions above, for the whole batch at once: pspo/prm.py's PRM
+    (PSPO*'s process reward, docs/related.md §C: a model forward on the trainer's device, so neither in
+    a worker nor under the alarm guard); named here so that this module needs nothing from it."""
+
+    def __call__(self, completions: list[str]) -> list[float]: ...
+
+
 class Scorer(Protocol):
     """Runs `score_calls` elsewhere with the same result: pspo/reward_pool.py's RewardPool (worker
     processes), which builds on this module; named here so that this module needs nothing from it."""
@@ -271,9 +281,10 @@ class Scorer(Protocol):
 
 def score_completions(prompts: list[str], completions: list[str], golds: list[str],
                       weights: dict[str, float], timeout_s: float = 5.0,
-                      pool: Scorer | None = None) -> RewardResult:
+                      pool: Scorer | None = None, prm: StepReward | None = None) -> RewardResult:
     """Score N completions with every function named in `weights`, in `pool`'s worker processes if
-    one is given, else in this process (main thread only); the result is the same either way.
+    one is given, else in this process (main thread only); the result is the same either way. The
+    weight "prm" names the process reward `prm` (docs/related.md §C), scored here on the whole batch.
 
     A weight of 0 means "computed and logged, not rewarded": the training loop logs format and
     accuracy rates whatever their weights. A call that raises or runs past `timeout_s` seconds
@@ -285,15 +296,20 @@ def score_completions(prompts: list[str], completions: list[str], golds: list[st
     if len(prompts) != n or len(golds) != n:
         raise ValueError(f"score_completions: expected equal lengths, got {len(prompts)} prompts, "
                          f"{n} completions, {len(golds)} golds")
-    unknown = sorted(set(weights) - set(REWARD_FUNCTIONS))
+    unknown = sorted(set(weights) - set(REWARD_FUNCTIONS) - {"prm"})
     if unknown:
         raise ValueError(f"reward weights: unknown reward {unknown}, expected names from "
-                         f"{sorted(REWARD_FUNCTIONS)}")
+                         f"{sorted(REWARD_FUNCTIONS)} or prm")
+    if "prm" in weights and prm is None:
+        raise ValueError("reward weights: 'prm' needs a process reward model (prm=...)")
     if not timeout_s > 0:
         raise ValueError(f"reward timeout_s: expected > 0, got {timeout_s}")
-    fns = {name: REWARD_FUNCTIONS[name] for name in weights}   # looked up per call: tests may swap them
+    # looked up per call: tests may swap them
+    fns = {name: REWARD_FUNCTIONS[name] for name in weights if name != "prm"}
     score = pool.score if pool is not None else score_calls
     values, failures = score(fns, prompts, completions, golds, timeout_s)
+    if "prm" in weights:                                 # a model: an error in it stops the run
+        values["prm"] = prm(completions)
     components = {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()}  # (N,)
     rewards = torch.zeros(n, dtype=torch.float32)                                          # (N,)
     for name, weight in weights.items():

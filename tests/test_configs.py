@@ -11,6 +11,8 @@ real `python train.py --config X` subprocess for 2 steps plus the final eval, wi
   built from the real config.json shipped beside it as model_config.json (pspo/standin.py: the
   real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
+- the process reward model: a PRM folder or hub id (reward.prm != 0) becomes builtin:tiny-prm (built in
+  seconds, pspo/tiny_prm.py);
 - the size: 2 steps, at most 2 prompts per step and 8 new tokens for a model with random weights
   (a GPU recipe's stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2),
   14 eval puzzles (2 per size) and at most 2 prompts per step when the eval set is
@@ -37,6 +39,7 @@ from pspo.standin import ensure_standin_model, standin_config
 from pspo.standin import main as standin_main
 from pspo.tiny import TINY_MODEL
 from pspo.tiny_knights import TINY_KNIGHTS_MODEL
+from pspo.tiny_prm import TINY_PRM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
@@ -60,6 +63,8 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
     cfg = load_config(os.path.join(ROOT, config))
     over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
             "train.output_dir": output_dir}
+    if cfg.reward.prm and not cfg.prm.model.startswith("builtin:"):
+        over["prm.model"] = TINY_PRM
     if cfg.model.name_or_path == TINY_MODEL:
         over["model.name_or_path"] = tiny_path
         return over
