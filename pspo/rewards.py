@@ -1,6 +1,6 @@
 """Verifiable rewards of the reference recipes, docs/methods.md §5: accuracy (math-verify), format
-(`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and the PaddleNLP
-seed's knights-and-knaves reward (docs/related.md §A), `knights` (pspo/knights_reward.py). PSPO*'s
+(`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and PaddleNLP's
+knights-and-knaves reward (docs/related.md §A), `knights` (pspo/knights_reward.py). PSPO*'s
 process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
 (`StepReward`, pspo/prm.py) and summed with them.
 
