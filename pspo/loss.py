@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pspo.token_logprobs import token_logprobs  # noqa: F401 - logπ of this loss; importable from here as before
+
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 estimator of KL(π_θ || π_ref) per token, docs/methods.md §1: exp(d) - d - 1, d = ref - logp.

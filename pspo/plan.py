@@ -384,7 +384,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
     return Plan(N, gpu_bytes, rows, notes, blocker)
 
 
-def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str) -> int:
+def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
+                         prm: PRMArch | None = None) -> int:
     """The largest train.micro_batch_tokens whose plan fits: k full-length sequences (the plan
     counts a token budget as budget // (prompt + completion) rows at full length), k up to the rows
     one GPU trains in a step; 0 when not even one fits. The GPU recipes set their budget to this on
@@ -395,7 +396,7 @@ def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine
     best = 0
     for k in range(1, rows + 1):
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=k * seq))
-        if not make_plan(trial, a, gpus, gpu_bytes, engine).fits:
+        if not make_plan(trial, a, gpus, gpu_bytes, engine, prm).fits:
             break
         best = k * seq
     return best
@@ -486,7 +487,7 @@ def plan_cli(argv: list[str]) -> str:
              f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
              f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant {OVERHEAD_GIB:g} GiB; update "
              f"peak is an upper bound")
-    budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine)
+    budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} sequences of "
               f"{seq} tokens; this run: {cfg.train.micro_batch_tokens or 'fixed ' + str(cfg.train.micro_batch_size)})"

@@ -33,6 +33,7 @@ import time
 import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from pspo import distributed
 from pspo.builtin_models import resolve_model_path
@@ -142,6 +143,8 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
         raise ConfigError(f"prm.model: {p.model!r}: no such folder (expected a sequence classifier's folder "
                           "or hub id)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()          # its load report would print before our one-line error
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=p.trust_remote_code)
         model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -149,6 +152,8 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
     except Exception as e:  # noqa: BLE001 - missing, not a classifier, remote code refused, corrupt
         raise ConfigError(f"prm.model: cannot load {p.model!r} as a tokenizer and an "
                           f"AutoModelForSequenceClassification ({_first_line(e)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if info["missing_keys"]:
         missing = ", ".join(sorted(info["missing_keys"])[:3])
         raise ConfigError(f"prm.model: {p.model!r} has no trained classification head ({missing} not in the "

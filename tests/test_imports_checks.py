@@ -74,11 +74,13 @@ def test_each_module_imports_first_on_its_own():
 
 
 def test_math_modules_and_config_import_no_components():
-    # The math layer (advantages, loss, segments, the samplers, ERS) imports nothing of the project but
-    # itself: segments and ema_stats take whiten / zero_variance from advantages. config.py imports no
-    # algorithm module, only its own checks, the spo section and the prompt names it validates.
+    # The math layer (advantages, loss and its log-prob head, segments, the samplers, ERS) imports
+    # nothing of the project but itself: segments and ema_stats take whiten / zero_variance from
+    # advantages. config.py imports no algorithm module, only its own checks, the spo section and the
+    # prompt names it validates.
     imports = project_imports()
-    math_layer = {"advantages", "loss", "segments", "priority_sampler", "reference_sampler", "ema_stats"}
+    math_layer = {"advantages", "loss", "segments", "priority_sampler", "reference_sampler", "ema_stats",
+                  "token_logprobs"}
     for module in math_layer:
         assert imports[module] <= math_layer, (module, imports[module] - math_layer)
     assert imports["config"] <= {"config_check", "spo_config", "prompts"}, imports["config"]

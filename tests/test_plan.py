@@ -328,13 +328,16 @@ def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
     assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 45.00) < 0.01
 
 
+WANT = {"dr_grpo.yaml": 53248, "spo_tree.yaml": 16384, "pspo_star.yaml": 32768}
+
+
 @pytest.mark.parametrize("config, gpus, gib", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2),
                                                ("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", 8, 80.0)])
 def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gib):
     # 1.5B on one H100 (79.2 GiB), vLLM awake in the update: with 9 sequences of 512 + 3584 = 4096
     # tokens (36864) the update totals 79.1 GiB or less, with 10 it does not fit; the 7B on 8 GPUs:
     # 8 sequences of 512 + 4096 = 4608 (36864), all the 8 rows a GPU trains per step (a larger
-    # budget changes nothing there). Every 1.5B recipe inherits the budget and fits.
+    # budget changes nothing there).
     cfg = load_config(config, [], gpus)
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
     budget = plan.largest_token_budget(cfg, a, gpus, int(gib * GiB), "vllm")
@@ -343,8 +346,15 @@ def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gi
     if gpus == 1:
         more = load_config(config, [f"--train.micro_batch_tokens={budget + seq}"], gpus)
         assert not plan.make_plan(more, a, gpus, int(gib * GiB), "vllm").fits
+        # each 1.5B recipe sets the largest budget for itself: Dr. GRPO has no reference model, 13
+        # sequences fit (53248); SPO-tree's plan counts micro_batch_size (4) edges at once (16384); the
+        # PSPO* recipe also holds its PRM on the GPU: with a BERT-base-sized one (110M parameters, hidden
+        # 768, MLP 3072) 9 sequences no longer fit (79.3 GiB), 8 do (32768); the others inherit 36864
+        bert = plan.PRMArch(110_000_000, 768, 3072)
         for name in sorted(os.listdir(QWEN)):
             if name.endswith(".yaml"):
                 recipe = load_config(os.path.join(QWEN, name), [], 1)
-                assert recipe.train.micro_batch_tokens == budget, name
-                assert plan.make_plan(recipe, a, 1, int(gib * GiB), "vllm").fits, name
+                prm = bert if recipe.reward.prm else None
+                assert recipe.train.micro_batch_tokens == plan.largest_token_budget(
+                    recipe, a, 1, int(gib * GiB), "vllm", prm) == WANT.get(name, budget), name
+                assert plan.make_plan(recipe, a, 1, int(gib * GiB), "vllm", prm).fits, name
