@@ -168,7 +168,7 @@ def main(argv: list[str]) -> None:
         sums, metrics = step_record({**result.sums, **update}, counter.take(), cfg, dist_.device)
         generated_tokens += sums["rollout_tokens"] + sums["mc_tokens"]
         metrics.update(result.metrics, **sampler_metrics(sampler, cfg), **sync, **gpu_memory(dist_.device),
-                       **prm_metrics(prm, dist_.device))
+                       **prm_metrics(prm, dist_.device, clock.elapsed()))
         metrics.update(timings(clock, result.times, sums), generated_tokens=generated_tokens,
                        lr=scheduler.get_last_lr()[0])
         if evals.examples and (step == cfg.train.max_steps or every(step, cfg.train.eval_steps)):

@@ -177,10 +177,11 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
     return PRM(model.to(device), tokenizer, p)
 
 
-def prm_metrics(prm: PRM | None, device: torch.device) -> dict[str, float]:
+def prm_metrics(prm: PRM | None, device: torch.device, step_s: float) -> dict[str, float]:
     """The step's PRM metrics over every completion it scored (SPO's continuations included), all
     ranks: prm_steps (mean n), prm_scored_frac (share with n >= 2), prm_score (mean g of those; NaN
-    if none), and prm_s (this rank's seconds in the PRM, part of reward_s / advantages_s). Collective."""
+    if none), prm_s (this rank's seconds in the PRM, part of reward_s / advantages_s) and prm_share
+    (prm_s over the step's seconds so far, step_s, which is the step time before logging). Collective."""
     if prm is None:
         return {}
     counts = prm.take()
@@ -188,7 +189,8 @@ def prm_metrics(prm: PRM | None, device: torch.device) -> dict[str, float]:
     sums = distributed.reduce_sums(counts, device)
     completions, scored = max(sums["prm_completions"], 1.0), sums["prm_scored"]
     return {"prm_steps": sums["prm_steps"] / completions, "prm_scored_frac": scored / completions,
-            "prm_score": sums["prm_score"] / scored if scored else float("nan"), "prm_s": seconds}
+            "prm_score": sums["prm_score"] / scored if scored else float("nan"), "prm_s": seconds,
+            "prm_share": seconds / max(step_s, 1e-9)}
 
 
 def _first_line(e: Exception) -> str:

@@ -177,3 +177,35 @@ def test_profile_summary_of_the_bench():
     want = {"gemm": 0.5, "gemm_fp32": 0.3, "attention": 0.1, "elementwise": 0.15, "other": 0.05, "idle": 0.2}
     assert shares == pytest.approx(want)
     assert bench.kernel_kind("fmha_cutlassF_bf16_aligned_64x128") == "attention"        # attention before GEMM
+
+
+def _bf16_forward_on_rank(rank, init_file, path, out_dir):
+    import torch.distributed as dist
+    from pspo import distributed
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    policy = distributed.shard(build_policy(path, False, 64, True, False), 2, bf16=True)
+    seen = []
+    mlp = policy.lm.model.layers[0].mlp
+    mlp.register_forward_pre_hook(lambda module, args: seen.append(module.gate_proj.weight.dtype))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    logp, _ = policy(ids, torch.ones_like(ids), 2, 1.0)
+    logp.sum().backward()
+    shard = next(p for p in policy.parameters() if p.grad is not None)
+    torch.save({"compute": [str(d) for d in seen], "master": str(shard.dtype), "grad": str(shard.grad.dtype),
+                "logp": str(logp.dtype)}, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)           # as train.py ends a rank (distributed.finish): no interpreter finalization
+
+
+@pytest.mark.slow
+def test_fsdp_mixed_precision_computes_in_bf16_over_float32_shards(tiny_model_path, tmp_path):
+    # model.bf16 on 2 ranks: FSDP2's MixedPrecisionPolicy all-gathers the float32 shards as bf16 for the
+    # forward (a decoder layer's weights are bf16 while it runs), while the shards and their gradients
+    # (reduce-scattered in float32) stay float32 for AdamW; the log-probs are float32.
+    import torch.multiprocessing as mp
+    mp.spawn(_bf16_forward_on_rank, args=(str(tmp_path / "init"), tiny_model_path, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["compute"] == ["torch.bfloat16"], got
+        assert got["master"] == got["grad"] == got["logp"] == "torch.float32", got

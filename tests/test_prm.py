@@ -162,13 +162,14 @@ def test_the_reward_and_its_metrics(tiny_prm):
     assert min(scores[0] + scores[2]) > 0.8 and scores[1][1] < 0.2
     assert rewards[0] > 2.0 > 0.5 > rewards[1] and rewards[2] > 6.0
     # metrics over 5 completions: steps 2 + 2 + 5 + 1 + 0 = 10 -> 2.0 a completion; 3 of them have >= 2
-    metrics = prm_metrics(tiny_prm, CPU)
+    metrics = prm_metrics(tiny_prm, CPU, 10.0)           # a step of 10 s so far: prm_share = prm_s / 10
     g = [geometric_mean(s) for s in scores]
     assert metrics["prm_steps"] == 2.0 and metrics["prm_scored_frac"] == pytest.approx(0.6)
     assert metrics["prm_score"] == pytest.approx(sum(g) / 3) and metrics["prm_s"] > 0
-    empty = prm_metrics(tiny_prm, CPU)                    # taken: nothing since
+    assert metrics["prm_share"] == pytest.approx(metrics["prm_s"] / 10.0)
+    empty = prm_metrics(tiny_prm, CPU, 10.0)              # taken: nothing since
     assert empty["prm_steps"] == 0.0 and math.isnan(empty["prm_score"])
-    assert prm_metrics(None, CPU) == {}
+    assert prm_metrics(None, CPU, 10.0) == {}
 
 
 def test_score_completions_sums_the_process_reward():
