@@ -11,8 +11,9 @@ A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded
 (log-uniform; prompts 20-120 tokens), as a reasoning model's do. Fixed micro-batches of
 `--micro` rows are padded to the step's longest prompt + completion; the token budget is set to
 the same padded size (micro x the longest sequence), so the peak memory of a micro-batch is the
-same and only the padding differs; --budget sets another budget (the GPU recipes' is 36864). The two modes alternate, `--reps` times each; the table has
-the median update time, real tokens per second and the padded share of positions, then the ratio.
+same and only the padding differs; --budget sets another budget (the GPU recipes' is 36864). The
+two modes alternate, `--reps` times each; the table has the median update time, real tokens per
+second and the padded share of positions, then the ratio.
 With --arch the model is that config.json's architecture at its real widths, random weights
 (pspo/standin.py), and on a GPU the table adds the peak memory of the update (allocated and
 reserved, AdamW state included) and the model FLOPs utilisation: 6 x parameters x real tokens /
@@ -21,7 +22,8 @@ that checkpointing recomputes are not counted. The optimizer is AdamW (fused on 
 train.py builds it) at lr 0, so the weights stay as built while its state is allocated as in
 training. --profile traces one more token-budget update with torch.profiler and prints where
 the GPU's time went: GEMMs (and the share of them in float32), attention, elementwise/reductions,
-other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU).
+other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU; the
+profiler's own overhead counts there too, so idle is an upper bound).
 """
 from __future__ import annotations
 

@@ -41,9 +41,10 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
     micro_batch_tokens = 0: consecutive slices of micro_batch_size rows, cut to full width (P + T).
     Otherwise: rows sorted by prompt + completion length (longest first) and packed greedily
     while n_rows x the first (longest) row's length <= micro_batch_tokens (a row longer than the
-    budget goes alone), each cut to its rows' longest prompt and longest completion. Every rank gets as many micro-batches as the busiest rank (ranks may
-    hold different numbers of rows, as SPO-tree's edges do; at least one each); the extra ones
-    repeat one real row and are marked spare (policy_update zeroes their loss). Collective.
+    budget goes alone), each cut to its rows' longest prompt and longest completion. Every rank
+    gets as many micro-batches as the busiest rank (ranks may hold different numbers of rows, as
+    SPO-tree's edges do; at least one each); the extra ones repeat one real row and are marked
+    spare (policy_update zeroes their loss). Collective.
     """
     N, T = mask.shape
     P = attention_mask.shape[1] - T

@@ -91,7 +91,8 @@ class Policy(torch.nn.Module):
         packed = input_ids.gather(1, (pads[:, None] + cols[None]).clamp(max=L - 1))          # (N, width)
         prompts = lengths - attention_mask[:, L - T:].sum(1)               # (N,) prompt tokens
         # hidden at position s predicts token s+1: completion token t of row i is predicted at p_i - 1 + t
-        at = (prompts[:, None] - 1 + torch.arange(T, device=input_ids.device)[None]).clamp(0, width - 1)   # (N, T)
+        steps = torch.arange(T, device=input_ids.device)
+        at = (prompts[:, None] - 1 + steps[None]).clamp(0, width - 1)                       # (N, T)
         with self._autocast():
             hidden = self.lm.base_model(input_ids=packed, position_ids=cols.expand(N, width),
                                         use_cache=False).last_hidden_state                  # (N, width, H)

@@ -489,7 +489,8 @@ def plan_cli(argv: list[str]) -> str:
              f"peak is an upper bound")
     budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    this_run = cfg.train.micro_batch_tokens or f"fixed {cfg.train.micro_batch_size}"
     advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} sequences of "
-              f"{seq} tokens; this run: {cfg.train.micro_batch_tokens or 'fixed ' + str(cfg.train.micro_batch_size)})"
-              if budget else "no token budget fits: not even one full-length sequence")
+              f"{seq} tokens; this run: {this_run})" if budget else
+              "no token budget fits: not even one full-length sequence")
     return format_plan(plan, title) + "\n" + advice

@@ -89,8 +89,9 @@ def geometric_mean(scores: Sequence[float]) -> float:
 
 def ff(g: float, n: int) -> float:
     """The released code's shaping factor f(g, n) (§C; the reward is g·f):
-    n <= τ: g·e^{k n}; n > τ: B(1 - σ) + σ·B·e^{m (n - τ) h(g)}, B = g·e^{k τ}, σ = 1/(1 + e^{-10 (n - τ)}),
-    h = 1 if g > E1, -1 if 0 < g < 0.2, else (g - E3)/E1."""
+    n <= τ: g·e^{k n};
+    n > τ:  B(1 - σ) + σ·B·e^{m (n - τ) h(g)},  B = g·e^{k τ},  σ = 1/(1 + e^{-10 (n - τ)}),
+            h = 1 if g > E1, -1 if 0 < g < 0.2, else (g - E3)/E1."""
     if n < 1:
         raise ValueError(f"ff: expected n >= 1 steps, got {n}")
     if n <= FF_THRESHOLD:

@@ -19,8 +19,9 @@ role gets n = people steps scored near 1, a malformed one fewer steps or lower s
 
 The build: a vocabulary, seeded initial weights and 200 AdamW steps (batches of 64, learning rate
 decaying linearly to 0) on synthetic steps and pairs of the three kinds; 5.3-5.5 s on one thread of
-a 2-core CPU at load average 7 (4-13 s at other loads), then cached under $PSPO_CACHE (default ~/.cache/pspo) in a folder
-named by a hash of its build parameters and loaded through `from_pretrained` like any PRM. Its
+a 2-core CPU at load average 7 (4-13 s at other loads), then cached under $PSPO_CACHE (default
+~/.cache/pspo) in a folder named by a hash of its build parameters and loaded through
+`from_pretrained` like any PRM. Its
 accuracy on fresh synthetic inputs is recorded in the folder's pspo_build.json (0.99).
 """
 from __future__ import annotations

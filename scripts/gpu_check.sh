@@ -67,14 +67,15 @@ for section in $SECTIONS; do
              --model.name_or_path=/tmp/pspo-gpu-runs/grpo15/checkpoint-2 --data.eval=data/samples/math500.jsonl \
              --data.max_eval_examples=8 --rollout.max_new_tokens=64 2>&1 | tee -a "$OUT/grpo15.log" ;;
     micro15)
+      SMALL_UPDATE="--layers 1 --sequences 6 --max-completion 64 --budget 0 --reps 1"     # SIZE=small
       # the 1.5B recipe's update (token budget 36864, checkpointing) with a profile; checkpointing off at
       # the budget the plan fits without it (8192); the 7B's widths at 4 layers with its recipe's budget
       $PY bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 --micro 4 \
         --max-completion 3584 --max-prompt 512 --bf16 --checkpointing --budget 36864 --profile --reps 2 \
-        $([ "$SIZE" = full ] || echo --layers 1 --sequences 6 --max-completion 64 --budget 0 --reps 1) 2>&1 | tee "$OUT/micro15.log"
+        $([ "$SIZE" = full ] || echo $SMALL_UPDATE) 2>&1 | tee "$OUT/micro15.log"
       $PY bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 --micro 2 \
         --max-completion 3584 --max-prompt 512 --bf16 --budget 8192 --reps 2 \
-        $([ "$SIZE" = full ] || echo --layers 1 --sequences 6 --max-completion 64 --budget 0 --reps 1) 2>&1 | tee -a "$OUT/micro15.log"
+        $([ "$SIZE" = full ] || echo $SMALL_UPDATE) 2>&1 | tee -a "$OUT/micro15.log"
       [ "$SIZE" != full ] || $PY bench/micro_batches.py --arch configs/qwen2.5-7b-instruct-1m/model_config.json \
         --layers 4 --sequences 32 --micro 4 --max-completion 4096 --max-prompt 512 --bf16 --checkpointing \
         --budget 36864 --profile --reps 2 2>&1 | tee -a "$OUT/micro15.log" ;;
