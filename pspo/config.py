@@ -67,7 +67,7 @@ class RolloutConfig:
     top_p: float = 1.0                  # nucleus sampling mass
     max_new_tokens: int = 16            # L_max, tokens per completion
     batch_size: int = 512               # sequences per generate call on one rank (hf engine)
-    compile: str = "auto"               # hf engine: torch.compile its decoding step, auto (on CUDA) | always | never
+    compile: str = "auto"               # hf engine: compile the decoding step: auto (CUDA) | always | never
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)

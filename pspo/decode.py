@@ -36,7 +36,7 @@ DONE_CHECK_STEPS = 16                 # on CUDA, look whether every row is done 
 def bucket(n: int, top: int) -> int:
     """The smallest of top, ceil(top/2), ceil(top/4), ..., 1 that holds n; n itself when n > top.
 
-    bucket(36, 96) = 48, bucket(48, 96) = 48, bucket(49, 96) = 96, bucket(5, 96) = 6, bucket(130, 96) = 130."""
+    bucket(36, 96) = 48, bucket(49, 96) = 96, bucket(5, 96) = 6, bucket(130, 96) = 130."""
     if n > top:
         return n
     size = top
@@ -45,8 +45,9 @@ def bucket(n: int, top: int) -> int:
     return size
 
 
-def static_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor,
-                     scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+def static_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Tensor, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[Tensor, None]:
     """Attention over a StaticKV. query (R, H, q, D); key, value (R, Hkv, L, D), the whole cache;
     attention_mask (R, 1, q, k) bool, True = attend. Returns (R, q, H, D).
 
@@ -104,9 +105,10 @@ def decode_twin(lm: torch.nn.Module, bf16: bool) -> tuple[torch.nn.Module, list[
                 continue
             for name in ("weight", "bias"):
                 p = getattr(source, name)
-                if p is not None:
-                    setattr(mine, name, torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
-                    pairs.append((getattr(mine, name), p))
+                if p is None:
+                    continue
+                setattr(mine, name, torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
+                pairs.append((getattr(mine, name), p))
     return twin, pairs
 
 
@@ -118,8 +120,8 @@ class Decoder:
     compiled), rows are padded to `bucket(rows, max_rows)` and the cache to a multiple of max_len.
     """
 
-    def __init__(self, policy: torch.nn.Module, stop_ids: list[int], pad_id: int, max_rows: int, max_len: int = 0,
-                 compile: bool = False):
+    def __init__(self, policy: torch.nn.Module, stop_ids: list[int], pad_id: int, max_rows: int,
+                 max_len: int = 0, compile: bool = False):
         self.lm, self.bf16 = policy.lm, bool(getattr(policy, "bf16", False))
         self.twin, self.pairs = decode_twin(self.lm, self.bf16)
         self.device = next(self.lm.parameters()).device
@@ -148,7 +150,7 @@ class Decoder:
         return bucket(rows, self.max_rows), block * -(-length // block)
 
     def cache(self, rows: int, length: int) -> StaticKV:
-        """The StaticKV of this shape: views of the buffer, which grows (and drops the views) when too small."""
+        """The StaticKV of this shape: views of the buffer, which grows (the views dropped) if too small."""
         config = self.lm.config
         layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -211,7 +213,7 @@ class Decoder:
         real, width = input_ids.shape
         rows, length = self.shape(real, width + max_new_tokens)
         kv = self.cache(rows, length)
-        extra = rows - real                                                  # bucket padding rows: all padding
+        extra = rows - real                                                  # bucket rows: all padding
         input_ids = torch.cat([input_ids, input_ids.new_full((extra, width), self.pad_id)])
         attention = torch.cat([attention, attention.new_zeros((extra, width))])
         if seeds is not None:
@@ -223,10 +225,12 @@ class Decoder:
         logprobs = torch.zeros(rows, max_new_tokens, device=self.device)
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         pad = torch.full((), self.pad_id, device=self.device)
-        t = torch.zeros((), dtype=torch.int64, device=self.device)            # the Gumbel position, on the device
+        t = torch.zeros((), dtype=torch.int64, device=self.device)            # the Gumbel position
         check = DONE_CHECK_STEPS if self.device.type == "cuda" else 1         # each check waits for the GPU
         logits = self._prefill(input_ids, attention, kv)
         for step in range(max_new_tokens):
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()      # the last step's graph outputs are used up
             if step > 0:
                 kv.start.fill_(width + step - 1)                               # the token drawn at step - 1
                 logits = self.step(tokens[:, step - 1].clone(), positions + (step - 1), key_valid, kv)

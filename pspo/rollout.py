@@ -199,5 +199,5 @@ def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_pro
         return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
                                       r.gpu_memory_utilization, r.sleep, world_size, bf16)
     device = next(policy.parameters()).device
-    return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1, compile=compile_enabled(r.compile, device),
-                    max_len=max_prompt_len + r.max_new_tokens)
+    return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1,
+                    compile=compile_enabled(r.compile, device), max_len=max_prompt_len + r.max_new_tokens)
