@@ -128,6 +128,7 @@ class Decoder:
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.pad_id, self.max_rows, self.max_len = pad_id, max_rows, max_len
         self.pad_shapes, self.compiled = compile, compile
+        self.done_check = DONE_CHECK_STEPS if self.device.type == "cuda" else 1   # each check waits for the GPU
         self.buffer: tuple[Tensor, Tensor] | None = None                   # (layers, R, Hkv, L, D) K and V
         self.caches: dict[tuple[int, int], StaticKV] = {}
         self.step, self.sample = self._step, draw
@@ -226,7 +227,6 @@ class Decoder:
         done = torch.zeros(rows, dtype=torch.bool, device=self.device)
         pad = torch.full((), self.pad_id, device=self.device)
         t = torch.zeros((), dtype=torch.int64, device=self.device)            # the Gumbel position
-        check = DONE_CHECK_STEPS if self.device.type == "cuda" else 1         # each check waits for the GPU
         logits = self._prefill(input_ids, attention, kv)
         for step in range(max_new_tokens):
             if self.compiled:
@@ -239,7 +239,7 @@ class Decoder:
             logprobs[:, step] = logp
             done |= torch.isin(choice, self.stop_ids)
             t += 1
-            if (step + 1) % check == 0 and bool(done[:real].all()):
+            if (step + 1) % self.done_check == 0 and bool(done[:real].all()):
                 break
         return _cut(tokens[:real], logprobs[:real], self.stop_ids, max_new_tokens)
 
