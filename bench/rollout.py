@@ -14,7 +14,8 @@ built-in task under the chat template, or for --arch/--random the stand-in token
 same seeds. Columns: the first call (warm-up; with compile, the compile), then the median over
 --repeats calls, the engines taking turns: completion tokens per second (tokens up to and including
 the stop token), ms per decoding step (call time / columns generated, the prefill included),
-the rows whose tokens equal the first engine's, and on CUDA the peak memory allocated. Random
+the rows whose tokens equal the first engine's, and on CUDA the peak memory allocated (on CPU the
+process's CPU seconds per call instead: steadier than wall time when other work shares the cores). Random
 weights never stop: every row runs to max_new_tokens. Run it on an otherwise idle machine.
 """
 from __future__ import annotations
@@ -68,19 +69,19 @@ def build(name: str, path: str, tokenizer, policy, args, max_len: int, device: s
 
 
 def timed(engine, prompts, n: int, max_new_tokens: int, step: int):
-    """(seconds, Rollout) of one call with the seeds of `step`."""
+    """(wall seconds, CPU seconds of this process, Rollout) of one call with the seeds of `step`."""
     seeds = sequence_seeds(0, step, torch.arange(len(prompts)), n)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, n, 1.0, 1.0, max_new_tokens, seeds)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    return time.perf_counter() - start, time.process_time() - cpu, out
 
 
 def check_compiled_sampler(rows: int, vocab: int) -> str:
-    """The compiled sampler (inductor: Triton on CUDA) against the eager one on random logits: the same draws?"""
+    """The compiled sampler (inductor: Triton on CUDA) against the eager one on random logits."""
     logits = torch.randn(rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     seeds = sequence_seeds(0, 0, torch.arange(rows), 1).cuda()
     compiled = torch.compile(draw, dynamic=False)
@@ -98,7 +99,7 @@ def check_compiled_sampler(rows: int, vocab: int) -> str:
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="a from_pretrained folder (default: the tiny demo model)")
-    ap.add_argument("--arch", default="", help="a config.json: its architecture at real widths, random weights")
+    ap.add_argument("--arch", default="", help="a config.json: its architecture, real widths, random weights")
     ap.add_argument("--layers", type=int, default=None, help="with --arch: keep this many decoder layers")
     ap.add_argument("--random", default="", metavar="LAYERS,HIDDEN",
                     help="a random-weight Qwen2 of this size with the tiny tokenizer (completions run long)")
@@ -124,16 +125,18 @@ def main(argv: list[str]) -> None:
     max_len = max(map(len, prompts)) + max(args.max_new_tokens)
     engines = {name: build(name, path, tokenizer, policy, args, max_len, device) for name in args.engines}
     where = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"{os.path.relpath(args.arch) if args.arch else path}: {args.prompts} prompts x {args.n} completions, "
-          f"{where}, {'bf16 autocast' if args.bf16 else 'float32'}, static compile: "
-          f"{compile_enabled(args.compile, torch.device(device))}, median of {args.repeats} calls")
-    if device == "cuda" and "static" in engines and compile_enabled(args.compile, torch.device(device)):
+    name = os.path.relpath(args.arch) if args.arch else path
+    compiled = compile_enabled(args.compile, torch.device(device))
+    precision = "bf16 autocast" if args.bf16 else "float32"
+    print(f"{name}: {args.prompts} prompts x {args.n} completions, {where}, {precision}, "
+          f"static compile: {compiled}, median of {args.repeats} calls")
+    if device == "cuda" and "static" in engines and compiled:
         print(check_compiled_sampler(args.prompts * args.n, policy.lm.config.vocab_size))
     print("| engine | max new tokens | first call s | mean length | tok/s | ms / step | rows equal to "
-          f"{args.engines[0]} |" + (" peak GiB |" if device == "cuda" else ""))
-    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if device == "cuda" else ""))
+          f"{args.engines[0]} | " + ("peak GiB |" if device == "cuda" else "CPU s / call |"))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for max_new in args.max_new_tokens:
-        first, times, outs, peaks = {}, {k: [] for k in engines}, {}, {}
+        first, times, cpu, outs, peaks = {}, {k: [] for k in engines}, {k: [] for k in engines}, {}, {}
         for name, engine in engines.items():
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -141,8 +144,9 @@ def main(argv: list[str]) -> None:
             peaks[name] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
         for step in range(1, args.repeats + 1):                     # the engines take turns
             for name, engine in engines.items():
-                seconds, outs[name] = timed(engine, prompts, args.n, max_new, step)
+                seconds, cpu_seconds, outs[name] = timed(engine, prompts, args.n, max_new, step)
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
         reference = outs[args.engines[0]]
         for name in engines:
             out, seconds = outs[name], statistics.median(times[name])
@@ -150,12 +154,15 @@ def main(argv: list[str]) -> None:
                 out.completion_ids, out.mask, reference.completion_ids, reference.mask))
             print(f"| {name} | {max_new} | {first[name]:.2f} | {out.mask.sum(1).mean():.1f} | "
                   f"{out.mask.sum() / seconds:,.0f} | {1000 * seconds / out.completion_ids.shape[1]:.2f} | "
-                  f"{same}/{len(out.completion_ids)} |" + (f" {peaks[name]:.1f} |" if device == "cuda" else ""))
-        static, generate = times.get("static"), times.get("generate")
-        if static and generate:
-            print(f"static / generate time, max_new_tokens {max_new}: per call "
-                  + ", ".join(f"{s / g:.2f}" for s, g in zip(static, generate))
-                  + f"; median {statistics.median(static) / statistics.median(generate):.2f}")
+                  f"{same}/{len(out.completion_ids)} | "
+                  + (f"{peaks[name]:.1f} |" if device == "cuda" else f"{statistics.median(cpu[name]):.2f} |"))
+        for kind, values in (("wall", times), ("CPU", cpu)):
+            static, generate = values.get("static"), values.get("generate")
+            if static and generate and (kind == "wall" or device == "cpu"):
+                print(f"static / generate {kind} time, max_new_tokens {max_new}: per call "
+                      + ", ".join(f"{s / g:.2f}" for s, g in zip(static, generate))
+                      + f"; median {statistics.median(static) / statistics.median(generate):.2f}"
+                      + f", fastest {min(static) / min(generate):.2f}")
 
 
 if __name__ == "__main__":

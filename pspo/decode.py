@@ -12,8 +12,8 @@ logits processor.
 
 The model run is `policy.lm`'s twin (`decode_twin`): the same modules sharing its parameters,
 except that under bf16 autocast (model.bf16) its linear layers hold bf16 copies, refreshed from
-the policy before each call. Autocast would cast those weights at every step (reading the fp32
-weights twice over per token); the copies give the same bf16 values once per call. The twin's
+the policy before each call. Autocast would cast those weights at every step (6 bytes moved per
+parameter before the matmul reads 2); the copies give the same bf16 values once per call. The twin's
 attention (`static_attention`) is sdpa over the prompt in the prefill and, per step, a grouped
 matmul over the cache that reads each KV head once (sdpa with a padding mask would repeat the KV
 heads for every query head).
@@ -128,7 +128,7 @@ class Decoder:
         self.stop_ids = torch.tensor(stop_ids, device=self.device)
         self.pad_id, self.max_rows, self.max_len = pad_id, max_rows, max_len
         self.pad_shapes, self.compiled = compile, compile
-        self.done_check = DONE_CHECK_STEPS if self.device.type == "cuda" else 1   # each check waits for the GPU
+        self.done_check = DONE_CHECK_STEPS if self.device.type == "cuda" else 1   # a check waits for the GPU
         self.buffer: tuple[Tensor, Tensor] | None = None                   # (layers, R, Hkv, L, D) K and V
         self.caches: dict[tuple[int, int], StaticKV] = {}
         self.step, self.sample = self._step, draw

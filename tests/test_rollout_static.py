@@ -21,7 +21,8 @@ def tiny(tiny_model_path):
     tokenizer = load_tokenizer(tiny_model_path)
     policy = build_policy(tiny_model_path, False, 64, False, False)
     problems = builtin_arithmetic("test")[:6]
-    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"] for ex in problems]
+    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
+           for ex in problems]
     ids[1] = ids[1][3:]                     # prompts of other lengths: left padding in every chunk
     static = HFEngine(policy, tokenizer, batch_size=64)
     reference = HFEngine(policy, tokenizer, batch_size=64, loop="generate")
@@ -106,7 +107,8 @@ def test_static_attention_equals_sdpa_with_repeated_heads():
     # 2 rows, 6 query heads over 2 KV heads (3 per group), 5 cache columns, head_dim 4; row 0 sees
     # columns 0-3, row 1 columns 2-4: the grouped matmul equals sdpa on KV heads repeated 3 times.
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 6, 1, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g)
+    q = torch.randn(2, 6, 1, 4, generator=g)                                  # (R, H, 1, D)
+    k, v = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g)   # (R, Hkv, L, D)
     mask = torch.tensor([[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]
     out, _ = static_attention(None, q, k, v, mask, scaling=0.5)
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
@@ -126,7 +128,8 @@ def test_bf16_twin_copies_track_the_policy(tiny_model_path):
     twin, pairs = decode_twin(policy.lm, bf16=True)
     assert twin.model.embed_tokens.weight is policy.lm.model.embed_tokens.weight
     assert twin.lm_head.weight.dtype == torch.bfloat16 and policy.lm.lm_head.weight.dtype == torch.float32
-    assert twin.config._attn_implementation == decode.STATIC_ATTENTION != policy.lm.config._attn_implementation
+    assert twin.config._attn_implementation == decode.STATIC_ATTENTION
+    assert policy.lm.config._attn_implementation == "sdpa"
     assert len(pairs) == 4 * 7 + 1 + 4 * 3                 # 7 linears a layer, the head, q/k/v biases
     engine = HFEngine(policy, tokenizer, batch_size=64)
     q_proj = policy.lm.model.layers[0].self_attn.q_proj.weight
@@ -168,4 +171,5 @@ def test_compiled_step_equals_the_eager_loop(tiny):
     compiled = HFEngine(policy, tokenizer, batch_size=64, compile=True)
     for prompts, n, step in ((ids, 4, 0), (ids[:2], 4, 1), (ids, 4, 2)):
         seeds = sequence_seeds(7, step, torch.arange(len(prompts)), n)
-        assert_same_rollout(compiled.generate(prompts, n, 1.0, 1.0, 12, seeds), static.generate(prompts, n, 1.0, 1.0, 12, seeds))
+        eager = static.generate(prompts, n, 1.0, 1.0, 12, seeds)
+        assert_same_rollout(compiled.generate(prompts, n, 1.0, 1.0, 12, seeds), eager)
