@@ -1,13 +1,22 @@
-"""Generation throughput of the two rollout engines on the same prompts and lengths.
+"""Generation speed of the rollout engines on the same prompts: tokens/s and ms per decoding step.
 
-    python bench/rollout.py [--model PATH] [--prompts 64] [--n 8] [--max-new-tokens 12 64]
-    python bench/rollout.py --random 8,512 --max-new-tokens 64     # a bigger random-weight Qwen2
+    python bench/rollout.py                                   # the tiny model: generate vs static loop
+    python bench/rollout.py --arch configs/qwen2.5-math-1.5b/model_config.json --prompts 8 --n 6 \\
+        --max-new-tokens 512 --bf16                           # the 1.5B at real widths, random weights (GPU)
+    python bench/rollout.py --engines generate static vllm    # vLLM too, where it is installed
+    python bench/rollout.py --random 8,512 --max-new-tokens 64     # a random-weight 8 x 512 Qwen2
 
-For each setting both engines generate n completions for each of the same prompts (built-in
-task, chat template), and the table gives completion tokens per second (tokens up to and
-including the stop token), the median of --repeats calls after one warm-up call. The vLLM
-engine is the colocated in-process one train.py uses; the transformers engine is `HFEngine` on
-the same weights. Run it on an otherwise idle machine (CPU timings suffer from contention).
+Engines: `generate` is HFEngine's transformers `generate` loop (dynamic KV cache, the sampler as a
+logits processor); `static` is its static-cache loop (pspo/decode.py), compiled as
+`rollout.compile` says (--compile; auto: on CUDA, CUDA graphs there); `vllm` is the colocated
+in-process engine train.py uses. Each generates n completions of each of the same prompts (the
+built-in task under the chat template, or for --arch/--random the stand-in tokenizer's), with the
+same seeds. Columns: the first call (warm-up; with compile, the compile), then the median over
+--repeats calls, the engines taking turns: completion tokens per second (tokens up to and including
+the stop token), ms per decoding step (call time / columns generated, the prefill included),
+the rows whose tokens equal the first engine's, and on CUDA the peak memory allocated (on CPU the
+process's CPU seconds per call instead: steadier than wall time when other work shares the cores). Random
+weights never stop: every row runs to max_new_tokens. Run it on an otherwise idle machine.
 """
 from __future__ import annotations
 
@@ -24,24 +33,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pspo.data import builtin_arithmetic, format_prompt  # noqa: E402
 from pspo.model import build_policy, load_tokenizer  # noqa: E402
-from pspo.rollout import HFEngine  # noqa: E402
+from pspo.rollout import HFEngine, compile_enabled  # noqa: E402
+from pspo.sampling import draw  # noqa: E402
 from pspo.sequences import sequence_seeds  # noqa: E402
+from pspo.standin import build_random_model  # noqa: E402
 from pspo.tiny import ensure_tiny_model  # noqa: E402
-from pspo.vllm_engine import VLLMEngine  # noqa: E402
 
-
-def tokens_per_s(engine, prompts, n: int, max_new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(median completion tokens/s, mean completion length) over `repeats` calls after a warm-up."""
-    seeds = sequence_seeds(0, 0, torch.arange(len(prompts)), n)
-    engine.generate(prompts, n, 1.0, 1.0, max_new_tokens, seeds)                  # warm-up
-    rates, lengths = [], []
-    for step in range(repeats):
-        seeds = sequence_seeds(0, step + 1, torch.arange(len(prompts)), n)
-        start = time.perf_counter()
-        r = engine.generate(prompts, n, 1.0, 1.0, max_new_tokens, seeds)
-        rates.append(r.mask.sum().item() / (time.perf_counter() - start))
-        lengths.append(r.mask.sum(1).mean().item())
-    return statistics.median(rates), statistics.mean(lengths)
+ENGINES = ("generate", "static", "vllm")
 
 
 def random_model(size: str) -> str:
@@ -49,9 +47,10 @@ def random_model(size: str) -> str:
     layers, hidden = (int(x) for x in size.split(","))
     tokenizer = load_tokenizer(ensure_tiny_model(), False)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-                         max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=max(1, hidden // 256), max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     path = tempfile.mkdtemp(prefix="pspo-bench-model-")
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -59,33 +58,111 @@ def random_model(size: str) -> str:
     return path
 
 
+def build(name: str, path: str, tokenizer, policy, args, max_len: int, device: str):
+    if name == "generate":
+        return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, loop="generate")
+    if name == "static":
+        return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, max_len=max_len,
+                        compile=compile_enabled(args.compile, torch.device(device)))
+    from pspo.vllm_engine import VLLMEngine
+    return VLLMEngine(path, tokenizer, max_len, seed=0, bf16=args.bf16)
+
+
+def timed(engine, prompts, n: int, max_new_tokens: int, step: int):
+    """(wall seconds, CPU seconds of this process, Rollout) of one call with the seeds of `step`."""
+    seeds = sequence_seeds(0, step, torch.arange(len(prompts)), n)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start, cpu = time.perf_counter(), time.process_time()
+    out = engine.generate(prompts, n, 1.0, 1.0, max_new_tokens, seeds)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, time.process_time() - cpu, out
+
+
+def check_compiled_sampler(rows: int, vocab: int) -> str:
+    """The compiled sampler (inductor: Triton on CUDA) against the eager one on random logits."""
+    logits = torch.randn(rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    seeds = sequence_seeds(0, 0, torch.arange(rows), 1).cuda()
+    compiled = torch.compile(draw, dynamic=False)
+    same, worst = 0, 0.0
+    for t in range(8):
+        position = torch.tensor(t, device="cuda")
+        a, la = compiled(logits, seeds, position, 1.0, 1.0)
+        b, lb = draw(logits, seeds, position, 1.0, 1.0)
+        same += int((a == b).sum())
+        worst = max(worst, float((la - lb).abs().max()))
+    return f"compiled sampler vs eager, {rows} rows x {vocab}, 8 positions: {same}/{8 * rows} draws equal, " \
+           f"max |d logp| {worst:.1e}"
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="a from_pretrained folder (default: the tiny demo model)")
+    ap.add_argument("--arch", default="", help="a config.json: its architecture, real widths, random weights")
+    ap.add_argument("--layers", type=int, default=None, help="with --arch: keep this many decoder layers")
+    ap.add_argument("--random", default="", metavar="LAYERS,HIDDEN",
+                    help="a random-weight Qwen2 of this size with the tiny tokenizer (completions run long)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8, help="completions per prompt")
     ap.add_argument("--max-new-tokens", type=int, nargs="+", default=[12, 64])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--random", default="", metavar="LAYERS,HIDDEN",
-                    help="a random-weight Qwen2 of this size with the tiny tokenizer (completions run long)")
+    ap.add_argument("--engines", nargs="+", default=["generate", "static"], choices=ENGINES)
+    ap.add_argument("--compile", default="auto", choices=("auto", "always", "never"),
+                    help="the static engine's rollout.compile (auto: on CUDA)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast over float32 weights, as model.bf16")
     args = ap.parse_args(argv)
-    path = random_model(args.random) if args.random else (args.model or ensure_tiny_model())
+    if args.arch:
+        path = os.path.join(tempfile.mkdtemp(prefix="pspo-bench-model-"), "model")
+        build_random_model(args.arch, path, shrink=False, num_layers=args.layers, log=lambda *a: None)
+    else:
+        path = random_model(args.random) if args.random else (args.model or ensure_tiny_model())
     tokenizer = load_tokenizer(path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("train")[:args.prompts]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = HFEngine(build_policy(path, False, 2048, False, False, trainable=False).to(device), tokenizer,
-                  batch_size=args.prompts * args.n)
-    vllm = VLLMEngine(path, tokenizer, max(map(len, prompts)) + max(args.max_new_tokens), seed=0)
-    print(f"{args.prompts} prompts x {args.n} completions, {device}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} calls")
-    print("| max new tokens | mean length | transformers tok/s | vLLM tok/s | vLLM / transformers |")
-    print("|---:|---:|---:|---:|---:|")
+    policy = build_policy(path, False, 2048, args.bf16, False, trainable=False).to(device)
+    max_len = max(map(len, prompts)) + max(args.max_new_tokens)
+    engines = {name: build(name, path, tokenizer, policy, args, max_len, device) for name in args.engines}
+    where = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    name = os.path.relpath(args.arch) if args.arch else path
+    compiled = compile_enabled(args.compile, torch.device(device))
+    precision = "bf16 autocast" if args.bf16 else "float32"
+    print(f"{name}: {args.prompts} prompts x {args.n} completions, {where}, {precision}, "
+          f"static compile: {compiled}, median of {args.repeats} calls")
+    if device == "cuda" and "static" in engines and compiled:
+        print(check_compiled_sampler(args.prompts * args.n, policy.lm.config.vocab_size))
+    print("| engine | max new tokens | first call s | mean length | tok/s | ms / step | rows equal to "
+          f"{args.engines[0]} | " + ("peak GiB |" if device == "cuda" else "CPU s / call |"))
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for max_new in args.max_new_tokens:
-        hf_rate, hf_len = tokens_per_s(hf, prompts, args.n, max_new, args.repeats)
-        vllm_rate, vllm_len = tokens_per_s(vllm, prompts, args.n, max_new, args.repeats)
-        print(f"| {max_new} | {hf_len:.1f} / {vllm_len:.1f} | {hf_rate:,.0f} | {vllm_rate:,.0f} | "
-              f"{vllm_rate / hf_rate:.2f}x |")
+        first, times, cpu, outs, peaks = {}, {k: [] for k in engines}, {k: [] for k in engines}, {}, {}
+        for name, engine in engines.items():
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            first[name] = timed(engine, prompts, args.n, max_new, 0)[0]
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+        for step in range(1, args.repeats + 1):                     # the engines take turns
+            for name, engine in engines.items():
+                seconds, cpu_seconds, outs[name] = timed(engine, prompts, args.n, max_new, step)
+                times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
+        reference = outs[args.engines[0]]
+        for name in engines:
+            out, seconds = outs[name], statistics.median(times[name])
+            same = sum(a[m.bool()].tolist() == b[mb.bool()].tolist() for a, m, b, mb in zip(
+                out.completion_ids, out.mask, reference.completion_ids, reference.mask))
+            print(f"| {name} | {max_new} | {first[name]:.2f} | {out.mask.sum(1).mean():.1f} | "
+                  f"{out.mask.sum() / seconds:,.0f} | {1000 * seconds / out.completion_ids.shape[1]:.2f} | "
+                  f"{same}/{len(out.completion_ids)} | "
+                  + (f"{peaks[name]:.1f} |" if device == "cuda" else f"{statistics.median(cpu[name]):.2f} |"))
+        for kind, values in (("wall", times), ("CPU", cpu)):
+            static, generate = values.get("static"), values.get("generate")
+            if static and generate and (kind == "wall" or device == "cpu"):
+                print(f"static / generate {kind} time, max_new_tokens {max_new}: per call "
+                      + ", ".join(f"{s / g:.2f}" for s, g in zip(static, generate))
+                      + f"; median {statistics.median(static) / statistics.median(generate):.2f}"
+                      + f", fastest {min(static) / min(generate):.2f}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class RolloutConfig:
     top_p: float = 1.0                  # nucleus sampling mass
     max_new_tokens: int = 16            # L_max, tokens per completion
     batch_size: int = 512               # sequences per generate call on one rank (hf engine)
+    compile: str = "auto"               # hf engine: compile the decoding step: auto (CUDA) | always | never
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)
@@ -209,6 +210,7 @@ class Config:
 
 
 ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
+COMPILES = ("auto", "always", "never")      # rollout.compile, resolved by rollout.compile_enabled
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -301,6 +303,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
     _check(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
+    _check(r.compile in COMPILES, "rollout.compile", " | ".join(COMPILES), r.compile)
     _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]", r.gpu_memory_utilization)
     _check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
     _check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)

@@ -18,22 +18,29 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
 - vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
   weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
   rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
-- transformers generate (rollout.engine hf): the KV cache and sampler working set of the rows in
-  flight in the step's largest generate call (`generate_calls`: G per prompt, and SPO's
-  continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for SPO-chain, in
-  chunks of rollout.batch_size rows);
+- transformers (rollout.engine hf), one GPU: decode.py's static-cache loop keeps, in both phases, its
+  KV cache (2 x layers x KV heads x head_dim x 2 B in bf16 or 4 B in float32, per position) at the
+  largest shape the run asks for: rows bucketed (decode.bucket) up to rollout.batch_size, positions a
+  multiple of data.max_prompt_tokens + rollout.max_new_tokens (`static_cache_shape`, over the step's
+  generate calls and the evaluation's), and with model.bf16 its bf16 weight copies (2 B x parameters);
+  generation adds the sampler's working set of the rows in flight (`generate_calls`: G per prompt,
+  and SPO's continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for
+  SPO-chain, in chunks of rollout.batch_size rows);
+- transformers over N > 1 GPUs (`generate` on the sharded policy, dynamic cache): the KV cache and
+  sampler working set of the rows in flight in the step's largest generate call, autocast's bf16
+  weight copies and the gathered FSDP2 parameters, during generation;
 - the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
   larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
   block up (512 B below 1 MiB, 2 MiB multiples above), keeps freed blocks cached for reuse, and
   the blocks of one step vary in size (micro-batches of other lengths, the log-prob blocks), so
   segments hold holes no later request fits; a block cached in the update is still reserved in the
   next generation (only a waking vLLM empties the cache). Measured on one H100: the 1.5B GRPO
-  recipe (1 GPU, 512 new tokens, transformers generate) reserved 43.0 GiB at its peak where the
-  plan counts 36.3 GiB of tensors (38.3 with the constant): 1.19 x; bench/micro_batches.py's
-  1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing) reserved 35.1 GiB for 28.8
-  allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens, 35.7 for 30.3 (1.18 x;
-  the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what is allocated, so 0.2
-  of them covers every reserved peak seen (at most 1.19 x the plan);
+  recipe (1 GPU, 512 new tokens, transformers `generate` before the static-cache loop) reserved 43.0
+  GiB at its peak where the plan then counted 36.3 GiB of tensors (38.3 with the constant): 1.19 x;
+  bench/micro_batches.py's 1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing)
+  reserved 35.1 GiB for 28.8 allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens,
+  35.7 for 30.3 (1.18 x; the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what
+  is allocated, so 0.2 of them covers every reserved peak seen (at most 1.19 x the plan);
 - PSPO*'s process reward model (reward.prm != 0, docs/related.md §C): its bf16 weights, a whole copy
   per GPU, and one scoring forward of prm.batch_tokens tokens in the generation phase (no grad: about
   the hidden states, q, k, v and the MLP's intermediate of those tokens alive at once, (6H + 2I) x 2 B
@@ -63,6 +70,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from pspo.config import Config, ConfigError, load_config
 from pspo.builtin_models import resolve_model_path
 from pspo.model import load_model_config
+from pspo.decode import bucket
 from pspo.rollout import engine_name
 
 GiB = 2**30
@@ -243,6 +251,12 @@ def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
     return 2 * a.layers * a.kv_heads * a.head_dim * dtype_bytes
 
 
+def static_cache_bytes(a: Arch, rows: int, length: int, bf16: bool) -> int:
+    """The static-cache loop's KV cache (decode.py): 2 (K, V) x layers x KV heads x head_dim x bytes
+    (2 under bf16 autocast, else 4) x rows x positions."""
+    return kv_bytes_per_token(a, 2 if bf16 else 4) * rows * length
+
+
 @dataclass(frozen=True)
 class GenerateCall:
     """One engine.generate call of a training step on one GPU, at its largest."""
@@ -286,6 +300,20 @@ def rows_in_flight(call: GenerateCall, batch_size: int) -> int:
     """Rows the transformers engine generates at once: HFEngine.generate runs chunks of
     max(1, rollout.batch_size // n) inputs, n rows each (so at least n rows, even above batch_size)."""
     return min(call.inputs, max(1, batch_size // call.n)) * call.n
+
+
+def static_cache_shape(cfg: Config, calls: list[GenerateCall]) -> tuple[int, int]:
+    """(rows, positions) of the static-cache loop's KV buffer at its largest: it grows to the most rows
+    and the most positions any call asks for. A call runs at bucket(rows in flight, rollout.batch_size)
+    rows and a multiple of data.max_prompt_tokens + rollout.max_new_tokens positions; the evaluation
+    (greedy, and eval.num_samples samples) makes calls of eval.batch_size prompts too."""
+    r, block = cfg.rollout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    calls = list(calls)
+    if cfg.data.eval:
+        calls += [GenerateCall(cfg.eval.batch_size, n, block) for n in (1, cfg.eval.num_samples) if n > 0]
+    rows = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
+    length = max(block * -(-c.longest // block) for c in calls)
+    return rows, length
 
 
 @dataclass
@@ -360,6 +388,17 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
                      + ("" if held >= largest else " (in waves)"))
         if held < 1:
             blocker = "vLLM's share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
+    elif N == 1:                             # decode.py's static-cache loop on the policy (rollout.py)
+        cache_rows, length = static_cache_shape(cfg, calls)
+        text = f"static KV cache, {cache_rows} x {length} positions ({2 if m.bf16 else 4} B), kept"
+        rows.append(("kvcache", text, static_cache_bytes(a, cache_rows, length, m.bf16), "both"))
+        if m.bf16:
+            rows.append(("copies", "the decoder's bf16 weight copies, kept", 2 * P, "both"))
+        # the sampler's (rows x vocab) working set, about 8 float32 blocks (logits/T, log_softmax, Gumbel
+        # noise and its int64 hashes: a rough figure), at the largest call's bucketed rows
+        batch = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
+        rows.append(("generate", f"sampler working set, {batch} rows x vocab", batch * 8 * a.vocab * 4,
+                     "generation"))
     else:                                    # transformers generate on the sharded policy (rollout.py)
         # per call: the KV cache of its rows in flight at their longest (fp32 K after RoPE) and the
         # sampler's (rows x vocab) working set, about 8 float32 blocks (logits/T, log_softmax, Gumbel
@@ -368,7 +407,7 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
         cost, batch, longest = max((rows_in_flight(c, r.batch_size) * (c.longest * per_token + 8 * a.vocab * 4),
                                     rows_in_flight(c, r.batch_size), c.longest) for c in calls)
         # plus autocast's bf16 weight copies and the gathered FSDP2 params
-        work = (2 * P if m.bf16 else 0) + (4 * (a.root_params + 2 * L) if N > 1 else 0)
+        work = (2 * P if m.bf16 else 0) + 4 * (a.root_params + 2 * L)
         rows.append(("generate", f"generate: KV of {batch} x {longest} tokens, bf16 weight copies, logits, "
                      f"gathered params", cost + work, "generation"))
     if prm is not None:                      # PSPO*'s PRM: bf16 on every GPU, one forward at a time

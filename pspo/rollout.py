@@ -1,18 +1,21 @@
 """Rollout: generate G completions per prompt and return their tokens, masks and log-probs.
 
 The loop talks to an engine through one method, `generate(prompt_ids, n, ...) -> Rollout`:
-`HFEngine` here (transformers generate on the training model) or `VLLMEngine`
-(vllm_engine.py, its own copy of the weights, synced after each step); `build_engine` picks one.
-With `prefix_ids` it continues partial completions instead (SPO's Monte Carlo states and tree
-branches, segments.py), seeded per continuation like any completion (sequences.prefix_seeds).
+`HFEngine` here (transformers on the training model) or `VLLMEngine` (vllm_engine.py, its own copy
+of the weights, synced after each step); `build_engine` picks one. With `prefix_ids` it continues
+partial completions instead (SPO's Monte Carlo states and tree branches, segments.py), seeded per
+continuation like any completion (sequences.prefix_seeds).
 
-Sampling is counter-based: completion j draws token t as argmax(z/T + g) over the top-p set,
-where z are the logits and g is Gumbel noise that is a pure function of (the completion's seed,
-t, token id). The Gumbel-max trick makes that an exact draw from softmax(z/T) renormalized on
-the nucleus, and because no shared RNG stream is consumed, a completion does not depend on
-which other prompts share its batch or its rank: a 2-process run generates exactly what a
-1-process run does. The log-probs returned are log softmax(z/T) of the sampled tokens (§1: the
-loss divides logits by the sampling temperature; top-p is not part of ρ).
+Sampling is counter-based (sampling.py): completion j draws token t from its own seed and t alone,
+so a completion does not depend on which other prompts share its batch or its rank: a 2-process
+run generates exactly what a 1-process run does. The log-probs returned are log softmax(z/T) of
+the sampled tokens (docs/methods.md §1).
+
+`HFEngine` runs one of two loops with the same draws: its own static-cache loop (decode.py: a
+preallocated KV cache, the decoding step compiled once per shape bucket when `rollout.compile`
+says so), or transformers `generate` with a dynamic cache and the sampler as a logits processor
+(under FSDP2, where ranks step together through the sharded root, and as the reference the first
+is tested against).
 """
 from __future__ import annotations
 
@@ -23,16 +26,9 @@ from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from pspo import vllm_engine
-from pspo.sequences import GOLDEN, MUL1, Rollout, continuation_inputs, left_pad, mix, shr, stop_token_ids
-
-
-def gumbel_noise(seeds: Tensor, t: int, vocab: int) -> Tensor:
-    """Gumbel(0, 1) noise, (N,) seeds x position t -> (N, V) float32, deterministic."""
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    step = torch.tensor(t, dtype=torch.int64, device=seeds.device) * GOLDEN   # wraps mod 2^64
-    h = mix(mix(seeds[:, None] + step) + idx[None, :] * MUL1)           # (N, V)
-    u = (shr(h, 40).float() + 0.5) * 2.0**-24                              # uniform in (0, 1)
-    return -torch.log(-torch.log(u))
+from pspo.decode import Decoder
+from pspo.sampling import perturbed_logits
+from pspo.sequences import Rollout, continuation_inputs, left_pad, stop_token_ids
 
 
 class _GumbelSampler(LogitsProcessor):
@@ -43,37 +39,34 @@ class _GumbelSampler(LogitsProcessor):
         self.logprobs: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        z = scores.float() / self.temperature                               # (N, V) raw logits / T
-        logp = torch.log_softmax(z, dim=-1)
-        if self.seeds is not None:
-            if self.top_p < 1.0:
-                z = z.masked_fill(_outside_nucleus(logp, self.top_p), float("-inf"))
-            z = z + gumbel_noise(self.seeds, input_ids.shape[1] - self.prompt_len, z.shape[-1])
+        t = input_ids.shape[1] - self.prompt_len                            # tokens generated so far
+        z, logp = perturbed_logits(scores, self.seeds, t, self.temperature, self.top_p)
         choice = z.argmax(dim=-1)                                           # what generate picks
         self.logprobs.append(logp.gather(1, choice[:, None]).squeeze(1))
         return z
 
 
-def _outside_nucleus(logp: Tensor, top_p: float) -> Tensor:
-    """True for tokens outside the smallest set whose probability reaches top_p. (N, V)"""
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()           # mass of better tokens
-    drop_sorted = mass_before >= top_p                                      # the top token is never dropped
-    return torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-
-
 class HFEngine:
-    """transformers `generate`, batched and left-padded, on the training model itself.
+    """transformers on the training model itself, batched and left-padded.
 
-    `model` is the `Policy` wrapper (model.py): generation goes through its __call__ so that,
-    under FSDP2, the root module's parameters are gathered; `synced` keeps ranks stepping
-    together (a rank that finishes early keeps running dummy forwards until all are done).
+    loop "static": decode.py's static-cache loop, its step compiled when `compile` (one compile per
+    shape bucket: rows up to `batch_size`, cache length a multiple of `max_len`, the longest prompt +
+    max_new_tokens; 0 = each call's own). loop "generate": transformers `generate` with a dynamic
+    cache, through the `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's
+    parameters are gathered; `synced` (FSDP2) forces it and keeps ranks stepping together (a rank
+    that finishes early keeps running dummy forwards until all are done).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int, synced: bool = False):
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int, synced: bool = False,
+                 compile: bool = False, max_len: int = 0, loop: str = "static"):
         self.model, self.tokenizer, self.batch_size, self.synced = model, tokenizer, batch_size, synced
         self.stop_ids = stop_token_ids(tokenizer, model.lm.generation_config.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        if loop not in ("static", "generate"):
+            raise ValueError(f"loop: expected static | generate, got {loop!r}")
+        self.decoder = None
+        if loop == "static" and not synced:
+            self.decoder = Decoder(model, self.stop_ids, self.pad_id, batch_size, max_len, compile)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -114,7 +107,12 @@ class HFEngine:
         input_ids, attention = left_pad(prompt_ids, self.pad_id)
         width = input_ids.shape[1]
         input_ids, attention = input_ids.repeat_interleave(n, 0).to(device), attention.repeat_interleave(n, 0).to(device)
-        sampler = _GumbelSampler(None if seeds is None else seeds.to(device), width, temperature, top_p)
+        seeds = None if seeds is None else seeds.to(device)
+        if self.decoder is not None:
+            completion, logprobs = self.decoder.generate(input_ids, attention, seeds, temperature, top_p,
+                                                         max_new_tokens)
+            return completion, logprobs, completion.shape[1]
+        sampler = _GumbelSampler(seeds, width, temperature, top_p)
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                                   eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                                   repetition_penalty=1.0, num_beams=1, return_dict_in_generate=True)
@@ -180,15 +178,26 @@ def engine_name(engine: str) -> str:
     return engine
 
 
+def compile_enabled(setting: str, device: torch.device) -> bool:
+    """`rollout.compile` resolved: auto -> on where the policy is on CUDA (CUDA graphs pay there; on
+    CPU the tiny models decode faster than a first compile takes), always, never."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return setting == "always"
+
+
 def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_prompt_len: int, seed: int,
                  world_size: int, bf16: bool = False):
     """The configured engine (`rollout.engine`: auto | vllm | hf; r is the RolloutConfig).
 
     auto picks vLLM on a GPU where it is installed. The vLLM engine is built from `model_path`, which must
     hold the policy's current weights (the base model, or the checkpoint being resumed); it runs
-    in bf16 on GPU when `bf16` (model.bf16), else in float32.
+    in bf16 on GPU when `bf16` (model.bf16), else in float32. The transformers engine sizes its
+    static cache from max_prompt_len + rollout.max_new_tokens.
     """
     if engine_name(r.engine) == "vllm":
         return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
                                       r.gpu_memory_utilization, r.sleep, world_size, bf16)
-    return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1)
+    device = next(policy.parameters()).device
+    return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1,
+                    compile=compile_enabled(r.compile, device), max_len=max_prompt_len + r.max_new_tokens)

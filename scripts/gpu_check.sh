@@ -16,6 +16,9 @@
 #             the plan of that truncated model beside the measured peak_mem_gib
 #   spo15     configs/qwen2.5-math-1.5b/spo_tree.yaml, 1.5B: 1 step of SPO-tree (6-6-6 trees,
 #             segments cut to $SEG tokens): the share of the step spent growing trees (mc_gen_s)
+#   rollout15 bench/rollout.py on the 1.5B (bf16 autocast): 48 completions (8 prompts x 6) of 512
+#             tokens, transformers `generate` vs the static-cache loop (compiled, CUDA graphs):
+#             first call, tokens/s, ms per decoding step, peak memory; the compiled sampler checked
 #   vllm15    (not in the default list; needs vLLM installed) the 1.5B recipe with the vLLM engine in bf16,
 #             rollout.sleep on, token TIS, a sync check every step: 3 steps of 48 completions; the
 #             metrics hold sync_gap_*, engine_gap_*, tis_*, weight_sync_s (docs/gpu.md, the vLLM list)
@@ -25,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu_check}; shift || true
-SECTIONS=${*:-grpo15 micro15 rpp7b spo15}
+SECTIONS=${*:-grpo15 micro15 rpp7b spo15 rollout15}
 PY=${PYTHON:-python3}
 MODELS=${MODELS:-/tmp/pspo-gpu-models}
 GEN=${GEN:-512}; LAYERS7=${LAYERS7:-6}; SEG=${SEG:-64}; ENGINE=${ENGINE:-auto}
@@ -98,7 +101,11 @@ for section in $SECTIONS; do
         --rollout.engine=vllm --rollout.sleep=true --rollout.is_correction=token --rollout.sync_check_steps=1 \
         --rollout.sync_check_tol=1 --data.train=data/samples/open-rs.jsonl --data.eval= \
         --rollout.max_new_tokens="$GEN" --train.max_steps=3 --train.save_steps=0 ;;
-    *) echo "unknown section $section (grpo15 micro15 rpp7b spo15)" >&2; exit 2 ;;
+    rollout15)
+      $PY bench/rollout.py --arch configs/qwen2.5-math-1.5b/model_config.json --prompts 8 --n 6 \
+        --max-new-tokens 512 --bf16 --repeats 3 \
+        $([ "$SIZE" = full ] || echo --layers 1 --max-new-tokens 16 --repeats 1) 2>&1 | tee "$OUT/rollout15.log" ;;
+    *) echo "unknown section $section (grpo15 micro15 rpp7b spo15 rollout15 vllm15)" >&2; exit 2 ;;
   esac
   rm -rf "/tmp/pspo-gpu-runs/$section"                  # checkpoints of a 1.5B or 7B model fill a disk
   echo "[$section] $(( $(date +%s) - start )) s" | tee -a "$OUT/times.log"

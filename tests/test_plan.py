@@ -16,6 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 from pspo import plan
 from pspo.config import load_config
 from pspo.token_logprobs import token_logprobs
+from pspo.decode import bucket
 from pspo.plan import GiB, PlanError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -261,29 +262,51 @@ def test_generate_calls_count_what_each_method_generates():
     assert tree == [(2, 2, 24), (4, 3, 32), (12, 4, 48)] and sum(i * n for i, n, _ in tree) == 2 * 32
 
 
-def test_transformers_generate_row_counts_spo_continuations():
-    # small_config: 2 layers x 2 KV heads x 16 = 64 values per token; fp32 (model.bf16 false): K and V
-    # 8 B each -> 512 B per token; the sampler's 8 float32 blocks of vocab 100: 3200 B per row.
-    # rollout.batch_size 12: HFEngine.generate runs max(1, 12 // n) inputs x n rows at once.
+def test_bucket_hand_worked():
+    # the ladder of 96: 96, 48, 24, 12, 6, 3, 2, 1 (each ceil(half) of the last); of 12: 12, 6, 3, 2, 1
+    assert [bucket(n, 96) for n in (1, 2, 3, 5, 36, 48, 49, 96)] == [1, 2, 3, 6, 48, 48, 96, 96]
+    assert [bucket(n, 12) for n in (4, 7, 12, 16)] == [6, 12, 12, 16]                # above the top: itself
+
+
+def test_static_cache_counts_buckets_and_spo_continuations():
+    # small_config: 2 layers x 2 KV heads x 16; float32 (model.bf16 false): K and V 4 B each ->
+    # 2 x 2 x 2 x 16 x 4 = 512 B per position; the sampler's 8 float32 blocks of vocab 100: 3200 B per row.
+    # rollout.batch_size 12: HFEngine.generate runs max(1, 12 // n) inputs x n rows at once, padded to the
+    # ladder 12, 6, 3, 2, 1; the cache block is max_prompt_tokens + max_new_tokens = 16 + 32 = 48 positions.
     a = plan.arch_from_config(small_config())
     base = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
             "--train.prompts_per_step=2", "--algo.beta=0", "--rollout.engine=hf", "--rollout.batch_size=12",
-            "--model.bf16=false"]
+            "--model.bf16=false", "--data.eval="]
 
-    def generate_bytes(extra):
-        p = plan.make_plan(load_config(None, base + extra, 1), a, 1, 80 * GiB, "hf")
-        return dict((k, b) for k, _, b, _ in p.rows)["generate"]
-    # GRPO: min(2, 6) x 2 = 4 rows x 48 tokens: 4 x (48 x 512 + 3200) = 111104
-    assert generate_bytes([]) == 111104
-    # SPO-chain K = 8, N = 3: 16 states in chunks of 12 // 3 = 4 -> 12 rows x 79 tokens:
-    # 12 x (79 x 512 + 3200) = 523776 (the first call's 111104 is smaller)
-    assert generate_bytes(["--algo.advantage=spo_chain", "--spo.cutpoint_interval=8", "--spo.num_mc=3"]) == 523776
-    # SPO-tree 2,3,4, M = 8: depth 2 has 12 nodes in chunks of 12 // 4 = 3 -> 12 rows x 48 tokens:
-    # 12 x (48 x 512 + 3200) = 333312; depth 1: 4 x 3 = 12 rows x 32 tokens = 235008, smaller
-    assert generate_bytes(["--algo.advantage=spo_tree", "--spo.branching=2,3,4", "--spo.segment_tokens=8"]) == 333312
-    # a branching above batch_size: chunks of max(1, 12 // 16) = 1 input, still 16 rows x 48 tokens
-    assert generate_bytes(["--algo.advantage=spo_tree", "--spo.branching=2,3,16", "--spo.segment_tokens=8"]) \
-        == 16 * (48 * 512 + 3200)
+    def generate_rows(extra, gpus=1):
+        cfg = load_config(None, base + extra, gpus)
+        return {k: (b, ph) for k, _, b, ph in plan.make_plan(cfg, a, gpus, 80 * GiB, "hf").rows}
+    # GRPO: min(2, 6) x 2 = 4 rows -> bucket 6; 48 positions: 512 x 6 x 48 = 147456 B, kept in both phases;
+    # the sampler 6 x 3200 = 19200 B during generation; float32: no weight copies
+    rows = generate_rows([])
+    assert rows["kvcache"] == (147456, "both") and rows["generate"] == (19200, "generation")
+    assert "copies" not in rows
+    # with the evaluation (builtin:arithmetic, eval.batch_size 256, greedy): min(256, 12) x 1 = 12 rows
+    # -> 512 x 12 x 48 = 294912
+    assert generate_rows(["--data.eval=builtin:arithmetic"])["kvcache"][0] == 294912
+    # SPO-chain K = 8, N = 3: 16 states in chunks of 12 // 3 = 4 -> 12 rows of up to 79 positions, i.e.
+    # 2 blocks = 96: 512 x 12 x 96 = 589824; the sampler 12 x 3200 = 38400
+    chain = generate_rows(["--algo.advantage=spo_chain", "--spo.cutpoint_interval=8", "--spo.num_mc=3"])
+    assert chain["kvcache"][0] == 589824 and chain["generate"][0] == 38400
+    # SPO-tree 2,3,4, M = 8: depth 2 has 12 nodes in chunks of 12 // 4 = 3 -> 12 rows of 48: 294912
+    tree = ["--algo.advantage=spo_tree", "--spo.branching=2,3,4", "--spo.segment_tokens=8"]
+    assert generate_rows(tree)["kvcache"][0] == 294912
+    # a branching above batch_size: chunks of max(1, 12 // 16) = 1 input, still 16 rows: 512 x 16 x 48
+    wide = ["--algo.advantage=spo_tree", "--spo.branching=2,3,16", "--spo.segment_tokens=8"]
+    assert generate_rows(wide)["kvcache"][0] == 393216
+    # bf16: 2 B per value -> half the cache, 147456 / 2 = 73728, and the bf16 copies 2 x 80704 = 161408 B
+    rows = generate_rows(["--model.bf16=true"])
+    assert rows["kvcache"][0] == 73728 and rows["copies"] == (161408, "both")
+    # 2 GPUs (prompts_per_step 4, 2 each): `generate` on the sharded policy, during generation only:
+    # KV (8 B per value) and sampler of 4 rows x 48: 4 x (48 x 512 + 3200) = 111104, plus the gathered
+    # root and 2 layers, 4 x (6464 + 2 x 37120) = 322816 -> 433920
+    rows = generate_rows(["--train.prompts_per_step=4"], gpus=2)
+    assert rows["generate"] == (433920, "generation") and "kvcache" not in rows
 
 
 def test_vllm_note_counts_the_tree_at_once():
@@ -313,19 +336,25 @@ def test_allocator_cache_term_hand_worked():
 
 def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
     # scripts/gpu_check.sh grpo15 on one H100 (79.2 GiB): grpo.yaml, 512 new tokens, transformers
-    # generate. The plan's tensors (the update): params 5.75 + grads 5.75 + AdamW 11.50 + reference 5.75
-    # + activations 3.16 + log-prob head 3.91 (bf16: 1.5 x one 2048 x 151936 fp32 block of 1.16 GiB
-    # + 10 x V x H bytes = 2.17) = 35.83 GiB. The 43.0 GiB torch.cuda.max_memory_reserved measured
-    # (with the former float32 head) exceeds tensors + the 2 GiB constant; the allocator cache
-    # 0.2 x 35.83 = 7.17 covers it: 45.0 GiB.
+    # `generate` (before the static-cache loop), fixed micro-batches of 4 rows. The plan's tensors then
+    # (the update): params 5.75 + grads 5.75 + AdamW 11.50 + reference 5.75 + activations 3.16 + log-prob
+    # head 3.91 (bf16: 1.5 x one 2048 x 151936 fp32 block of 1.16 GiB + 10 x V x H bytes = 2.17)
+    # = 35.83 GiB; with the 2 GiB constant 37.83, below the 43.0 GiB torch.cuda.max_memory_reserved
+    # measured (with the former float32 head).
+    # The static-cache loop keeps two more terms in both phases: its bf16 weight copies, 2 x 1543714304 B
+    # = 2.875 GiB, and its KV cache. Rows: training 8 prompts x 6 = 48 (bucket 48 of rollout.batch_size 96),
+    # the greedy evaluation min(eval.batch_size 64, 96) = 64 -> bucket 96; positions 512 + 512 = 1024;
+    # bf16: 2 x 28 layers x 2 KV heads x 128 x 2 B = 28672 B x 96 x 1024 = 2.625 GiB.
+    # Tensors 35.83 + 2.875 + 2.625 = 41.33 GiB; allocator cache 0.2 x 41.33 = 8.27 -> peak 51.60 GiB.
     cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512",
                                                         "--train.micro_batch_tokens=0"], 1)   # as measured: 4 rows
     a, _ = plan.load_arch(cfg.model.name_or_path, os.path.join(QWEN, "grpo.yaml"))
     p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "hf")
     rows = {key: b for key, _, b, _ in p.rows}
+    assert rows["kvcache"] == 28672 * 96 * 1024 and rows["copies"] == 2 * 1543714304
     tensors = p.phase_bytes("update") - rows["allocator"] - rows["overhead"]
-    assert abs(tensors / GiB - 35.83) < 0.01 and abs(rows["allocator"] / GiB - 7.17) < 0.01
-    assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 45.00) < 0.01
+    assert abs(tensors / GiB - 41.33) < 0.01 and abs(rows["allocator"] / GiB - 8.27) < 0.01
+    assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 51.60) < 0.01
 
 
 WANT = {"dr_grpo.yaml": 53248, "spo_tree.yaml": 16384, "pspo_star.yaml": 32768}

@@ -7,7 +7,8 @@ import torch
 
 from pspo.data import builtin_arithmetic, format_prompt
 from pspo.model import Policy, build_policy, load_tokenizer
-from pspo.rollout import CountingEngine, HFEngine, _GumbelSampler, _outside_nucleus, gumbel_noise
+from pspo.rollout import CountingEngine, HFEngine, _GumbelSampler
+from pspo.sampling import gumbel_noise, outside_nucleus as _outside_nucleus
 from pspo.sequences import batch_inputs, child_seeds, continuation_inputs, prefix_seeds, sequence_seeds
 
 

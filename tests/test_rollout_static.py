@@ -1,0 +1,175 @@
+"""The static-cache loop (pspo/decode.py) against transformers `generate` (the engine's other loop):
+the same tokens, masks, texts and log-probs in float32 on CPU, for fresh prompts and for prefixes;
+completions independent of the shape buckets; early-stopping rows; the bf16 weight copies; the
+compiled step."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pspo import decode
+from pspo.config import ConfigError, load_config
+from pspo.data import builtin_arithmetic, format_prompt
+from pspo.decode import decode_twin, static_attention
+from pspo.model import build_policy, load_tokenizer
+from pspo.rollout import HFEngine, compile_enabled
+from pspo.sampling import gumbel_noise
+from pspo.sequences import batch_inputs, prefix_seeds, sequence_seeds
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    tokenizer = load_tokenizer(tiny_model_path)
+    policy = build_policy(tiny_model_path, False, 64, False, False)
+    problems = builtin_arithmetic("test")[:6]
+    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
+           for ex in problems]
+    ids[1] = ids[1][3:]                     # prompts of other lengths: left padding in every chunk
+    static = HFEngine(policy, tokenizer, batch_size=64)
+    reference = HFEngine(policy, tokenizer, batch_size=64, loop="generate")
+    return tokenizer, policy, static, reference, ids
+
+
+def assert_same_rollout(a, b):
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.mask, b.mask) and torch.equal(a.truncated, b.truncated) and a.texts == b.texts
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=2e-5, rtol=0)    # attention over more columns
+
+
+@pytest.mark.parametrize("temperature, top_p, max_new, sampled", [
+    (1.0, 1.0, 12, True), (0.7, 0.9, 12, True), (1.0, 1.0, 40, True), (1.0, 1.0, 12, False)])
+def test_static_loop_equals_generate(tiny, temperature, top_p, max_new, sampled):
+    # 40 new tokens: every row stops long before (completions of ~9 tokens): both cut the width at the
+    # last row's stop token, the same column
+    _, _, static, reference, ids = tiny
+    seeds = sequence_seeds(5, 2, torch.arange(len(ids)), 4) if sampled else None
+    n = 4 if sampled else 1
+    a = static.generate(ids, n, temperature, top_p, max_new, seeds)
+    b = reference.generate(ids, n, temperature, top_p, max_new, seeds)
+    assert_same_rollout(a, b)
+    if max_new == 40:
+        assert a.completion_ids.shape[1] == int(a.mask.sum(1).max()) < 40 and not a.truncated.any()
+
+
+def test_static_loop_equals_generate_on_prefixes(tiny):
+    # four prompts continued from 3, 0, 5 and 6 tokens of a fresh completion, 3 continuations each,
+    # budgets 8 - len(prefix): the rows of a chunk run to its largest budget and are cut to their own
+    _, _, static, reference, ids = tiny
+    first = reference.generate(ids[:4], 1, 1.0, 1.0, 12, sequence_seeds(2, 0, torch.arange(4), 1))
+    lengths = first.mask.sum(1).long().tolist()
+    prefixes = [first.completion_ids[i, :min(k, lengths[i] - 1)].tolist() for i, k in enumerate([3, 0, 5, 6])]
+    seeds = prefix_seeds(2, 0, [p + q for p, q in zip(ids, prefixes)], 3)
+    a = static.generate(ids[:4], 3, 1.0, 0.95, 8, seeds, prefix_ids=prefixes)
+    b = reference.generate(ids[:4], 3, 1.0, 0.95, 8, seeds, prefix_ids=prefixes)
+    assert_same_rollout(a, b)
+    assert a.truncated.any() and not a.truncated.all()
+
+
+def test_completions_do_not_depend_on_buckets_or_batch(tiny):
+    # Padded shapes (what the compiled step runs): 6 prompts x 4 = 24 rows -> bucket 32 of 64 (8 padding
+    # rows), the cache a multiple of 50 positions; one prompt alone: 4 rows, bucket 4. Neither the padding
+    # rows, the longer cache nor the other prompts change a completion.
+    tokenizer, policy, static, _, ids = tiny
+    padded = HFEngine(policy, tokenizer, batch_size=64, max_len=50)
+    padded.decoder.pad_shapes = True
+    assert padded.decoder.shape(24, 30) == (32, 50) and padded.decoder.shape(4, 61) == (4, 100)
+    seeds = sequence_seeds(3, 5, torch.arange(len(ids)), 4)
+    plain = static.generate(ids, 4, 1.0, 0.95, 12, seeds)
+    together = padded.generate(ids, 4, 1.0, 0.95, 12, seeds)
+    alone = padded.generate(ids[4:5], 4, 1.0, 0.95, 12, seeds[16:20])
+    assert_same_rollout(together, plain)
+    width = alone.completion_ids.shape[1]
+    assert alone.texts == plain.texts[16:20]
+    assert torch.equal(alone.completion_ids, plain.completion_ids[16:20, :width])
+    torch.testing.assert_close(alone.logprobs, plain.logprobs[16:20, :width], atol=2e-5, rtol=0)
+    assert padded.decoder.buffer[0].shape[1:4:2] == (32, 50)          # the one buffer, at the largest shape
+
+
+def test_rows_keep_running_after_their_stop_and_are_padded(tiny):
+    # The loop looks for "all rows done" once per DONE_CHECK_STEPS on a GPU: rows that stopped keep
+    # drawing (masked), the loop runs past the last stop, and the width is still cut at that stop.
+    tokenizer, _, static, _, ids = tiny
+    seeds = sequence_seeds(1, 0, torch.arange(len(ids)), 2)
+    every_step = static.generate(ids, 2, 1.0, 1.0, 40, seeds)
+    static.decoder.done_check = 16
+    try:
+        every_16 = static.generate(ids, 2, 1.0, 1.0, 40, seeds)
+    finally:
+        static.decoder.done_check = 1
+    assert_same_rollout(every_16, every_step)
+    eos = tokenizer.eos_token_id
+    lengths = every_step.mask.sum(1).long()
+    assert lengths.min() < lengths.max()                            # rows stop at different steps
+    for row, n in zip(every_step.completion_ids, lengths):
+        assert row[n - 1] == eos and (row[n:] == tokenizer.pad_token_id).all()
+
+
+def test_static_attention_equals_sdpa_with_repeated_heads():
+    # 2 rows, 6 query heads over 2 KV heads (3 per group), 5 cache columns, head_dim 4; row 0 sees
+    # columns 0-3, row 1 columns 2-4: the grouped matmul equals sdpa on KV heads repeated 3 times.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 4, generator=g)                                  # (R, H, 1, D)
+    k, v = torch.randn(2, 2, 5, 4, generator=g), torch.randn(2, 2, 5, 4, generator=g)   # (R, Hkv, L, D)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]
+    out, _ = static_attention(None, q, k, v, mask, scaling=0.5)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                              attn_mask=mask, scale=0.5).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    # a masked column holding NaN-free stale values changes nothing: its weight is exactly 0
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, 4], v2[0, :, 4] = 1e4, -1e4
+    torch.testing.assert_close(static_attention(None, q, k2, v2, mask, scaling=0.5)[0], out, atol=0, rtol=0)
+
+
+def test_bf16_twin_copies_track_the_policy(tiny_model_path):
+    # model.bf16: the twin's linear weights are bf16 copies (autocast's values), refreshed before each
+    # call; the embedding stays the policy's own float32 tensor; the policy's attention is untouched.
+    tokenizer = load_tokenizer(tiny_model_path)
+    policy = build_policy(tiny_model_path, False, 64, True, False)
+    twin, pairs = decode_twin(policy.lm, bf16=True)
+    assert twin.model.embed_tokens.weight is policy.lm.model.embed_tokens.weight
+    assert twin.lm_head.weight.dtype == torch.bfloat16 and policy.lm.lm_head.weight.dtype == torch.float32
+    assert twin.config._attn_implementation == decode.STATIC_ATTENTION
+    assert policy.lm.config._attn_implementation == "sdpa"
+    assert len(pairs) == 4 * 7 + 1 + 4 * 3                 # 7 linears a layer, the head, q/k/v biases
+    engine = HFEngine(policy, tokenizer, batch_size=64)
+    q_proj = policy.lm.model.layers[0].self_attn.q_proj.weight
+    with torch.no_grad():
+        q_proj.add_(0.25)                                   # an optimizer step, in place
+    ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
+           for ex in builtin_arithmetic("test")[:4]]
+    out = engine.generate(ids, 2, 1.0, 1.0, 10, sequence_seeds(0, 0, torch.arange(4), 2))
+    mine = engine.decoder.twin.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(mine, q_proj.detach().to(torch.bfloat16))
+    # its log-probs are the trainer's under bf16 autocast, to bf16 rounding
+    rows = [p for p in ids for _ in range(2)]
+    input_ids, attention = batch_inputs(rows, out.completion_ids, out.mask, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = policy(input_ids, attention, out.mask.shape[1], 1.0)
+    assert ((logp - out.logprobs).abs() * out.mask).max() < 0.1
+
+
+def test_gumbel_position_as_a_tensor_is_the_same_noise():
+    seeds = sequence_seeds(0, 0, torch.arange(8), 2)
+    assert torch.equal(gumbel_noise(seeds, torch.tensor(3), 50), gumbel_noise(seeds, 3, 50))
+
+
+def test_compile_setting_resolves_by_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert (compile_enabled("auto", cpu), compile_enabled("auto", cuda)) == (False, True)
+    assert (compile_enabled("always", cpu), compile_enabled("never", cuda)) == (True, False)
+    assert load_config(None, ["--rollout.compile=always"]).rollout.compile == "always"
+    with pytest.raises(ConfigError, match="rollout.compile: expected auto | always | never"):
+        load_config(None, ["--rollout.compile=true"])
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_the_eager_loop(tiny):
+    # torch.compile (inductor's C++ backend here; CUDA graphs on a GPU) of the decoding step: the same
+    # tokens as the eager loop, for two row buckets (24 rows -> 32, 8 -> 8) and a second call that
+    # reuses the first compile. The first call compiles (~15 s on 2 cores).
+    tokenizer, policy, static, _, ids = tiny
+    compiled = HFEngine(policy, tokenizer, batch_size=64, compile=True)
+    for prompts, n, step in ((ids, 4, 0), (ids[:2], 4, 1), (ids, 4, 2)):
+        seeds = sequence_seeds(7, step, torch.arange(len(prompts)), n)
+        eager = static.generate(prompts, n, 1.0, 1.0, 12, seeds)
+        assert_same_rollout(compiled.generate(prompts, n, 1.0, 1.0, 12, seeds), eager)
