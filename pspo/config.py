@@ -368,6 +368,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     for key in ("eval_steps", "save_steps", "keep_checkpoints"):
         _check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
     weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights", "prm")}
+    for key, weight in weights.items():
+        _check(math.isfinite(weight), f"reward.{key}", "a finite weight", weight)
     _check(any(w != 0 for w in weights.values()), "reward", "at least one non-zero weight", weights)
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", "> 0", cfg.reward.timeout_s)
     _check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
