@@ -19,6 +19,8 @@
 #   rollout15 bench/rollout.py on the 1.5B (bf16 autocast): 48 completions (8 prompts x 6) of 512
 #             tokens, transformers `generate` vs the static-cache loop (compiled, CUDA graphs):
 #             first call, tokens/s, ms per decoding step, peak memory; the compiled sampler checked
+#   prm15     (not in the default list) bench/prm_scoring.py: a BERT-base-sized PRM scoring 48 completions
+#             x 20 steps batched against one step at a time (steps/s, peak memory)
 #   vllm15    (not in the default list; needs vLLM installed) the 1.5B recipe with the vLLM engine in bf16,
 #             rollout.sleep on, token TIS, a sync check every step: 3 steps of 48 completions; the
 #             metrics hold sync_gap_*, engine_gap_*, tis_*, weight_sync_s (docs/gpu.md, the vLLM list)
@@ -105,7 +107,10 @@ for section in $SECTIONS; do
       $PY bench/rollout.py --arch configs/qwen2.5-math-1.5b/model_config.json --prompts 8 --n 6 \
         --max-new-tokens 512 --bf16 --repeats 3 \
         $([ "$SIZE" = full ] || echo --layers 1 --max-new-tokens 16 --repeats 1) 2>&1 | tee "$OUT/rollout15.log" ;;
-    *) echo "unknown section $section (grpo15 micro15 rpp7b spo15 rollout15 vllm15)" >&2; exit 2 ;;
+    prm15)
+      $PY bench/prm_scoring.py $([ "$SIZE" = full ] || echo --small --completions 8 --steps 5) 2>&1 \
+        | tee "$OUT/prm15.log" ;;
+    *) echo "unknown section $section (grpo15 micro15 rpp7b spo15 rollout15 vllm15 prm15)" >&2; exit 2 ;;
   esac
   rm -rf "/tmp/pspo-gpu-runs/$section"                  # checkpoints of a 1.5B or 7B model fill a disk
   echo "[$section] $(( $(date +%s) - start )) s" | tee -a "$OUT/times.log"

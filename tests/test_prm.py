@@ -247,3 +247,16 @@ def test_train_py_exits_2_on_a_prm_that_cannot_serve(tmp_path, knights_standin_p
     absent = tmp_path / "absent"
     assert err == [f"error: prm.model: '{absent}': no such folder (expected a sequence classifier's folder "
                    "or hub id)"]
+
+
+def test_scoring_bench_runs_and_agrees(capsys):
+    # bench/prm_scoring.py with the 2-layer stand-in: 3 completions x 3 lines = 9 steps, batched scores
+    # equal to one-at-a-time ones (the table's last column), on CPU without the peak-memory column
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("prm_bench", os.path.join(ROOT, "bench", "prm_scoring.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [len(c.split("\n")) for c in bench.completions(3, 3)] == [3, 3, 3]
+    bench.main(["--small", "--completions", "3", "--steps", "3"])
+    row = capsys.readouterr().out.strip().splitlines()[-1].strip("|").split("|")
+    assert int(row[0]) == 9 and float(row[-1]) < 1e-6
