@@ -4,6 +4,7 @@ the untrained twin of the tiny K&K model (same tokenizer and architecture, built
 trained K&K model (~20 minutes to build) is used only by the tests marked `knights_model`, which run
 when it is already built or PSPO_BUILD_KNIGHTS=1 asks for the build (`scripts/study.sh --task knights`
 does both), and are skipped with a reason otherwise."""
+import functools
 import os
 import sys
 
@@ -21,25 +22,43 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
-@pytest.fixture(scope="session")
-def tiny_model_path() -> str:
+# Each model is resolved once per test process (functools.cache) and handed to tests by a fixture.
+
+@functools.cache
+def _tiny_model() -> str:
     from pspo.tiny import ensure_tiny_model
     return ensure_tiny_model()
 
 
-@pytest.fixture(scope="session")
-def knights_standin_path() -> str:
+@functools.cache
+def _knights_standin() -> str:
     from pspo.tiny_knights import knights_standin
     return knights_standin()
 
 
-@pytest.fixture(scope="session")
+@functools.cache
+def _tiny_knights_model() -> str:
+    from pspo.tiny_knights import ensure_tiny_knights_model
+    return ensure_tiny_knights_model()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path() -> str:
+    return _tiny_model()
+
+
+@pytest.fixture(scope="module")
+def knights_standin_path() -> str:
+    return _knights_standin()
+
+
+@pytest.fixture(scope="module")
 def tiny_knights_model_path() -> str:
-    from pspo.tiny_knights import ensure_tiny_knights_model, tiny_knights_path
+    from pspo.tiny_knights import tiny_knights_path
     if not os.path.isdir(tiny_knights_path()) and os.environ.get("PSPO_BUILD_KNIGHTS") != "1":
         pytest.skip("the trained tiny K&K model is not built (~20 min): `bash scripts/study.sh --task knights` "
                     "builds it and runs these tests (or set PSPO_BUILD_KNIGHTS=1)")
-    return ensure_tiny_knights_model()
+    return _tiny_knights_model()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,6 +3,7 @@ start-up checks and their one-line errors, the frozen model, pair encoding and t
 scoring equal to one-at-a-time scoring, the reward and its metrics, the config section, the rewards'
 sum, the memory plan's PRM rows; and (slow) the real loop with the PRM reward under two advantage
 methods, and train.py's exit code 2 on a PRM that cannot serve."""
+import functools
 import json
 import math
 import os
@@ -31,8 +32,14 @@ FIVE = ("<answer>(1) Aaron is a knave\n(2) Zoey is a knight\n(3) Mia is a knave\
         "(5) Ivy is a knave")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_prm_path() -> str:
+    return _tiny_prm()
+
+
+@functools.cache
+def _tiny_prm() -> str:
+    """The tiny PRM's folder, built (or found in the cache) once per test process."""
     return ensure_tiny_prm()
 
 
