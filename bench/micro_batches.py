@@ -142,7 +142,8 @@ def main(argv: list[str]) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = tempfile.mkdtemp(prefix="pspo-bench-")
     if args.arch:
-        build_random_model(args.arch, os.path.join(folder, "model"), shrink=False, num_layers=args.layers, log=lambda *a: None)
+        build_random_model(args.arch, os.path.join(folder, "model"), shrink=False, num_layers=args.layers,
+                           log=lambda *a: None)
         folder, name = os.path.join(folder, "model"), f"random {os.path.relpath(args.arch)}"
     else:
         config = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -157,24 +158,24 @@ def main(argv: list[str]) -> None:
     lengths = batch[4]
     longest = input_ids.shape[1]
     budget = args.budget or args.micro * longest
-    modes = {"fixed": [f"--train.micro_batch_size={args.micro}"],
-             "token budget": [f"--train.micro_batch_tokens={budget}"]}
-    modes = {m: o for m, o in modes.items() if m in args.modes.split(",")}
+    shape_args = ["--rollout.num_generations=2", f"--rollout.max_new_tokens={mask.shape[1]}"]
+    configs = {"fixed": [f"--train.micro_batch_size={args.micro}"],
+               "token budget": [f"--train.micro_batch_tokens={budget}"]}
+    configs = {mode: load_config("configs/grpo.yaml", [*shape_args, *mode_args]) for mode, mode_args in configs.items()}
+    modes = {m: cfg for m, cfg in configs.items() if m in args.modes.split(",")}
+    batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
     times: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, tuple[float, float]] = {}
     sums: dict[str, dict] = {}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0,    # the weights stay as built
                                   fused=True if device.type == "cuda" else None)
     for _ in range(args.reps):
-        for mode, overrides in modes.items():
-            cfg = load_config("configs/grpo.yaml", ["--rollout.num_generations=2",
-                                                    f"--rollout.max_new_tokens={mask.shape[1]}", *overrides])
+        for mode, cfg in modes.items():
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
             sums[mode] = policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device))
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -191,7 +192,8 @@ def main(argv: list[str]) -> None:
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else ""))
     for mode in modes:
         s = sums[mode]
-        plan = plan_micro_batches(attention, mask, args.micro, budget if mode != "fixed" else 0)
+        t = modes[mode].train
+        plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens)
         median = statistics.median(times[mode])
         row = (f"| {mode} | {len(plan)} | {1 - s['update_tokens'] / s['update_positions']:.2f} | {median:.2f} | "
                f"{s['update_tokens'] / median:,.0f} |")
@@ -206,10 +208,8 @@ def main(argv: list[str]) -> None:
     if args.profile and not gpu:
         print("\nprofile: GPU only (kernel times); absent on CPU")
     elif args.profile:
-        cfg = load_config("configs/grpo.yaml", ["--rollout.num_generations=2", f"--rollout.max_new_tokens={mask.shape[1]}",
-                                                f"--train.micro_batch_tokens={budget}"])
+        cfg = configs["token budget"]
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
         shares = profiled_update(lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
         print("\nprofile of one token-budget update (share of wall time):")
         print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle |")

@@ -89,7 +89,8 @@ def _step(mode, pps=(1.0, 0.5)):
 
 
 def test_weigh_multiplies_pps_and_tis_weights_into_the_advantages():
-    # token mode, C = 2: A·w_PPS·w_TIS = row 0: +1 · 1 · [1.648721, 1, 2]; row 1: −1 · .5 · [.740818, .904837, 1]
+    # token mode, C = 2: A·w_PPS·w_TIS =
+    #   row 0: +1 · 1 · [1.648721, 1, 2];  row 1: −1 · .5 · [.740818, .904837, 1]
     s, ctx, batch, adv = _step("token")
     metrics = _weigh(s, ctx, batch, adv, keep_old=False)
     expected = torch.tensor([[1.648721, 1.0, 2.0], [-0.370409, -0.452419, -0.5]])
