@@ -313,29 +313,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)", r.is_cap)
     _check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
-    _check(not corrected or a.advantage != "spo_tree", "rollout.is_correction", "none with algo.advantage="
-           "spo_tree (its replayed tree edges keep no engine log-probs)", r.is_correction)
     _check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
     _check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
     _check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)
     _check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
     _check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
     _check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
-    _check(a.advantage in ADVANTAGES, "algo.advantage", " | ".join(ADVANTAGES), a.advantage)
     _check(a.kl_coef >= 0, "algo.kl_coef", ">= 0", a.kl_coef)
     _check(a.clip_score > 0, "algo.clip_score", "> 0", a.clip_score)
     _check(a.whiten in WHITENINGS, "algo.whiten", " | ".join(WHITENINGS), a.whiten)
-    if not a.advantage.startswith("reinforce_pp"):
-        _check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward is "
-               "REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
-    else:
-        _check(a.beta == 0, "algo.beta", f"0 with algo.advantage={a.advantage} (REINFORCE++ has no KL loss "
-               "term; its KL is in the reward, algo.kl_coef)", a.beta)
-    if a.advantage != "grpo":
-        _check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths the "
-               "group statistics of GRPO advantages; this one whitens token advantages over the whole batch)",
-               cfg.ers.enabled)
-    validate_spo(cfg.spo, cfg.algo.advantage, cfg.rollout, cfg.pps.enabled)
+    validate_method(cfg)
     _check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
     p = cfg.pps
     _check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
@@ -388,6 +375,24 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            f"name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) or \"\"", cfg.data.system_prompt)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
+
+
+def validate_method(cfg: Config) -> None:
+    """The settings that belong to one advantage method: the one place validation reads
+    algo.advantage (methods.method_for picks the function, plan.step_shape counts what it generates)."""
+    a = cfg.algo
+    _check(a.advantage in ADVANTAGES, "algo.advantage", " | ".join(ADVANTAGES), a.advantage)
+    if a.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        _check(a.beta == 0, "algo.beta", f"0 with algo.advantage={a.advantage} (REINFORCE++ has no KL loss "
+               "term; its KL is in the reward, algo.kl_coef)", a.beta)
+    else:
+        _check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward "
+               "is REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
+    if a.advantage != "grpo":
+        _check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths "
+               "the group statistics of GRPO advantages; this one whitens token advantages over the whole "
+               "batch)", cfg.ers.enabled)
+    validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
 
 
 def validate_prm(p: PRMConfig, weight: float) -> None:

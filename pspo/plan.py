@@ -23,7 +23,7 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   largest shape the run asks for: rows bucketed (decode.bucket) up to rollout.batch_size, positions a
   multiple of data.max_prompt_tokens + rollout.max_new_tokens (`static_cache_shape`, over the step's
   generate calls and the evaluation's), and with model.bf16 its bf16 weight copies (2 B x parameters);
-  generation adds the sampler's working set of the rows in flight (`generate_calls`: G per prompt,
+  generation adds the sampler's working set of the rows in flight (`step_shape`: G per prompt,
   and SPO's continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for
   SPO-chain, in chunks of rollout.batch_size rows);
 - transformers over N > 1 GPUs (`generate` on the sharded policy, dynamic cache): the KV cache and
@@ -269,8 +269,16 @@ class GenerateCall:
         return self.inputs * self.n
 
 
-def generate_calls(cfg: Config, prompts: int) -> list[GenerateCall]:
-    """The generate calls of one step on a GPU holding `prompts` prompts (docs/related.md §B for SPO).
+@dataclass(frozen=True)
+class StepShape:
+    """What one training step of the configured method holds on one GPU."""
+    calls: list[GenerateCall]       # its generate calls, in order
+    update_rows: int                # the rows its optimizer step trains at most
+
+
+def step_shape(cfg: Config, prompts: int) -> StepShape:
+    """The generate calls and update rows of one step on a GPU holding `prompts` prompts: the one place
+    the plan reads algo.advantage (docs/related.md §B for SPO).
 
     P_max = data.max_prompt_tokens, T = rollout.max_new_tokens.
     - per-completion methods (GRPO, REINFORCE++): G completions of each prompt, P_max + T tokens.
@@ -282,18 +290,22 @@ def generate_calls(cfg: Config, prompts: int) -> list[GenerateCall]:
       a row holds up to P_max + 2T - 1 tokens.
     - spo_tree: b0 completions of M0 tokens, b1 continuations of each to M0 + M1 tokens, b2 of those
       to T: up to b0·b1·b2 sequences per prompt in the last call, b0·(1 + b1 + b1·b2) in all.
+    The update trains the step's G completions of each prompt; SPO-tree trains replayed edges instead,
+    at most train.micro_batch_size rows (as many as it draws).
     """
     r, s, P_max, T = cfg.rollout, cfg.spo, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    first = GenerateCall(prompts, r.num_generations, P_max + T)
     if cfg.algo.advantage == "spo_tree":
         b0, b1, b2 = s.branch_factors
         m0, m1 = s.segments
-        return [GenerateCall(prompts, b0, P_max + m0), GenerateCall(prompts * b0, b1, P_max + m0 + m1),
-                GenerateCall(prompts * b0 * b1, b2, P_max + T)]
-    calls = [GenerateCall(prompts, r.num_generations, P_max + T)]
+        calls = [GenerateCall(prompts, b0, P_max + m0), GenerateCall(prompts * b0, b1, P_max + m0 + m1),
+                 GenerateCall(prompts * b0 * b1, b2, P_max + T)]
+        return StepShape(calls, cfg.train.micro_batch_size)
     if cfg.algo.advantage == "spo_chain":
         cuts = -(-T // s.cutpoint_interval)                                 # ceil(T / K) per completion
-        calls.append(GenerateCall(prompts * r.num_generations * cuts, s.num_mc, P_max + 2 * T - 1))
-    return calls
+        states = GenerateCall(prompts * r.num_generations * cuts, s.num_mc, P_max + 2 * T - 1)
+        return StepShape([first, states], first.sequences)
+    return StepShape([first], first.sequences)
 
 
 def rows_in_flight(call: GenerateCall, batch_size: int) -> int:
@@ -350,9 +362,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
     process reward model's shape when reward.prm != 0."""
     m, r, N = cfg.model, cfg.rollout, gpus
     seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
-    calls = generate_calls(cfg, cfg.train.prompts_per_step // N)
-    # the update trains the step's completions; SPO-tree trains replayed edges, as many as drawn
-    update_rows = calls[0].sequences if cfg.algo.advantage != "spo_tree" else cfg.train.micro_batch_size
+    shape = step_shape(cfg, cfg.train.prompts_per_step // N)
+    calls, update_rows = shape.calls, shape.update_rows
     micro = min(cfg.train.micro_batch_size, update_rows)
     if cfg.train.micro_batch_tokens:          # token budget: at most budget tokens at once, as many full-length rows
         micro = min(update_rows, max(1, cfg.train.micro_batch_tokens // seq))
@@ -430,8 +441,7 @@ def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine
     one GPU trains in a step; 0 when not even one fits. The GPU recipes set their budget to this on
     one 80 GB GPU (tests/test_plan.py), and `--plan` prints it for the GPUs asked about."""
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    calls = generate_calls(cfg, cfg.train.prompts_per_step // gpus)
-    rows = calls[0].sequences if cfg.algo.advantage != "spo_tree" else cfg.train.micro_batch_size
+    rows = step_shape(cfg, cfg.train.prompts_per_step // gpus).update_rows
     best = 0
     for k in range(1, rows + 1):
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=k * seq))

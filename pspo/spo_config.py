@@ -39,8 +39,8 @@ CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the 
 
 def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> None:
     """The spo section (docs/related.md §B) beside algo.advantage, the rollout section `r` and
-    pps.enabled: its chain keys only with spo_chain, its tree keys only with spo_tree, and the
-    tree's shape consistent with the rollout section. Raises ConfigError (one line)."""
+    pps.enabled: its chain keys only with spo_chain, its tree keys only with spo_tree, the tree's
+    shape consistent with the rollout section, and neither PPS nor the IS correction with the tree. Raises ConfigError (one line)."""
     default = SPOConfig()
     for f in dataclasses.fields(SPOConfig):
         owner = "spo_chain" if f.name in CHAIN_KEYS else "spo_tree"
@@ -56,6 +56,8 @@ def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> Non
     # trained over the next spo.replay_iterations steps, mixed with other steps' prompts.
     check(not pps_enabled, "pps.enabled", "false with algo.advantage=spo_tree (its edges are replayed in "
           "later steps, where the drawing step's IS weights do not apply)", pps_enabled)
+    check(r.is_correction == "none", "rollout.is_correction", "none with algo.advantage=spo_tree (its "
+          "replayed tree edges keep no engine log-probs)", r.is_correction)
     b, m = s.branch_factors, parse_ints(s.segment_tokens)
     check(len(b) == 3 and min(b) >= 1, "spo.branching", "three positive integers b0,b1,b2 (e.g. 6,6,6)", s.branching)
     check(r.num_generations == b[0], "rollout.num_generations", f"spo.branching's b0 = {b[0]} with "

@@ -240,13 +240,13 @@ def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
     assert one == plan.plan_cli(["--config", preset, "--plan", "--gpus=1"])
 
 
-def test_generate_calls_count_what_each_method_generates():
+def test_step_shape_counts_what_each_method_generates():
     # 2 prompts per GPU, prompts up to 16 tokens, T = 32 new tokens, G = 2.
     base = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
             "--train.prompts_per_step=2", "--algo.beta=0"]
 
     def calls(extra):
-        return [(c.inputs, c.n, c.longest) for c in plan.generate_calls(load_config(None, base + extra, 1), 2)]
+        return [(c.inputs, c.n, c.longest) for c in plan.step_shape(load_config(None, base + extra, 1), 2).calls]
     # GRPO: one call, 2 prompts x G = 2, rows of 16 + 32 = 48 tokens
     assert calls([]) == [(2, 2, 48)]
     # SPO-chain, K = 8, N = 3: at most ceil(32 / 8) = 4 cuts per completion -> 2 x 2 x 4 = 16 states,
@@ -260,6 +260,13 @@ def test_generate_calls_count_what_each_method_generates():
     # depth 2 12 nodes x 4 to 48. Per prompt 2 x 3 x 4 = 24 at once, 2 + 6 + 24 = 32 in all.
     tree = calls(["--algo.advantage=spo_tree", "--spo.branching=2,3,4", "--spo.segment_tokens=8"])
     assert tree == [(2, 2, 24), (4, 3, 32), (12, 4, 48)] and sum(i * n for i, n, _ in tree) == 2 * 32
+    # the update trains the 2 x G = 4 completions (GRPO, SPO-chain); SPO-tree its drawn edges, at most
+    # train.micro_batch_size = 3 rows
+    rows = {name: plan.step_shape(load_config(None, base + extra + ["--train.micro_batch_size=3"], 1), 2).update_rows
+            for name, extra in (("grpo", []), ("chain", ["--algo.advantage=spo_chain"]),
+                                ("tree", ["--algo.advantage=spo_tree", "--spo.branching=2,3,4",
+                                          "--spo.segment_tokens=8"]))}
+    assert rows == {"grpo": 4, "chain": 4, "tree": 3}
 
 
 def test_bucket_hand_worked():
