@@ -45,16 +45,21 @@ class ModelConfig:
 class DataConfig:
     train: str = "builtin:arithmetic"   # builtin:arithmetic, a .jsonl/.json/.parquet file, or hub name
     train_split: str = "train"          # split of `train`
-    train_people: str = ""              # K&K: train on puzzles of these numbers of people only, e.g. "2,3,4" ("" = all; eval keeps every size)
+    # K&K: train on puzzles of these numbers of people only, e.g. "2,3,4" ("" = all; eval keeps every size)
+    train_people: str = ""
     eval: str = "builtin:arithmetic"    # eval set, same forms as `train`; "" disables eval
     eval_split: str = "test"            # split of `eval`
     problem_field: str = "problem"      # column holding the question
     answer_field: str = "answer"        # column holding the gold answer
-    system_prompt: str = ""             # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none; one other word is an error)
+    # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none; one other word
+    # is an error)
+    system_prompt: str = ""
     max_eval_examples: int = 0          # 0 = the whole eval set
-    max_train_examples: int = 0         # 0 = all; else the first N rows (builtin sets: stratified), revisited more often
+    # 0 = all; else the first N rows (builtin sets: stratified), revisited more often
+    max_train_examples: int = 0
     max_prompt_tokens: int = 512        # longer prompts are dropped at load time (logged), never truncated
-    bad_gold: str = "skip"              # a gold answer math-verify cannot parse: skip (report, leave out) | error
+    # a gold answer math-verify cannot parse: skip (report, leave out) | error
+    bad_gold: str = "skip"
 
     @property
     def people(self) -> tuple[int, ...]:
@@ -89,7 +94,9 @@ class RewardConfig:
     knights: float = 0.0
     prm: float = 0.0                    # weight of PSPO*'s process reward R (docs/related.md §C; section prm)
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
-    workers: int = -1                   # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training threads)
+    # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
+    # threads)
+    workers: int = -1
 
 
 @dataclass
@@ -99,7 +106,8 @@ class PRMConfig:
     model: str = ""
     trust_remote_code: bool = False     # run model code shipped with the PRM (off: safer)
     label: int = 2                      # the "correct" class: s_j = softmax(logits)[label] (-1, 0, 1: 2)
-    split: str = "reference"            # steps: reference (the released code's markers) | lines (and "Step k:")
+    # steps: reference (the released code's markers) | lines (and "Step k:")
+    split: str = "reference"
     # what joins the previous step to the step: "" = the PRM tokenizer's pair encoding (its sep token);
     # else this text (the released code: " </s><s>")
     separator: str = ""
@@ -116,7 +124,8 @@ class AlgoConfig:
     advantage: str = "grpo"
     scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
-    beta: float = 0.04                  # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
+    # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
+    beta: float = 0.04
     eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
     eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
@@ -124,8 +133,10 @@ class AlgoConfig:
     # REINFORCE++ (docs/related.md §A): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref)
     # (PaddleNLP's: 1e-3)
     kl_coef: float = 0.0
-    clip_score: float = 10.0            # REINFORCE++: the reward is clipped to ±clip_score before it enters the last token
-    whiten: str = "bessel"              # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
+    # REINFORCE++: the reward is clipped to ±clip_score before it enters the last token
+    clip_score: float = 10.0
+    # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
+    whiten: str = "bessel"
 
     @property
     def needs_reference(self) -> bool:
@@ -181,7 +192,8 @@ class TrainConfig:
     keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
     resume: str = ""                    # "" (fresh), "auto" (latest in output_dir), or a path
     progress: bool = True               # tqdm bar on rank 0
-    memory_check: bool = True           # stop at start-up when the memory plan (plan.py) says the GPU is too small
+    # stop at start-up when the memory plan (plan.py) says the GPU is too small
+    memory_check: bool = True
 
 
 @dataclass
@@ -298,19 +310,22 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     """Impossible values and combinations, each reported as one line naming the key."""
     r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
     _check(r.engine in ENGINES, "rollout.engine", " | ".join(ENGINES), r.engine)
-    _check(r.num_generations >= 2, "rollout.num_generations", "G >= 2 (a group needs two samples)", r.num_generations)
+    _check(r.num_generations >= 2, "rollout.num_generations", "G >= 2 (a group needs two samples)",
+           r.num_generations)
     _check(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
     _check(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
     _check(r.compile in COMPILES, "rollout.compile", " | ".join(COMPILES), r.compile)
-    _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]", r.gpu_memory_utilization)
+    _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+           r.gpu_memory_utilization)
     _check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
     _check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)
     corrected = r.is_correction != "none"
     _check(r.is_correction in IS_CORRECTIONS, "rollout.is_correction", " | ".join(IS_CORRECTIONS),
            r.is_correction)
-    _check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)", r.is_cap)
+    _check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)",
+           r.is_cap)
     _check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
     _check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
@@ -365,16 +380,22 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     _check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     _check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
-    for key, low in (("max_eval_examples", 0), ("max_train_examples", 0), ("max_prompt_tokens", 1)):  # 0 = all
+    # 0 = all for the two example caps
+    for key, low in (("max_eval_examples", 0), ("max_train_examples", 0), ("max_prompt_tokens", 1)):
         _check(getattr(cfg.data, key) >= low, f"data.{key}", f">= {low}", getattr(cfg.data, key))
     sizes = parse_ints(cfg.data.train_people)
-    _check(not str(cfg.data.train_people).strip() or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
-           'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all', cfg.data.train_people)
-    prompt = cfg.data.system_prompt.strip()    # one word that is not a name is a mistyped name ("R1"), not a prompt
-    _check(not prompt or prompt in SYSTEM_PROMPTS or any(c.isspace() for c in prompt), "data.system_prompt", f"a prompt "
-           f"name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) or \"\"", cfg.data.system_prompt)
+    all_people = not str(cfg.data.train_people).strip()
+    _check(all_people or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
+           'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all',
+           cfg.data.train_people)
+    # one word that is not a name is a mistyped name ("R1"), not a prompt
+    prompt = cfg.data.system_prompt.strip()
+    _check(not prompt or prompt in SYSTEM_PROMPTS or any(c.isspace() for c in prompt), "data.system_prompt",
+           f"a prompt name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) "
+           "or \"\"", cfg.data.system_prompt)
     _check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
-    _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1", cfg.model.logprob_chunk_tokens)
+    _check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1",
+           cfg.model.logprob_chunk_tokens)
 
 
 def validate_method(cfg: Config) -> None:

@@ -151,16 +151,19 @@ def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = Fal
             candidates.append((standin, f"{os.path.relpath(standin)} (stand-in for {name_or_path})"))
     for source, label in candidates:
         try:
-            config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+            config = AutoConfig.from_pretrained(source, local_files_only=True,
+                                                trust_remote_code=trust_remote_code)
         except Exception as e:  # noqa: BLE001 - not cached (OSError), or a config.json transformers rejects
             if source != standin and not os.path.isdir(source):
                 continue                                        # not in the cache: try the stand-in
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise PlanError(f"model.name_or_path: cannot read {source}'s config.json ({first})") from None
         return arch_from_config(config, trust_remote_code), label
-    fallback = "" if os.path.isfile(standin) else f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
-    raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the local "
-                    f"Hugging Face cache{fallback}")
+    fallback = ""
+    if not os.path.isfile(standin):
+        fallback = f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
+    raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the "
+                    f"local Hugging Face cache{fallback}")
 
 
 @dataclass(frozen=True)
@@ -332,7 +335,8 @@ def static_cache_shape(cfg: Config, calls: list[GenerateCall]) -> tuple[int, int
 class Plan:
     gpus: int
     gpu_bytes: int
-    rows: list[tuple[str, str, int, str]]   # (key, description, bytes per GPU, phase: both | generation | update)
+    # (key, description, bytes per GPU, phase: both | generation | update)
+    rows: list[tuple[str, str, int, str]]
     notes: list[str]
     blocker: str = ""                       # a reason it cannot start whatever the sum says
 
@@ -353,7 +357,9 @@ class Plan:
         head = f"peak {self.peak / GiB:.1f} GiB ({phase}) of {self.gpu_bytes / GiB:.1f} GiB: "
         if self.blocker:
             return head + f"does not fit, {self.blocker}"
-        return head + (f"fits, {margin:.1f} GiB to spare" if self.fits else f"does not fit, {margin:.1f} GiB over")
+        if self.fits:
+            return head + f"fits, {margin:.1f} GiB to spare"
+        return head + f"does not fit, {margin:.1f} GiB over"
 
 
 def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
@@ -365,7 +371,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
     shape = step_shape(cfg, cfg.train.prompts_per_step // N)
     calls, update_rows = shape.calls, shape.update_rows
     micro = min(cfg.train.micro_batch_size, update_rows)
-    if cfg.train.micro_batch_tokens:          # token budget: at most budget tokens at once, as many full-length rows
+    # a token budget: at most that many tokens at once, counted as full-length rows
+    if cfg.train.micro_batch_tokens:
         micro = min(update_rows, max(1, cfg.train.micro_batch_tokens // seq))
     P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
     ckpt = m.gradient_checkpointing
@@ -375,11 +382,11 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
             ("grads", f"gradients (fp32, 1/{N})", 4 * P // N, "update"),
             ("adam", f"AdamW m, v (2 x fp32, 1/{N})", 8 * P // N, "both")]
     if cfg.algo.needs_reference:
-        rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0 or REINFORCE++ kl_coef > 0)", 4 * P // N,
-                     "both"))
+        rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0 or REINFORCE++ kl_coef > 0)",
+                     4 * P // N, "both"))
     if N > 1:
-        rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad", 4 * (2 * a.root_params + 3 * L),
-                     "update"))
+        rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad",
+                     4 * (2 * a.root_params + 3 * L), "update"))
     rows.append(("acts", f"activations, {micro} x {seq} tokens, checkpointing {'on' if ckpt else 'off'} "
                  f"({'off' if ckpt else 'on'}: {other:.1f})", activation_peak(a, micro, seq, T, m.bf16, ckpt),
                  "update"))
@@ -394,9 +401,9 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
                      f"{kv / GiB:.2f}, {'asleep' if r.sleep else 'awake'} in update", share,
                      "generation" if r.sleep else "both"))
         largest = max(c.sequences for c in calls)                          # submitted in one call
-        notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, dtype)} B/token, holds {held} sequences of {seq} tokens; "
-                     f"a step generates {sum(c.sequences for c in calls)} per GPU, up to {largest} in one call"
-                     + ("" if held >= largest else " (in waves)"))
+        notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, dtype)} B/token, holds {held} sequences of "
+                     f"{seq} tokens; a step generates {sum(c.sequences for c in calls)} per GPU, up to "
+                     f"{largest} in one call" + ("" if held >= largest else " (in waves)"))
         if held < 1:
             blocker = "vLLM's share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
     elif N == 1:                             # decode.py's static-cache loop on the policy (rollout.py)
@@ -415,8 +422,9 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
         # sampler's (rows x vocab) working set, about 8 float32 blocks (logits/T, log_softmax, Gumbel
         # noise and its int64 hashes: a rough figure); the largest call counts
         per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
-        cost, batch, longest = max((rows_in_flight(c, r.batch_size) * (c.longest * per_token + 8 * a.vocab * 4),
-                                    rows_in_flight(c, r.batch_size), c.longest) for c in calls)
+        in_flight = [(rows_in_flight(c, r.batch_size), c.longest) for c in calls]
+        cost, batch, longest = max((n * (length * per_token + 8 * a.vocab * 4), n, length)
+                                   for n, length in in_flight)
         # plus autocast's bf16 weight copies and the gathered FSDP2 params
         work = (2 * P if m.bf16 else 0) + 4 * (a.root_params + 2 * L)
         rows.append(("generate", f"generate: KV of {batch} x {longest} tokens, bf16 weight copies, logits, "
@@ -455,26 +463,30 @@ def format_plan(plan: Plan, title: str) -> str:
     """The table `--plan` prints."""
     lines = [title, f"{'component':<76} {'GiB':>6}  phase"]
     lines += [f"{text:<76} {b / GiB:6.2f}  {phase}" for _, text, b, phase in plan.rows]
-    lines += [f"{'total: ' + phase:<76} {plan.phase_bytes(phase) / GiB:6.2f}" for phase in ("generation", "update")]
+    lines += [f"{'total: ' + phase:<76} {plan.phase_bytes(phase) / GiB:6.2f}"
+              for phase in ("generation", "update")]
     return "\n".join(lines + plan.notes + ["verdict: " + plan.verdict()])
 
 
 def one_line(plan: Plan) -> str:
     """The start-up line: every component, then the verdict."""
     parts = " + ".join(f"{key} {b / GiB:.1f}" for key, _, b, _ in plan.rows)
-    return f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB): {parts} GiB; {plan.verdict()}"
+    return (f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB): {parts} GiB; "
+            f"{plan.verdict()}")
 
 
 def check_fits(plan: Plan, cfg: Config) -> None:
     """Raise PlanError (one line, with what to change) when the run cannot fit."""
     if plan.fits:
         return
+    vllm = any(key == "vllm" for key, *_ in plan.rows)
     knobs = ["a smaller train.micro_batch_size" if cfg.train.micro_batch_size > 1 else "",
              "" if cfg.model.gradient_checkpointing else "model.gradient_checkpointing=true",
-             "rollout.sleep=true" if any(k == "vllm" for k, *_ in plan.rows) and not cfg.rollout.sleep else "",
+             "rollout.sleep=true" if vllm and not cfg.rollout.sleep else "",
              "more GPUs"]
-    raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} (train.py --config ... --plan); "
-                    "the plan is an upper bound: train.memory_check=false starts anyway")
+    raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} "
+                    "(train.py --config ... --plan); the plan is an upper bound: train.memory_check=false "
+                    "starts anyway")
 
 
 def host_memory() -> int:
@@ -488,7 +500,8 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
     kernels and vLLM's GPU share, and host memory is shared with everything else (and swap).
     """
     try:
-        a = arch_from_config(load_model_config(model_path, cfg.model.trust_remote_code), cfg.model.trust_remote_code)
+        model_config = load_model_config(model_path, cfg.model.trust_remote_code)
+        a = arch_from_config(model_config, cfg.model.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - an architecture the plan cannot read: train anyway, say why
         return f"memory plan: unavailable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
     on_gpu = device.type == "cuda"
@@ -531,15 +544,17 @@ def plan_cli(argv: list[str]) -> str:
     plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
     plan.notes += [missing] if missing else []
     title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"
-             f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, hidden {a.hidden}, "
-             f"MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, vocab {a.vocab}\n"
+             f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, "
+             f"hidden {a.hidden}, MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x "
+             f"{a.head_dim}, vocab {a.vocab}\n"
              f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
-             f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant {OVERHEAD_GIB:g} GiB; update "
-             f"peak is an upper bound")
+             f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant "
+             f"{OVERHEAD_GIB:g} GiB; "
+             f"update peak is an upper bound")
     budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     this_run = cfg.train.micro_batch_tokens or f"fixed {cfg.train.micro_batch_size}"
-    advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} sequences of "
-              f"{seq} tokens; this run: {this_run})" if budget else
+    advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} "
+              f"sequences of {seq} tokens; this run: {this_run})" if budget else
               "no token budget fits: not even one full-length sequence")
     return format_plan(plan, title) + "\n" + advice

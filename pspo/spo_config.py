@@ -12,13 +12,21 @@ from pspo.config_check import check, parse_ints
 @dataclass
 class SPOConfig:
     """SPO, docs/related.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
-    cutpoint_interval: int = 5          # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
-    num_mc: int = 9                     # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
-    branching: str = "6,6,6"            # tree: "b0,b1,b2", children per node at depths 0, 1, 2; b0 = rollout.num_generations
-    segment_tokens: str = "30"          # tree: M, the most new tokens of a depth-0 / depth-1 segment ("M0,M1" apart); depth 2 runs to rollout.max_new_tokens (30 rho GSM8K, 100 MATH, 600 R1-Distill)
-    tree_scale: bool = False            # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
-    replay_iterations: int = 8          # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
-    edges_per_question: int = 32        # tree: at most this many of a question's buffered edges drawn (and removed) per step
+    # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
+    cutpoint_interval: int = 5
+    # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
+    num_mc: int = 9
+    # tree: "b0,b1,b2", children per node at depths 0, 1, 2; b0 = rollout.num_generations
+    branching: str = "6,6,6"
+    # tree: M, the most new tokens of a depth-0 / depth-1 segment ("M0,M1" apart); depth 2 runs to
+    # rollout.max_new_tokens (30 rho GSM8K, 100 MATH, 600 R1-Distill)
+    segment_tokens: str = "30"
+    # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
+    tree_scale: bool = False
+    # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
+    replay_iterations: int = 8
+    # tree: at most this many of a question's buffered edges drawn (and removed) per step
+    edges_per_question: int = 32
     # tree: at most this many drawn edges trained per step, a random subset (0 = all; the reference code: 512)
     edges_per_step: int = 0
 
@@ -40,7 +48,8 @@ CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the 
 def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> None:
     """The spo section (docs/related.md §B) beside algo.advantage, the rollout section `r` and
     pps.enabled: its chain keys only with spo_chain, its tree keys only with spo_tree, the tree's
-    shape consistent with the rollout section, and neither PPS nor the IS correction with the tree. Raises ConfigError (one line)."""
+    shape consistent with the rollout section, and neither PPS nor the IS correction with the tree.
+    Raises ConfigError (one line)."""
     default = SPOConfig()
     for f in dataclasses.fields(SPOConfig):
         owner = "spo_chain" if f.name in CHAIN_KEYS else "spo_tree"
@@ -59,7 +68,8 @@ def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> Non
     check(r.is_correction == "none", "rollout.is_correction", "none with algo.advantage=spo_tree (its "
           "replayed tree edges keep no engine log-probs)", r.is_correction)
     b, m = s.branch_factors, parse_ints(s.segment_tokens)
-    check(len(b) == 3 and min(b) >= 1, "spo.branching", "three positive integers b0,b1,b2 (e.g. 6,6,6)", s.branching)
+    check(len(b) == 3 and min(b) >= 1, "spo.branching", "three positive integers b0,b1,b2 (e.g. 6,6,6)",
+          s.branching)
     check(r.num_generations == b[0], "rollout.num_generations", f"spo.branching's b0 = {b[0]} with "
           "algo.advantage=spo_tree (the root's children are the prompt's G completions)", r.num_generations)
     check(len(m) in (1, 2) and min(m) >= 1, "spo.segment_tokens", "one positive integer M, or two M0,M1",
