@@ -13,7 +13,9 @@ statistics:
 
 The math lives in advantages.py and segments.py (pure tensor functions); SPO's extra generation in
 spo.py. Adding a method: one function here, one line in `method_for`, one name in config.ADVANTAGES,
-one preset, its tests. PPS (docs/methods.md §3) is the sampler's, not a method's: its weights arrive
+one preset, its tests. Two other places read algo.advantage, each for its own concern:
+config.validate_method (the settings a method takes) and plan.step_shape (what it generates, for the
+memory plan). PPS (docs/methods.md §3) is the sampler's, not a method's: its weights arrive
 in `StepRollouts.is_weights` and multiply whatever advantages a method returns. So does the
 truncated IS weight of rollout.is_correction (docs/methods.md §7), which corrects for an engine whose
 log-probs differ from the trainer's π_old: both are multiplied in one place, `_weigh`.
