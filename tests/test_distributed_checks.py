@@ -61,7 +61,7 @@ def test_group_device_follows_the_backend(monkeypatch):
 @pytest.mark.parametrize("caller", ["cpu", "cuda:0"])
 def test_collectives_hand_nccl_a_cuda_tensor_and_return_on_the_callers_device(monkeypatch, caller):
     # An NCCL group on local rank 1: the backend must see cuda:1 whatever the caller's device
-    # (before the fix, SPO's whitening handed it the CPU sums as they were, which NCCL rejects).
+    # (SPO's whitening sums on the CPU: handed over as they are, NCCL would reject them).
     monkeypatch.setenv("LOCAL_RANK", "1")
     group = FakeGroup(monkeypatch, "nccl")
     calls = {"all_reduce_sum": lambda x: distributed.all_reduce_sum(x),

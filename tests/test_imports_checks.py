@@ -51,9 +51,8 @@ def test_no_import_cycles():
 
 
 def test_data_builds_on_knights_and_rewards_below_the_pool():
-    # The two circles there were: data <-> knights (knights took Example and DataError from data;
-    # both now live in pspo/example.py) and rewards <-> reward_pool (rewards named RewardPool for a
-    # type; it now names a Protocol, Scorer).
+    # Two pairs that could close a circle: data and knights (Example and DataError live below both, in
+    # pspo/example.py) and rewards and reward_pool (rewards names a Protocol, Scorer, not RewardPool).
     graph = project_imports()
     assert "knights" in graph["data"] and reaches(graph, "knights", "data") is None
     assert "rewards" in graph["reward_pool"] and reaches(graph, "rewards", "reward_pool") is None
@@ -62,7 +61,7 @@ def test_data_builds_on_knights_and_rewards_below_the_pool():
 
 @pytest.mark.slow
 def test_each_module_imports_first_on_its_own():
-    # Importing either module of a former circle first works (no partly initialised module).
+    # Importing either module of such a pair first works (no partly initialised module).
     code = ("import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; "
             "from pspo.data import DataError, Example; from pspo import example; "
             "assert (DataError, Example) == (example.DataError, example.Example)")

@@ -95,7 +95,7 @@ def test_weigh_multiplies_pps_and_tis_weights_into_the_advantages():
     metrics = _weigh(s, ctx, batch, adv, keep_old=False)
     expected = torch.tensor([[1.648721, 1.0, 2.0], [-0.370409, -0.452419, -0.5]])
     torch.testing.assert_close(batch.advantages, expected, atol=1e-6, rtol=0)
-    assert batch.old_logp is None                     # scored for the correction only: ρ ≡ 1 as before
+    assert batch.old_logp is None                     # scored for the correction only: ρ ≡ 1 as without it
     # metrics: gap 2.0 / 5 = .4, max 1.1; weights 6.294376 / 5 = 1.258875; 1 of 5 capped
     assert metrics["engine_gap_mean"] == pytest.approx(0.4, abs=1e-6)
     assert metrics["engine_gap_max"] == pytest.approx(1.1, abs=1e-6)

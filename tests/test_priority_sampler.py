@@ -198,8 +198,8 @@ def test_sampling_with_mass_on_few_prompts_is_bounded_and_restores_the_tree():
 
 
 def test_update_of_another_batch_than_the_last_sample_is_an_error():
-    # The last sample drew 2 prompts; an update of 3 would hand out weights of other prompts (the
-    # old behaviour: silently all ones). Before any sample, update returns ones (priorities set directly).
+    # The last sample drew 2 prompts; an update of 3 would hand out weights of other prompts (or,
+    # silently, all ones). Before any sample, update returns ones (priorities set directly).
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
     assert s.update(torch.arange(3), rows(1, 2, 3)).tolist() == [[1.0] * 4] * 3
     idx, w = s.sample(2)

@@ -86,8 +86,9 @@ def assert_token_accounting(rows, calls):
 
 
 def assert_spo_update_inputs(update):
-    """§B chain 6-7 / tree 7: M = mask·1[p < 0.9] with p = exp(π_old); A is zero outside M, not
-    everywhere inside it, and whitened over M (one rank: mean 0, Bessel std 1)."""
+    """docs/related.md §B, the probability mask and "Normalisation" (chain and tree): M = mask·1[p < 0.9]
+    with p = exp(π_old); A is zero outside M, not everywhere inside it, and whitened over M (one rank:
+    mean 0, Bessel std 1)."""
     A, M, old, mask = update["token_advantages"], update["loss_mask"], update["old_logp"], update["mask"]
     assert A.shape == M.shape == old.shape == mask.shape
     assert torch.equal(M, mask * (old.exp() < PROB_THRESHOLD))
