@@ -47,19 +47,22 @@ def main(argv: list[str]) -> dict:
     dist_ = distributed.init_distributed()
     if len(argv) < 2 or argv[0] != "--config":
         raise ConfigError(USAGE)
-    flags = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[2:] if a.split("=", 1)[0] in FLAGS and "=" in a}
+    flags = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv[2:]
+             if a.split("=", 1)[0] in FLAGS and "=" in a}
     overrides = [a for a in argv[2:] if a.split("=", 1)[0] not in FLAGS]
     if "--engine" in flags:
         overrides.append(f"--rollout.engine={flags['--engine']}")
     cfg = load_config(argv[1], overrides, dist_.world_size)
     d, e, m = cfg.data, cfg.eval, cfg.model
-    pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts while the model loads
+    # starts while the model loads
+    pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                     # build builtin:tiny once
     distributed.barrier()
     path = resolve_model_path(m.name_or_path)
     tokenizer = load_tokenizer(path, m.trust_remote_code)
-    check_context(load_model_config(path, m.trust_remote_code), d.max_prompt_tokens, cfg.rollout.max_new_tokens)
+    check_context(load_model_config(path, m.trust_remote_code), d.max_prompt_tokens,
+                  cfg.rollout.max_new_tokens)
     # the eval sets: --benchmarks, or data.eval; rows without a usable gold or too long are left out
     suites: dict[str, PromptSet] = {}
     if flags.get("--benchmarks"):
@@ -68,22 +71,26 @@ def main(argv: list[str]) -> dict:
             suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, d.system_prompt,
                                       d.max_prompt_tokens, d.bad_gold)
     elif d.eval:
-        examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-        suites[f"{d.eval}:{d.eval_split}"] = prompt_set(f"data.eval {d.eval}", examples, tokenizer, d.system_prompt,
-                                                        d.max_prompt_tokens, d.bad_gold)
+        examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
+                                 d.max_eval_examples or None)
+        suites[f"{d.eval}:{d.eval_split}"] = prompt_set(f"data.eval {d.eval}", examples, tokenizer,
+                                                        d.system_prompt, d.max_prompt_tokens, d.bad_gold)
     else:
         raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
     policy = None
     if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
-        policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
+        policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False,
+                              trainable=False)
         policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     longest = max(len(p) for suite in suites.values() for p in suite.ids)
-    engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size, m.bf16)
+    engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size,
+                          m.bf16)
     results = {}
     for name, suite in suites.items():
         results[name] = {"n": len(suite.examples), "skipped": suite.skipped, **evaluate(
-            engine, suite.ids, suite.texts, suite.examples, cfg.rollout.max_new_tokens, e.num_samples, e.temperature,
-            e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s, cfg.train.progress, pool)}
+            engine, suite.ids, suite.texts, suite.examples, cfg.rollout.max_new_tokens, e.num_samples,
+            e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s,
+            cfg.train.progress, pool)}
     pool.close()
     counts = ("n", "skipped")                     # rows evaluated, rows left out (bad gold + too long)
     if len(results) > 1:                          # unweighted mean over benchmarks, as papers report
@@ -96,7 +103,8 @@ def main(argv: list[str]) -> dict:
                                               f"top_p={e.top_p}" if e.num_samples else ""))
     print0(f"{'eval set':<36} {'n':>6} {'skipped':>8} " + " ".join(f"{k:>16}" for k in columns))
     for name, r in results.items():
-        print0(f"{name[-36:]:<36} {r['n']:>6} {r['skipped']:>8} " + " ".join(f"{r[k]:>16.4f}" for k in columns))
+        print0(f"{name[-36:]:<36} {r['n']:>6} {r['skipped']:>8} "
+               + " ".join(f"{r[k]:>16.4f}" for k in columns))
     if e.output and dist_.is_main:
         settings = {"model": path, "engine": engine_name(cfg.rollout.engine),
                     "max_new_tokens": cfg.rollout.max_new_tokens, "num_samples": e.num_samples,
@@ -105,8 +113,8 @@ def main(argv: list[str]) -> dict:
             if flags.get("--benchmarks"):
                 json.dump({**settings, "benchmarks": results}, f, indent=2)
             else:
-                json.dump({**settings, "dataset": d.eval, "split": d.eval_split, **next(iter(results.values()))},
-                          f, indent=2)
+                json.dump({**settings, "dataset": d.eval, "split": d.eval_split,
+                           **next(iter(results.values()))}, f, indent=2)
         print0(f"wrote {e.output}")
     return results
 

@@ -73,18 +73,22 @@ def main(argv: list[str]) -> None:
 
     # ---- set-up: tokenizer, policy (+ frozen reference), data, method, optimizer, state, engine ----
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
-    check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens, r.max_new_tokens)
-    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))  # PlanError (exit 2) if it cannot fit
+    check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
+                  r.max_new_tokens)
+    # PlanError (exit 2) if it cannot fit
+    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))
     prm = load_prm(cfg, dist_.device)             # reward.prm != 0: PSPO*'s frozen process reward model (§C)
     policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
                           m.gradient_checkpointing).to(dist_.device)
     policy = distributed.shard(policy, dist_.world_size, m.bf16)
     ref = None
     if cfg.algo.needs_reference:                  # the k3 loss term (β > 0) or REINFORCE++'s KL reward
-        ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False, trainable=False)
+        ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False,
+                           trainable=False)
         ref = distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
     train, evals = prompt_sets(cfg, tokenizer)
-    sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform, PPS or §3a's
+    # uniform, PPS or §3a's
+    sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
     lockstep = dist_.world_size > 1 and engine_name(r.engine) == "hf"
     method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep)   # the one choice of method
@@ -114,8 +118,8 @@ def main(argv: list[str]) -> None:
         return evaluation(engine, evals, cfg, dist_, reward_pool)
 
     def save() -> None:
-        state = checkpoint.trainer_state(step, scheduler, sampler, method.ers, method.tree, generated_tokens, cfg,
-                                         sampler_mode(cfg))
+        state = checkpoint.trainer_state(step, scheduler, sampler, method.ers, method.tree, generated_tokens,
+                                         cfg, sampler_mode(cfg))
         path = checkpoint.save_checkpoint(out, step, policy, tokenizer, optimizer, state, dist_,
                                           cfg.train.keep_checkpoints)
         print0(f"saved {path}")
@@ -123,44 +127,47 @@ def main(argv: list[str]) -> None:
     first_eval = run_eval() if evals.examples and step == 0 else {}
     if first_eval:
         logger.log(0, first_eval)
-        print0(f"step 0: test accuracy {first_eval['eval_accuracy']:.3f} (greedy, {len(evals.examples)} problems)")
+        print0(f"step 0: test accuracy {first_eval['eval_accuracy']:.3f} "
+               f"(greedy, {len(evals.examples)} problems)")
 
     # ---- the loop ----
     B, G = cfg.train.prompts_per_step, r.num_generations
     B_local = B // dist_.world_size
-    mine = slice(dist_.rank * B_local, (dist_.rank + 1) * B_local)                 # this rank's rows of the batch
+    mine = slice(dist_.rank * B_local, (dist_.rank + 1) * B_local)            # this rank's rows of the batch
     problems = [ex.problem for ex in train.examples]
-    release = engine.sleep if separate_engine else (lambda: None)       # vLLM frees its GPU memory (rollout.sleep)
-    ctx = Context(cfg, policy, ref, counter, train.ids, problems, tokenizer.pad_token_id, dist_, mine, lockstep, score,
-                  release, len(set(problems)), method.ers, method.tree)
-    last_eval, skipped_in_a_row = first_eval, 0                                    # non-finite updates in a row
-    preemption = distributed.PreemptionSignal()                                    # SIGTERM / SIGUSR1
+    # vLLM frees its GPU memory (rollout.sleep)
+    release = engine.sleep if separate_engine else (lambda: None)
+    ctx = Context(cfg, policy, ref, counter, train.ids, problems, tokenizer.pad_token_id, dist_, mine,
+                  lockstep, score, release, len(set(problems)), method.ers, method.tree)
+    last_eval, skipped_in_a_row = first_eval, 0                               # non-finite updates in a row
+    preemption = distributed.PreemptionSignal()                               # SIGTERM / SIGUSR1
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
     while step < cfg.train.max_steps:
         clock = StepClock()
         with clock("bookkeeping_s"):
-            indices, is_weights = sampler.sample(B)                                # (B,), (B,) same on all ranks
-        local = indices[mine].tolist()                                             # this rank's prompts
-        rows = [i for i in local for _ in range(G)]                                # (N,) prompt-major
-        seeds = sequence_seeds(cfg.train.seed, step, torch.arange(B)[mine], G)     # (N,)
+            indices, is_weights = sampler.sample(B)                             # (B,), (B,) same on all ranks
+        local = indices[mine].tolist()                                          # this rank's prompts
+        rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
+        seeds = sequence_seeds(cfg.train.seed, step, torch.arange(B)[mine], G)  # (N,)
         with clock("gen_s"):
-            rollout = counter.generate([train.ids[i] for i in local], G, r.temperature, r.top_p, method.max_new_tokens,
-                                       seeds)
+            rollout = counter.generate([train.ids[i] for i in local], G, r.temperature, r.top_p,
+                                       method.max_new_tokens, seeds)
         with clock("reward_s"):
             scored = score(rows, rollout.texts)
-            rewards, accuracy = gather_scores(scored, B_local, G)                 # (B, G) each, every rank's
-        with clock("bookkeeping_s"):                                               # PPS: priorities, IS weights
+            rewards, accuracy = gather_scores(scored, B_local, G)               # (B, G) each, every rank's
+        with clock("bookkeeping_s"):                                            # PPS: priorities, IS weights
             is_weights = importance_weights(sampler, cfg, indices, is_weights, rewards, accuracy)   # (B, G)
-        with clock("advantages_s"):                                                # (the engine sleeps once done)
+        # the engine sleeps once done
+        with clock("advantages_s"):
             step_rollouts = StepRollouts(step, indices, rows, seeds, rollout, scored, rewards, is_weights)
-            result = method.advantages(step_rollouts, ctx)                         # token advantages, loss mask
+            result = method.advantages(step_rollouts, ctx)                      # token advantages, loss mask
         with clock("update_s"):
             update = policy_update(policy, optimizer, scheduler, result.batch, cfg, dist_)
         step += 1
         with clock("sync_s"):
             sync = sync_engine(engine, policy, [train.ids[i] for i in local[:4]], step, r, cfg.train.seed,
                                dist_.device) if separate_engine else {}
-        stale = stale_engine(sync, step, r)                                        # the engine's weights lag
+        stale = stale_engine(sync, step, r)                                     # the engine's weights lag
         if stale is not None:
             save()
             raise stale
@@ -184,11 +191,11 @@ def main(argv: list[str]) -> None:
             save()
         if skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
             raise non_finite_error(step)
-        if preemption.requested(dist_.device):                                     # the scheduler's warning
+        if preemption.requested(dist_.device):                                  # the scheduler's warning
             if not saved:
                 save()
-            print0(f"{preemption.name or 'a stop signal'} received: stopped after step {step} with a checkpoint; "
-                   "continue with --train.resume=auto")
+            print0(f"{preemption.name or 'a stop signal'} received: stopped after step {step} "
+                   "with a checkpoint; continue with --train.resume=auto")
             break
 
     bar.close()
@@ -203,13 +210,15 @@ def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
     """The train and eval prompts, formatted and tokenized; rows without a usable gold and prompts
     over data.max_prompt_tokens are left out and reported."""
     d = cfg.data
-    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field, d.max_train_examples or None,
-                         people=d.people)
-    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold)
+    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
+                         d.max_train_examples or None, people=d.people)
+    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
+                       d.bad_gold)
     if not d.eval:
         return train, PromptSet([], [], [])
     rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens, d.bad_gold)
+    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
+                             d.bad_gold)
 
 
 def reward_weights(cfg: Config) -> dict[str, float]:
@@ -229,12 +238,13 @@ def gather_scores(scored: RewardResult, B_local: int, G: int) -> tuple[torch.Ten
     return rewards, accuracy
 
 
-def evaluation(engine, evals: PromptSet, cfg: Config, dist_: Dist, reward_pool: RewardPool) -> dict[str, float]:
+def evaluation(engine, evals: PromptSet, cfg: Config, dist_: Dist,
+               reward_pool: RewardPool) -> dict[str, float]:
     """Greedy accuracy (and mean@k with eval.num_samples) on the eval set, as logged metrics."""
     e = cfg.eval
-    result = evaluate(engine, evals.ids, evals.texts, evals.examples, cfg.rollout.max_new_tokens, e.num_samples,
-                      e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s,
-                      cfg.train.progress, reward_pool)
+    result = evaluate(engine, evals.ids, evals.texts, evals.examples, cfg.rollout.max_new_tokens,
+                      e.num_samples, e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size,
+                      cfg.reward.timeout_s, cfg.train.progress, reward_pool)
     return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
 
 
@@ -258,10 +268,10 @@ def timings(clock: StepClock, method_times: dict[str, float], sums: dict[str, fl
 
 
 def non_finite_error(step: int) -> NonFiniteError:
-    return NonFiniteError(f"optim.lr: {MAX_SKIPPED_IN_A_ROW} updates in a row had a non-finite loss or gradient "
-                          f"norm (steps {step - MAX_SKIPPED_IN_A_ROW + 1}-{step}); they were skipped and the "
-                          "weights are as before them (saved). Lower optim.lr or check the model and data, then "
-                          "resume with --train.resume=auto")
+    return NonFiniteError(f"optim.lr: {MAX_SKIPPED_IN_A_ROW} updates in a row had a non-finite loss or "
+                          f"gradient norm (steps {step - MAX_SKIPPED_IN_A_ROW + 1}-{step}); they were "
+                          "skipped and the weights are as before them (saved). Lower optim.lr or check the "
+                          "model and data, then resume with --train.resume=auto")
 
 
 def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval: int) -> str:
@@ -270,8 +280,8 @@ def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval:
     finished = step == cfg.train.max_steps                                          # not preempted
     if finished and first_eval and last_eval:
         k = f"eval_mean@{cfg.eval.num_samples}"                     # sampled accuracy (eval.num_samples > 0)
-        line = (f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> {last_eval['eval_accuracy']:.3f} "
-                f"after (greedy, {num_eval} problems)")
+        line = (f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> "
+                f"{last_eval['eval_accuracy']:.3f} after (greedy, {num_eval} problems)")
         if k in last_eval:
             line += f"; {k[5:]} at T {cfg.eval.temperature}: {first_eval[k]:.3f} -> {last_eval[k]:.3f}"
         lines.append(line)
@@ -289,7 +299,7 @@ if __name__ == "__main__":
             NonFiniteError) as e:
         print0(f"error: {e}", file=sys.stderr)
         distributed.finish(2, clean=False)
-    except BaseException:                                # a bug or Ctrl-C: leave the group, show the traceback
+    except BaseException:                       # a bug or Ctrl-C: leave the group, show the traceback
         distributed.shutdown(clean=False)
         raise
     distributed.finish(0, clean=True)

@@ -72,7 +72,8 @@ def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum
     if variance not in ("bessel", "population"):
         raise ValueError(f"algo.whiten: expected one of bessel, population, got {variance!r}")
     keep = mask.bool()
-    x = values.to(torch.float64).masked_fill(~keep, 0.0)                 # (N, T) float64: Σx² - n·mean² is exact enough
+    # float64: Σx² - n·mean² is exact enough
+    x = values.to(torch.float64).masked_fill(~keep, 0.0)                 # (N, T)
     sums = reduce_sum(torch.stack([x.sum(), (x ** 2).sum(), keep.sum().to(torch.float64)]))
     total, total_sq, count = sums.unbind()
     count = count.clamp(min=1.0)
@@ -106,7 +107,8 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, old_logp: Tensor | None,
         k1 = old_logp.float().masked_fill(~keep, 0.0) - ref_logp.float().masked_fill(~keep, 0.0)  # (N, T)
         token_rewards -= kl_coef * k1
     last = (torch.arange(T, device=keep.device) * keep).argmax(dim=1)    # (N,) index of the last valid token
-    has_tokens = keep.any(dim=1)                                         # (N,) an empty completion gets no score
+    # an empty completion gets no score
+    has_tokens = keep.any(dim=1)                                         # (N,)
     score = rewards.float().clamp(-clip_score, clip_score) * has_tokens  # (N,) only the score is clipped
     token_rewards[torch.arange(N, device=keep.device), last] += score
     return token_rewards.flip(1).cumsum(1).flip(1) * keep                # (N, T) G_t

@@ -142,7 +142,8 @@ def load_trainer_state(path: str, rank: int) -> dict:
     """The trainer state, with this rank's RNG states restored."""
     state = _load(path, "trainer_state.pt")
     if not isinstance(state, dict) or not {"step", "scheduler", "sampler"} <= set(state):
-        raise CheckpointError(f"train.resume: {os.path.join(path, 'trainer_state.pt')} is not a pspo trainer state")
+        raise CheckpointError(f"train.resume: {os.path.join(path, 'trainer_state.pt')} "
+                              "is not a pspo trainer state")
     rng_file = f"rng-rank{rank}.pt"
     if os.path.exists(os.path.join(path, rng_file)):             # absent when resuming on more ranks
         rng = _load(path, rng_file)
@@ -180,10 +181,11 @@ def restore_trainer_state(state: dict, sampler, ers, tree, cfg: Config, sampler_
     as_pps = (lambda mode: mode) if both_pps else (lambda mode: str(mode != "uniform").lower())
     for key, now, was in (("algo.advantage", cfg.algo.advantage, state.get("advantage", cfg.algo.advantage)),
                           (pps_key, as_pps(sampler_mode), as_pps(was_mode)),
-                          ("ers.enabled", str(cfg.ers.enabled).lower(), str(state.get("ers") is not None).lower())):
+                          ("ers.enabled", str(cfg.ers.enabled).lower(),
+                           str(state.get("ers") is not None).lower())):
         if now != was:
-            raise ConfigError(f"{key}: the checkpoint was trained with {key}={was}, this run has {key}={now}; "
-                              "resume with the same setting")
+            raise ConfigError(f"{key}: the checkpoint was trained with {key}={was}, this run has "
+                              f"{key}={now}; resume with the same setting")
     try:
         sampler.load_state_dict(state["sampler"])
         if ers is not None:

@@ -38,7 +38,8 @@ BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_SPLITS = ("train", "test")
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}   # extension -> datasets builder
 TEXT_EXTENSIONS = (".jsonl", ".json")                                         # read as UTF-8 text
-UTF8_CHUNK_BYTES = 1 << 20                                                    # read this much at a time to check UTF-8
+# read this much at a time to check UTF-8
+UTF8_CHUNK_BYTES = 1 << 20
 
 MAX_LISTED_ROWS = 10                          # row numbers named in a report line, then "..."
 
@@ -58,9 +59,11 @@ def builtin_arithmetic(split: str, num_examples: int = 500, seed: int = 1234) ->
     """The built-in task's fixed split: "test" = the first `num_examples` pairs of the seeded order,
     "train" = the last `num_examples` (disjoint whenever 2 * num_examples <= 8100)."""
     if split not in BUILTIN_SPLITS:
-        raise DataError(f"{BUILTIN_ARITHMETIC}: unknown split {split!r}, expected one of {', '.join(BUILTIN_SPLITS)}")
+        raise DataError(f"{BUILTIN_ARITHMETIC}: unknown split {split!r}, "
+                        f"expected one of {', '.join(BUILTIN_SPLITS)}")
     if not 1 <= num_examples <= 4050:
-        raise DataError(f"{BUILTIN_ARITHMETIC}: num_examples must be in 1..4050 (disjoint splits), got {num_examples}")
+        raise DataError(f"{BUILTIN_ARITHMETIC}: num_examples must be in 1..4050 (disjoint splits), "
+                        f"got {num_examples}")
     pairs = _shuffled_pairs(seed)
     chosen = pairs[:num_examples] if split == "test" else pairs[-num_examples:]
     return [_arithmetic_example(a, b) for a, b in chosen]
@@ -98,8 +101,8 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
             examples = (knights.examples_from_rows(rows, layout) if layout is not None
                         else _field_examples(name, rows, problem_field, answer_field))
         except UnicodeDecodeError as e:
-            raise DataError(f"{name}: a text field is not valid UTF-8 ({e.reason}, byte 0x{e.object[e.start]:02x})") \
-                from None
+            raise DataError(f"{name}: a text field is not valid UTF-8 "
+                            f"({e.reason}, byte 0x{e.object[e.start]:02x})") from None
     if people:
         examples = knights.with_people(name, examples, people)
     if max_examples is not None:
@@ -114,7 +117,8 @@ def _field_examples(name: str, rows, problem_field: str, answer_field: str) -> l
     for field in (problem_field, answer_field):
         if field not in columns:
             raise DataError(f"{name}: no field {field!r}; the fields are: {', '.join(columns) or '(none)'}")
-    return [Example("" if p is None else str(p), gold_text(a)) for p, a in zip(rows[problem_field], rows[answer_field])]
+    return [Example("" if p is None else str(p), gold_text(a))
+            for p, a in zip(rows[problem_field], rows[answer_field])]
 
 
 def _load_rows(name: str, split: str, config: str | None = None):
@@ -153,7 +157,8 @@ def check_utf8(path: str) -> None:
     with open(path, "rb") as f:
         while True:
             chunk = f.read(UTF8_CHUNK_BYTES)
-            pending = len(decoder.getstate()[0])                 # a character's first bytes, from the last chunk
+            # a character's first bytes, from the last chunk
+            pending = len(decoder.getstate()[0])
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:                      # e.object: the pending bytes + chunk
@@ -210,7 +215,8 @@ def prompt_set(label: str, examples: list[Example], tokenizer, system_prompt: st
     from pspo.rewards import GoldAnswerError, check_gold_answer   # math-verify is slow to import
     usable, bad = [], []                    # row numbers; "row (why)" of each unusable row
     for row, ex in enumerate(examples):
-        why = "no problem text" if not ex.problem.strip() else "no gold answer" if not ex.answer.strip() else None
+        why = ("no problem text" if not ex.problem.strip()
+               else "no gold answer" if not ex.answer.strip() else None)
         if why is None:
             try:
                 check_gold_answer(ex.answer)

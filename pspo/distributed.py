@@ -101,7 +101,8 @@ def shard(policy: torch.nn.Module, world_size: int, bf16: bool = False) -> torch
     layer_names = set(getattr(policy.lm, "_no_split_modules", None) or [])
     layers = [m for m in policy.lm.modules() if type(m).__name__ in layer_names]
     if not layers:
-        raise ValueError(f"cannot find decoder layers ({sorted(layer_names)}) to shard in {type(policy.lm).__name__}")
+        raise ValueError(f"cannot find decoder layers ({sorted(layer_names)}) to shard in "
+                         f"{type(policy.lm).__name__}")
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mp_policy=precision)

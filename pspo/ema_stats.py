@@ -65,11 +65,13 @@ class EMAStats:
         A prompt that appears twice in the batch is updated twice, in batch order.
         """
         rewards = rewards.detach().double().cpu()
-        mu = torch.where(zero_variance(rewards), rewards[:, 0], rewards.mean(1))  # (B,) μ, exact if all equal
+        # exact if all equal
+        mu = torch.where(zero_variance(rewards), rewards[:, 0], rewards.mean(1))  # (B,) μ
         var = rewards.var(1) if rewards.shape[1] > 1 else torch.zeros(len(mu))   # (B,) s² (Bessel)
         rows = self._rows(torch.tensor([prompt_key(k) for k in keys], dtype=torch.int64))
         a = self.alpha
-        out_mean, out_var = torch.empty(len(keys), dtype=torch.float64), torch.empty(len(keys), dtype=torch.float64)
+        out_mean = torch.empty(len(keys), dtype=torch.float64)
+        out_var = torch.empty(len(keys), dtype=torch.float64)
         for b, row in enumerate(rows.tolist()):                                  # B is small; order matters
             if self.visits[row] == 0:                                            # first visit: plain GRPO
                 m, v = mu[b], var[b]
@@ -90,7 +92,8 @@ class EMAStats:
         rows = torch.searchsorted(self.keys, k).clamp(max=len(self.keys) - 1)
         return torch.where(self.keys[rows] == k, self.visits[rows], 0)
 
-    def batch_stats(self, keys: list[str], rewards: Tensor, mean: Tensor, num_prompts: int) -> dict[str, float]:
+    def batch_stats(self, keys: list[str], rewards: Tensor, mean: Tensor,
+                    num_prompts: int) -> dict[str, float]:
         """Logged ERS diagnostics of one step, after `update(keys, rewards)` returned `mean`.
 
         gap: mean over the batch of |m_q - μ|, how far smoothing moved the baseline from the
@@ -110,4 +113,5 @@ class EMAStats:
 
     def load_state_dict(self, state: dict) -> None:
         """Adopt copies of the given tensors, so two trackers loaded from one state stay independent."""
-        self.keys, self.mean, self.var, self.visits = (state[k].clone() for k in ("keys", "mean", "var", "visits"))
+        self.keys, self.mean, self.var, self.visits = (
+            state[k].clone() for k in ("keys", "mean", "var", "visits"))

@@ -60,7 +60,8 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
             seeds = sequence_seeds(seed, EVAL_STEP_KEY, torch.tensor(idx), num_samples)
             sampled = engine.generate(ids, num_samples, temperature, top_p, max_new_tokens, seeds=seeds)
             reps = lambda xs: [x for x in xs for _ in range(num_samples)]  # noqa: E731 prompt-major rows
-            correct = _accuracy(reps(texts), sampled.texts, reps(golds), timeout_s, pool).view(-1, num_samples)
+            correct = _accuracy(reps(texts), sampled.texts, reps(golds), timeout_s,
+                                pool).view(-1, num_samples)
             sums["sampled_correct"] += correct[:counted].mean(1).sum().item()
             sums["any_correct"] += correct[:counted].amax(1).sum().item()
     total = distributed.reduce_sums({**sums, "n": float(real)}, dist_.device)
@@ -75,4 +76,5 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
 
 def _accuracy(prompts: list[str], completions: list[str], golds: list[str], timeout_s: float,
               pool: RewardPool | None) -> torch.Tensor:
-    return score_completions(prompts, completions, golds, {"accuracy": 1.0}, timeout_s, pool).components["accuracy"]
+    scored = score_completions(prompts, completions, golds, {"accuracy": 1.0}, timeout_s, pool)
+    return scored.components["accuracy"]

@@ -64,8 +64,9 @@ def gold_latex(gold: str) -> str:
 
 def answer_latex(answer: str, gold: str) -> str:
     """A completion's answer part, with a boxed e-notation number written as `a\\times10^{b}` when
-    the gold itself is in scientific notation (7.2e-7, 1.3 \\times 10^{-2}). Only then: `\\boxed{2e-1}` may mean 2e - 1 (Euler's e), and
-    rewriting it against any gold could turn a wrong answer into a right one."""
+    the gold itself is in scientific notation (7.2e-7, 1.3 \\times 10^{-2}). Only then:
+    `\\boxed{2e-1}` may mean 2e - 1 (Euler's e), and rewriting it against any gold could turn a
+    wrong answer into a right one."""
     if not _SCIENTIFIC_GOLD.match(gold.strip()):
         return answer
     return _BOXED_E_NOTATION.sub(r"\1\2\\times10^{\3}\4", answer)

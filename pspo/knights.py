@@ -51,7 +51,8 @@ NAMES = ("Michael", "Zoey", "Ethan", "Olivia", "Noah", "Emma", "Liam", "Sofia", 
          "Jacob", "Ivy", "Victor", "Elena", "Aaron", "Clara", "Felix", "Naomi", "Oscar", "Julia")
 SAYINGS = ('{name} says, "{content}."', '{name} says that {content}.', '"{content}," {name} claims.',
            '{name} tells you that {content}.', 'According to {name}, "{content}."',
-           '{name} states: "{content}."', 'In {name}\'s words: "{content}."', '{name} remarks that {content}.')
+           '{name} states: "{content}."', 'In {name}\'s words: "{content}."',
+           '{name} remarks that {content}.')
 OPERATORS = ("claim", "not", "and", "or", "if", "iff")   # drawn uniformly, as the public generator does
 
 Claim = tuple[int, bool]          # (person, knight): "person is a knight" (True) / "a knave" (False)
@@ -260,7 +261,8 @@ _HUB_OPERATORS = {"not": "not", "and": "and", "or": "or", "if": "->", "iff": "<=
 
 
 def _hub_statement(statement: Statement) -> tuple:
-    """Our statement in the hub's `statements` vocabulary: ('telling-truth', i), ('lying', i), ('->', a, b), ..."""
+    """Our statement in the hub's `statements` vocabulary: ('telling-truth', i), ('lying', i),
+    ('->', a, b), ..."""
     op, *claims = statement
     leaves = tuple(("telling-truth" if knight else "lying", person) for person, knight in claims)
     return leaves[0] if op == "claim" else (_HUB_OPERATORS[op],) + leaves
@@ -271,10 +273,11 @@ def hub_row(puzzle: Puzzle, index: int) -> dict:
     names, solution = list(puzzle.names), list(puzzle.solution)
     roles = [f"{name} is a {'knight' if knight else 'knave'}" for name, knight in zip(names, solution)]
     steps = [f"{role}, and {names[i]}'s claim that {statement_text(s, puzzle.names)} is "
-             f"{'true' if solution[i] else 'false'}." for i, (role, s) in enumerate(zip(roles, puzzle.statements))]
+             f"{'true' if solution[i] else 'false'}."
+             for i, (role, s) in enumerate(zip(roles, puzzle.statements))]
     return {"quiz": puzzle.text(), "names": names,
-            "knight_knave": {"knight": "knight", "knave": "knave", "a_knight": "a knight", "a_knave": "a knave",
-                             "Knight": "Knight", "Knave": "Knave"},
+            "knight_knave": {"knight": "knight", "knave": "knave", "a_knight": "a knight",
+                             "a_knave": "a knave", "Knight": "Knight", "Knave": "Knave"},
             "solution": solution, "solution_text": ", ".join(roles[:-1]) + ", and " + roles[-1] + ".",
             "solution_text_format": puzzle.gold(),
             "cot_head": "Let's check each person's statement against the only consistent assignment.",
@@ -324,8 +327,9 @@ def with_people(name: str, examples: list[Example], people: tuple[int, ...]) -> 
     for row, ex in enumerate(examples):
         n = knights_people(ex.answer)
         if n is None:
-            raise DataError(f"{name}: data.train_people keeps K&K puzzles by their number of people, but row "
-                            f"{row}'s gold is not a K&K answer ('(1) Zoey is a knight ...'): {ex.answer[:40]!r}")
+            raise DataError(f"{name}: data.train_people keeps K&K puzzles by their number of people, "
+                            f"but row {row}'s gold is not a K&K answer ('(1) Zoey is a knight ...'): "
+                            f"{ex.answer[:40]!r}")
         if n in people:
             kept.append(ex)
     if not kept:

@@ -14,7 +14,8 @@ from pspo.golds import GoldAnswerError
 
 KNIGHTS_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 ASSISTANT_MARK = "<|im_start|>assistant"
-_GOLD_ROLE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)   # the reference code's, per gold line
+# the reference code's, per gold line
+_GOLD_ROLE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -30,18 +31,19 @@ def _knights_gold(gold: str) -> tuple[tuple[str, str], ...] | None:
 
 
 def knights_people(gold: str) -> int | None:
-    """Number of people of a knights-and-knaves gold ("(1) Zoey is a knight\n..."), None for any other gold."""
+    """Number of people of a knights-and-knaves gold ("(1) Zoey is a knight\n..."), None for any
+    other gold."""
     roles = _knights_gold(gold)
     return None if roles is None else len(roles)
 
 
 def assistant_turn(prompt: str, completion: str) -> str:
-    """The text the reference code scores: what follows "<|im_start|>assistant". The reference code scores a whole
-    decoded sequence and prepends "\n<|im_start|>assistant\n<think>" when that mark is absent,
-    because its prompts end with "<|im_start|>assistant\n<think>". Our completions never hold the
-    chat prefix and our prompts end where the assistant starts, so the equivalent is: a
-    completion holding the mark (a whole sequence) is scored after its first one, as the reference code
-    does; otherwise the completion is scored, preceded by "<think>" only when the prompt ends
+    """The text the reference code scores: what follows "<|im_start|>assistant". The reference code
+    scores a whole decoded sequence and prepends "\n<|im_start|>assistant\n<think>" when that mark is
+    absent, because its prompts end with "<|im_start|>assistant\n<think>". Our completions never hold
+    the chat prefix and our prompts end where the assistant starts, so the equivalent is: a
+    completion holding the mark (a whole sequence) is scored after its first one, as the reference
+    code does; otherwise the completion is scored, preceded by "<think>" only when the prompt ends
     with "<think>" (PaddleNLP's src). A model answering our own prompts writes its <think> itself."""
     if ASSISTANT_MARK in completion:
         return completion.split(ASSISTANT_MARK, 1)[1]

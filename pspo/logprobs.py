@@ -36,7 +36,8 @@ def score_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def score_policy(policy, ref, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
-                 cfg: Config, need_old: bool, need_ref: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                 cfg: Config, need_old: bool,
+                 need_ref: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(π_old, π_ref) log-probs (N, T) of the completions `mask` (N, T) after the prompts of
     input_ids / attention_mask (N, P+T), each only where asked (else None). The policy is in eval
     mode here (the loop hands it over so; update.py returns it so)."""

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pspo.token_logprobs import token_logprobs  # noqa: F401 - logπ of this loss; importable from here as before
+# logπ of this loss; importable from here as before
+from pspo.token_logprobs import token_logprobs  # noqa: F401
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:

@@ -5,11 +5,13 @@ Each method turns the step's scored rollouts (`StepRollouts`) into what the opti
 weight, the loss mask, and π_old / π_ref where the method or the loss needs them) plus this rank's
 statistics:
 
-    grpo                   GRPO / Dr. GRPO, per completion; ERS-smoothed with ers.enabled   docs/methods.md §1, §2
-    reinforce_pp           REINFORCE++, per token, KL in the reward, batch-whitened          docs/related.md §A
-    reinforce_pp_baseline  the same from R_i - mean of its group                             docs/related.md §A
-    spo_chain              SPO-chain: Monte Carlo values at cut points, per segment          docs/related.md §B
-    spo_tree               SPO-tree: trees grown from the step's completions, replayed edges docs/related.md §B
+    grpo                   GRPO / Dr. GRPO, per completion; ERS-smoothed             docs/methods.md §1, §2
+                           with ers.enabled
+    reinforce_pp           REINFORCE++, per token, KL in the reward, batch-whitened  docs/related.md §A
+    reinforce_pp_baseline  the same from R_i - mean of its group                     docs/related.md §A
+    spo_chain              SPO-chain: Monte Carlo values at cut points, per segment  docs/related.md §B
+    spo_tree               SPO-tree: trees grown from the step's completions,        docs/related.md §B
+                           replayed edges
 
 The math lives in advantages.py and segments.py (pure tensor functions); SPO's extra generation in
 spo.py. Adding a method: one function here, one line in `method_for`, one name in config.ADVANTAGES,
@@ -79,7 +81,8 @@ class MethodOutput:
     batch: UpdateBatch                                         # on the rank's device
     sums: dict[str, float]                                     # this rank's statistics, summed over ranks
     metrics: dict[str, float] = field(default_factory=dict)   # replicated diagnostics, logged as they are
-    times: dict[str, float] = field(default_factory=dict)     # seconds spent on other phases' work (reward_s ...)
+    # seconds spent on other phases' work (reward_s ...)
+    times: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,12 +138,13 @@ def spo_chain(s: StepRollouts, ctx: Context) -> MethodOutput:
     cfg, device = ctx.cfg, ctx.dist.device
     prompts = [ctx.train_ids[i] for i in s.rows]
     input_ids, attention_mask = batch_inputs(prompts, s.rollout.completion_ids, s.rollout.mask, ctx.pad_id)
-    input_ids, attention_mask, mask = input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    mask = s.rollout.mask.to(device)
     old_logp, _ = score_policy(ctx.policy, None, input_ids, attention_mask, mask, cfg, need_old=True,
                                need_ref=False)                                     # the cuts come from π_old
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, old_logp, prompts, s.rows,
-                                                        ctx.score, cfg, s.step, device, ctx.lockstep)
+    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, old_logp, prompts,
+                                                        s.rows, ctx.score, cfg, s.step, device, ctx.lockstep)
     ctx.release_engine()
     _, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, need_old=False,
                                need_ref=cfg.algo.needs_reference)
@@ -163,8 +167,8 @@ def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     grown = tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step, ctx.score)
     ctx.release_engine()
     b = grown.batch
-    _, b.ref_logp = score_policy(ctx.policy, ctx.ref, b.input_ids, b.attention_mask, b.mask, cfg, need_old=False,
-                                 need_ref=cfg.algo.needs_reference)
+    _, b.ref_logp = score_policy(ctx.policy, ctx.ref, b.input_ids, b.attention_mask, b.mask, cfg,
+                                 need_old=False, need_ref=cfg.algo.needs_reference)
     sums = {**grown.sums, **_token_adv_sums(b.advantages, b.loss_mask)}
     return MethodOutput(b, sums, times={"reward_s": grown.reward_s})
 
@@ -207,12 +211,14 @@ def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> MethodO
 
 def _rollout_batch(s: StepRollouts, ctx: Context, loss_mask: Tensor, need_old: bool) -> UpdateBatch:
     """The step's completions as an UpdateBatch on the rank's device, advantages zero (`_weigh` sets
-    them); π_old scored if `need_old` or rollout.is_correction needs it, π_ref if the run has a reference."""
+    them); π_old scored if `need_old` or rollout.is_correction needs it, π_ref if the run has a
+    reference."""
     cfg, device = ctx.cfg, ctx.dist.device
     ctx.release_engine()                                                           # nothing more to generate
     input_ids, attention_mask = batch_inputs([ctx.train_ids[i] for i in s.rows], s.rollout.completion_ids,
                                              s.rollout.mask, ctx.pad_id)
-    input_ids, attention_mask, mask = input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    mask = s.rollout.mask.to(device)
     score_old = need_old or cfg.rollout.is_correction != "none"
     old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, score_old,
                                       need_ref=cfg.algo.needs_reference)
@@ -263,7 +269,8 @@ def _mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode:
 def _rollout_sums(s: StepRollouts, ctx: Context) -> dict[str, float]:
     """This rank's statistics of its completions (the step_metrics means are taken over ranks)."""
     rewards, rollout, scored = s.rewards[ctx.mine], s.rollout, s.scored           # (B_local, G)
-    return {"completions": rewards.numel(), "groups": rewards.shape[0], "completion_tokens": rollout.mask.sum(),
+    return {"completions": rewards.numel(), "groups": rewards.shape[0],
+            "completion_tokens": rollout.mask.sum(),
             "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
             "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
             "zero_std_groups": zero_variance(rewards).sum(), "truncated": rollout.truncated.sum(),

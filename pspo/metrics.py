@@ -63,7 +63,8 @@ class MetricsLogger:
         if resume_step > 0:
             _truncate_after(path, resume_step)      # drop lines logged after the resumed checkpoint
         self.file = open(path, "a" if resume_step > 0 else "w")   # a fresh run starts a fresh file
-        self.writer = SummaryWriter(os.path.join(output_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
+        self.writer = SummaryWriter(os.path.join(output_dir, "tb"),
+                                    purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -62,7 +62,8 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
     return batches + [spare] * (most - len(batches))
 
 
-def _pack(prompt_len: list[int], completion_len: list[int], P: int, micro_batch_tokens: int) -> list[MicroBatch]:
+def _pack(prompt_len: list[int], completion_len: list[int], P: int,
+          micro_batch_tokens: int) -> list[MicroBatch]:
     """Token-budget micro-batches of plan_micro_batches (micro_batch_tokens > 0)."""
     total = [p + c for p, c in zip(prompt_len, completion_len)]
     order = sorted(range(len(total)), key=lambda i: total[i], reverse=True)
@@ -79,5 +80,6 @@ def _pack(prompt_len: list[int], completion_len: list[int], P: int, micro_batch_
 
 def _micro_batch(rows: list[int], prompt_len: list[int], completion_len: list[int], P: int) -> MicroBatch:
     """The rows, cut to their longest prompt and completion, scored at their longest prompt + completion."""
-    return MicroBatch(torch.tensor(rows), P - max(prompt_len[i] for i in rows), max(completion_len[i] for i in rows),
+    return MicroBatch(torch.tensor(rows), P - max(prompt_len[i] for i in rows),
+                      max(completion_len[i] for i in rows),
                       max(prompt_len[i] + completion_len[i] for i in rows))

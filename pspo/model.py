@@ -28,9 +28,11 @@ class ModelError(ValueError):
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """Left-padding tokenizer (generation pads prompts on the left); pad falls back to eos."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left",
+                                                  trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
-        raise ModelError(f"model.name_or_path: cannot load a tokenizer from {path!r} ({_first_line(e)})") from None
+        raise ModelError(f"model.name_or_path: cannot load a tokenizer from {path!r} "
+                         f"({_first_line(e)})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -41,15 +43,18 @@ def load_model_config(path: str, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
-        raise ModelError(f"model.name_or_path: cannot load a model config from {path!r} ({_first_line(e)})") from None
+        raise ModelError(f"model.name_or_path: cannot load a model config from {path!r} "
+                         f"({_first_line(e)})") from None
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
     """float32 master weights; bf16 is applied by autocast at compute time (model.bf16)."""
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, corrupt (SafetensorError), foreign or rejected
-        raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} ({_first_line(e)})") from None
+        raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} "
+                         f"({_first_line(e)})") from None
 
 
 def _first_line(e: Exception) -> str:
@@ -99,7 +104,8 @@ class Policy(torch.nn.Module):
             hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))        # (N, T, H)
             # Under bf16 autocast the head multiplies bf16 operands into float32 logits.
             weight = self.lm.get_output_embeddings().weight                   # (V, H)
-            logp, entropy = token_logprobs(hidden, weight, input_ids[:, L - T:], temperature, self.chunk_tokens)
+            logp, entropy = token_logprobs(hidden, weight, input_ids[:, L - T:], temperature,
+                                           self.chunk_tokens)
         return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
 
     def _autocast(self):
@@ -118,16 +124,17 @@ def check_plain_head(lm: torch.nn.Module) -> None:
     head = lm.get_output_embeddings()
     name = type(lm).__name__
     if not isinstance(head, torch.nn.Linear):
-        raise ModelError(f"model.name_or_path: {name} has no plain linear output head ({type(head).__name__}); "
-                         "pspo computes log-probs as hidden @ lm_head.weight")
+        raise ModelError(f"model.name_or_path: {name} has no plain linear output head "
+                         f"({type(head).__name__}); pspo computes log-probs as hidden @ lm_head.weight")
     if head.bias is not None:
-        raise ModelError(f"model.name_or_path: {name}'s lm_head has a bias; pspo's log-probs use the weight only")
+        raise ModelError(f"model.name_or_path: {name}'s lm_head has a bias; "
+                         "pspo's log-probs use the weight only")
     config = lm.config
     for key, neutral in (("final_logit_softcapping", None), ("logit_scale", None), ("logits_scaling", 1.0)):
         value = getattr(config, key, neutral)
         if value is not None and value != neutral:
-            raise ModelError(f"model.name_or_path: {name} sets {key}={value} (its logits are transformed after "
-                             "lm_head); pspo supports plain lm_head logits only")
+            raise ModelError(f"model.name_or_path: {name} sets {key}={value} (its logits are "
+                             "transformed after lm_head); pspo supports plain lm_head logits only")
 
 
 def disable_dropout(lm: torch.nn.Module) -> None:
@@ -149,9 +156,9 @@ def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """data.max_prompt_tokens + rollout.max_new_tokens must fit the model's positions."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max_prompt_tokens + max_new_tokens > limit:
-        raise ModelError(f"data.max_prompt_tokens ({max_prompt_tokens}) + rollout.max_new_tokens ({max_new_tokens}) "
-                         f"= {max_prompt_tokens + max_new_tokens} exceeds the model's max_position_embeddings "
-                         f"({limit}); lower one of them")
+        raise ModelError(f"data.max_prompt_tokens ({max_prompt_tokens}) + rollout.max_new_tokens "
+                         f"({max_new_tokens}) = {max_prompt_tokens + max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings ({limit}); lower one of them")
 
 
 def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bool,

@@ -47,16 +47,18 @@ IS_NORMS = ("batch_max", "mean", "none")   # w / max over the batch | w / mean o
 
 class PrioritySampler:
     def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
-                 priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None, total_steps: int = 1,
-                 is_norm: str = "batch_max", uniform_mix: float = 0.0, posterior_decay: float = 1.0,
-                 skip: bool = False, skip_rho: float = 0.5, skip_min: float = 0.01):
+                 priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None,
+                 total_steps: int = 1, is_norm: str = "batch_max", uniform_mix: float = 0.0,
+                 posterior_decay: float = 1.0, skip: bool = False, skip_rho: float = 0.5,
+                 skip_min: float = 0.01):
         if priority not in PRIORITIES:
             raise ValueError(f"pps.priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
         if is_norm not in IS_NORMS:
             raise ValueError(f"pps.is_norm: expected one of {', '.join(IS_NORMS)}, got {is_norm!r}")
         if num_prompts < 1:
             raise ValueError("PrioritySampler: the dataset has no prompts")
-        self.num_prompts, self.alpha, self.beta, self.eps, self.priority = num_prompts, alpha, beta, eps, priority
+        self.num_prompts, self.alpha, self.beta, self.eps = num_prompts, alpha, beta, eps
+        self.priority = priority
         if not 0 <= uniform_mix < 1:
             raise ValueError(f"pps.uniform_mix: expected a value in [0, 1), got {uniform_mix}")
         self.is_norm, self.uniform_mix, self.decay = is_norm, uniform_mix, posterior_decay
@@ -70,7 +72,8 @@ class PrioritySampler:
         self.seen = torch.zeros(num_prompts, dtype=torch.bool)
         self.posterior_a = torch.ones(num_prompts, dtype=torch.float64)         # decayed Beta counts
         self.posterior_b = torch.ones(num_prompts, dtype=torch.float64)
-        self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)          # zero-variance groups in a row
+        # zero-variance groups in a row
+        self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)
         # posterior: every prompt starts at the prior's learnability .25, the largest possible
         self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
         self.steps = 0                                                          # sample() calls so far
@@ -104,7 +107,8 @@ class PrioritySampler:
                 tree[up] = tree[2 * up] + tree[2 * up + 1]
 
     def _mix_constant(self) -> float:
-        """c such that p_q + c ∝ P'(q) = (1-u)·p_q/Σp + u/N: c = u·Σp / ((1-u)·N) (0 without the mix)."""
+        """c such that p_q + c ∝ P'(q) = (1-u)·p_q/Σp + u/N: c = u·Σp / ((1-u)·N)
+        (0 without the mix)."""
         u = self.uniform_mix
         return u * float(self.tree[1]) / ((1 - u) * self.num_prompts) if u > 0 else 0.0
 
@@ -130,7 +134,8 @@ class PrioritySampler:
         return self.tree[self.size:self.size + self.num_prompts].clone()
 
     def probabilities(self) -> Tensor:
-        """P'(q) = (p_q + c) / (Σp + c·N), the draw probability of each prompt (P(q) without the mix). (N,)"""
+        """P'(q) = (p_q + c) / (Σp + c·N), the draw probability of each prompt (P(q) without the
+        mix). (N,)"""
         c = self._mix_constant()
         return (self.priorities() + c) / (self.tree[1] + c * self.num_prompts)
 
@@ -161,7 +166,8 @@ class PrioritySampler:
         at the end.
         """
         if batch_size > self.num_prompts:
-            raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of {self.num_prompts}")
+            raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of "
+                             f"{self.num_prompts}")
         c = self._mix_constant()                                                # from the full tree
         leaves = self.tree.numpy()[self.size:]                                  # views: zeroing shows here
         live = self.count.numpy()[self.size:]
@@ -179,8 +185,10 @@ class PrioritySampler:
                                  f"{len(taken)} have a priority above 0")
             drawn = self._draw(batch_size - len(taken), c).numpy()              # (missing,)
             draws += len(drawn)
-            drawn = drawn[(leaves[drawn] + c * live[drawn]) > 0]                # padding and taken ones (rounding)
-            drawn = drawn[np.sort(np.unique(drawn, return_index=True)[1])]      # first occurrences, in draw order
+            # padding and taken ones (rounding)
+            drawn = drawn[(leaves[drawn] + c * live[drawn]) > 0]
+            # first occurrences, in draw order
+            drawn = drawn[np.sort(np.unique(drawn, return_index=True)[1])]
             removed.extend(drawn.tolist())
             values.extend(leaves[drawn].tolist())
             self._set(drawn, np.zeros(len(drawn)), 0.0)
@@ -192,8 +200,8 @@ class PrioritySampler:
         probs = (self.tree[indices + self.size] + c) / (self.tree[1] + c * self.num_prompts)   # P'(q)
         weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P')^-β
         self.steps += 1
-        self._last = {"draws": draws, "raw_weights": weights, "revisit": float(self.seen[indices].float().mean()),
-                      "skipped": len(skipped)}
+        self._last = {"draws": draws, "raw_weights": weights,
+                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
         self._weights = (weights / norm).float()
         return indices, self._weights
@@ -211,11 +219,13 @@ class PrioritySampler:
         raw = self._last["raw_weights"]
         probs = self.probabilities()
         probs = probs[probs > 0]
-        entropy = float(-(probs * probs.log()).sum()) / math.log(self.num_prompts) if self.num_prompts > 1 else 1.0
+        entropy = (float(-(probs * probs.log()).sum()) / math.log(self.num_prompts)
+                   if self.num_prompts > 1 else 1.0)
         ess = float(raw.sum() ** 2 / (raw ** 2).sum())
         repeat = 1.0 - (len(raw) + self._last["skipped"]) / self._last["draws"]
         return {"entropy": entropy, "is_max": float(raw.max()), "is_min": float(raw.min()), "ess": ess,
-                "repeat_frac": repeat, "revisit_frac": self._last["revisit"], "skipped": float(self._last["skipped"])}
+                "repeat_frac": repeat, "revisit_frac": self._last["revisit"],
+                "skipped": float(self._last["skipped"])}
 
     def update(self, indices: Tensor, abs_advantages: Tensor, successes: Tensor | None = None) -> Tensor:
         """Set the scored prompts' priorities and return the batch's IS weights per completion (B, G).
@@ -226,7 +236,8 @@ class PrioritySampler:
         """
         a = abs_advantages.detach().double().cpu()
         indices = indices.cpu().long()
-        weights = self._weights_for(len(indices), a.shape[1])                  # (B, G); checked before any change
+        # checked before any change
+        weights = self._weights_for(len(indices), a.shape[1])                  # (B, G)
         if self.priority == "posterior":                                         # §3b: decayed Beta counts
             if successes is None:
                 raise ValueError("pps.priority=posterior: update needs the completions' successes")
@@ -236,14 +247,16 @@ class PrioritySampler:
             mean = self.posterior_a[indices] / (self.posterior_a[indices] + self.posterior_b[indices])
             stat = mean * (1 - mean)                                            # p̂(1 - p̂) ≤ .25
         else:
-            stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1), "last_abs": lambda: a[:, -1]}[self.priority]()
+            stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1),
+                    "last_abs": lambda: a[:, -1]}[self.priority]()
         values = (stat + self.eps) ** self.alpha                                # (B,)
         zero = a.amax(1) == 0
         self.zero_streak[indices] = torch.where(zero, self.zero_streak[indices] + 1, 0)
         self.seen[indices] = True
         self._set(indices.numpy(), values.numpy())
         new_max = float(values.max())
-        if new_max > self.max_priority:                                         # unseen prompts follow the max
+        # unseen prompts follow the max
+        if new_max > self.max_priority:
             self.max_priority = new_max
             leaves = self.tree[self.size:self.size + self.num_prompts]
             leaves[~self.seen] = new_max
@@ -251,7 +264,8 @@ class PrioritySampler:
         return weights
 
     def _weights_for(self, batch: int, groups: int) -> Tensor:
-        """The last sample's weights, one per completion (B, G): every completion of a group shares its prompt's.
+        """The last sample's weights, one per completion (B, G): every completion of a group shares
+        its prompt's.
 
         Ones when nothing was sampled yet (priorities set directly). An update of another number of
         prompts than the last sample drew is a ValueError: its weights would belong to other prompts."""
@@ -265,19 +279,22 @@ class PrioritySampler:
 
     def state_dict(self) -> dict:
         return {"priorities": self.priorities(), "seen": self.seen.clone(), "max_priority": self.max_priority,
-                "steps": self.steps, "rng": self.generator.get_state(), "posterior_a": self.posterior_a.clone(),
-                "posterior_b": self.posterior_b.clone(), "zero_streak": self.zero_streak.clone()}
+                "steps": self.steps, "rng": self.generator.get_state(),
+                "posterior_a": self.posterior_a.clone(), "posterior_b": self.posterior_b.clone(),
+                "zero_streak": self.zero_streak.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         if "priorities" not in state:
-            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; resume with the same mode")
+            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; "
+                             "resume with the same mode")
         if len(state["priorities"]) != self.num_prompts:
             raise ValueError(f"checkpoint sampler has {len(state['priorities'])} prompts, the dataset has "
                              f"{self.num_prompts}: resume with the same data.train")
         self.tree.zero_()
         self.tree[self.size:self.size + self.num_prompts] = state["priorities"]
         self._rebuild()
-        self.seen, self.max_priority, self.steps = state["seen"].clone(), state["max_priority"], state["steps"]
+        self.seen, self.max_priority = state["seen"].clone(), state["max_priority"]
+        self.steps = state["steps"]
         self.generator.set_state(state["rng"])
         for key in ("posterior_a", "posterior_b", "zero_streak"):              # absent in older checkpoints
             if key in state:

@@ -164,7 +164,8 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
                           f"({model.config.id2label}), got {p.label}")
     positions = getattr(model.config, "max_position_embeddings", None)
     if isinstance(positions, int) and p.max_tokens > positions:
-        raise ConfigError(f"prm.max_tokens: expected at most the PRM's {positions} positions, got {p.max_tokens}")
+        raise ConfigError(f"prm.max_tokens: expected at most the PRM's {positions} positions, "
+                          f"got {p.max_tokens}")
     if not p.separator and tokenizer.sep_token is None:
         raise ConfigError(f"prm.separator: {p.model!r}'s tokenizer has no sep token to pair steps with; "
                           "expected a text to join them (e.g. \" </s><s>\")")

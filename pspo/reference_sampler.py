@@ -58,12 +58,13 @@ class ReferenceSampler:
         """The next B rows of the epoch's draws (B,), and weights of 1 (B,): the reference's weights
         are per completion and come from `update`."""
         if batch_size > self.num_prompts:
-            raise ValueError(f"train.prompts_per_step: {batch_size} prompts per step asked of {self.num_prompts} "
-                             "(an epoch of pps.mode=reference draws N rows)")
+            raise ValueError(f"train.prompts_per_step: {batch_size} prompts per step asked of "
+                             f"{self.num_prompts} (an epoch of pps.mode=reference draws N rows)")
         if self.position + batch_size > len(self.order):                    # a new epoch: draw N rows
             if len(self.order):
                 self.epoch += 1
-            self.order = torch.multinomial(self.tree, self.num_prompts, replacement=True, generator=self.generator)
+            self.order = torch.multinomial(self.tree, self.num_prompts, replacement=True,
+                                           generator=self.generator)
             self.position = 0
         indices = self.order[self.position:self.position + batch_size].clone()
         self.position += batch_size
@@ -96,15 +97,16 @@ class ReferenceSampler:
         return {"epoch": float(self.epoch), "repeat_frac": 1.0 - len(set(idx.tolist())) / len(idx)}
 
     def state_dict(self) -> dict:
-        return {"reference_priorities": self.tree.clone(), "order": self.order.clone(), "position": self.position,
-                "epoch": self.epoch, "rng": self.generator.get_state()}
+        return {"reference_priorities": self.tree.clone(), "order": self.order.clone(),
+                "position": self.position, "epoch": self.epoch, "rng": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         if "reference_priorities" not in state:
-            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=paper; resume with the same mode")
+            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=paper; "
+                             "resume with the same mode")
         if len(state["reference_priorities"]) != self.num_prompts:
-            raise ValueError(f"checkpoint sampler has {len(state['reference_priorities'])} prompts, the dataset "
-                             f"has {self.num_prompts}: resume with the same data.train")
+            raise ValueError(f"checkpoint sampler has {len(state['reference_priorities'])} prompts, "
+                             f"the dataset has {self.num_prompts}: resume with the same data.train")
         self.tree = state["reference_priorities"].clone()
         self.order, self.position, self.epoch = state["order"].clone(), state["position"], state["epoch"]
         self.generator.set_state(state["rng"])

@@ -129,7 +129,8 @@ class RewardPool:
         except (pickle.PicklingError, AttributeError, TypeError) as e:   # a lambda, a local function
             return self._in_process(str(e), fns, prompts, completions, golds, timeout_s)
         if blob == self._unloadable:
-            return self._in_process("a worker failed to load them", fns, prompts, completions, golds, timeout_s)
+            return self._in_process("a worker failed to load them", fns, prompts, completions, golds,
+                                    timeout_s)
         try:
             return self._score(blob, list(fns), prompts, completions, golds, timeout_s)
         except _CannotLoad as e:

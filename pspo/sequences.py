@@ -66,7 +66,8 @@ def prefix_seeds(seed: int, step: int, token_ids: list[list[int]], n: int) -> Te
     """
     lengths = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)   # (U,)
     width = int(lengths.max()) if len(token_ids) else 0
-    ids = torch.tensor([t + [0] * (width - len(t)) for t in token_ids], dtype=torch.int64).reshape(len(token_ids), width)
+    ids = torch.tensor([t + [0] * (width - len(t)) for t in token_ids],
+                       dtype=torch.int64).reshape(len(token_ids), width)
     pos = torch.arange(1, width + 1, dtype=torch.int64) * GOLDEN           # (width,)
     terms = torch.where(torch.arange(width) < lengths[:, None], mix(ids * MUL1 + pos), 0)   # (U, width)
     base = mix(torch.tensor(seed, dtype=torch.int64) * GOLDEN + step) ^ MUL2   # not sequence_seeds' base

@@ -59,7 +59,8 @@ def _continue(engine, prompt_ids: list[list[int]], prefixes: list[list[int]], n:
     if total == 0:
         return None
     if total > count:
-        first = (prompt_ids[0], prefixes[0], seeds[:n]) if count else (filler, [], torch.zeros(n, dtype=torch.long))
+        first = ((prompt_ids[0], prefixes[0], seeds[:n]) if count
+                 else (filler, [], torch.zeros(n, dtype=torch.long)))
         prompt_ids = prompt_ids + [first[0]] * (total - count)
         prefixes = prefixes + [first[1]] * (total - count)
         seeds = torch.cat([seeds, first[2].repeat(total - count)])
@@ -81,8 +82,9 @@ def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Te
 
 # ---- SPO-chain ----
 
-def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Tensor, prompt_ids: list[list[int]],
-                        examples: list[int], score: Score, cfg: Config, step: int, device: torch.device,
+def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Tensor,
+                        prompt_ids: list[list[int]], examples: list[int], score: Score, cfg: Config,
+                        step: int, device: torch.device,
                         lockstep: bool) -> tuple[Tensor, Tensor, dict[str, float]]:
     """SPO-chain's token advantages and loss mask for this rank's N completions, §B chain 2-7.
 
@@ -95,16 +97,21 @@ def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Ten
     Collective: the whitening all-reduce and, under lockstep, the continuation calls.
     """
     r, s, mask = cfg.rollout, cfg.spo, rollout.mask
-    probs = old_logp.cpu().exp()                                          # (N, T) p_t, top-p ignored (§B chain 2)
+    # top-p ignored (§B chain 2)
+    probs = old_logp.cpu().exp()                                          # (N, T) p_t
     rows, cuts = select_cuts(probs, mask, s.cutpoint_interval)            # (C,), (C,)
-    owners, prefixes, inverse = unique_prefixes(prompt_ids, rollout.completion_ids, rows, cuts)   # (U,), U, (C,)
+    owners, prefixes, inverse = unique_prefixes(prompt_ids, rollout.completion_ids,
+                                                rows, cuts)               # (U,), U, (C,)
     owners = owners.tolist()
-    seeds = prefix_seeds(cfg.train.seed, step, [prompt_ids[o] + q for o, q in zip(owners, prefixes)], s.num_mc)
+    seeds = prefix_seeds(cfg.train.seed, step, [prompt_ids[o] + q for o, q in zip(owners, prefixes)],
+                         s.num_mc)
     out = _continue(engine, [prompt_ids[o] for o in owners], prefixes, s.num_mc, r.temperature, r.top_p,
                     r.max_new_tokens, seeds, lockstep, prompt_ids[0], device)
     values = torch.zeros(0)
-    if out is not None:                                                   # V(c): mean reward of N continuations
-        mc_rewards = score([examples[o] for o in owners for _ in range(s.num_mc)], out.texts).rewards   # (U*N,)
+    # V(c): mean reward of N continuations
+    if out is not None:
+        mc_rewards = score([examples[o] for o in owners for _ in range(s.num_mc)],
+                           out.texts).rewards                             # (U*N,)
         values = mc_values(mc_rewards, s.num_mc, inverse)                 # (C,)
     advantages, loss_mask = chain_advantages(rows, cuts, values, rewards.cpu(), probs, mask,
                                              reduce_sum=distributed.all_reduce_sum)   # (N, T) each
@@ -165,7 +172,8 @@ class SPOTree:
     """SPO-tree's expansion, edges and replay buffer (§B tree 1-5); the buffer is replicated."""
 
     def __init__(self, cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool):
-        self.cfg, self.train_ids, self.pad_id, self.dist, self.lockstep = cfg, train_ids, pad_id, dist_, lockstep
+        self.cfg, self.train_ids, self.pad_id = cfg, train_ids, pad_id
+        self.dist, self.lockstep = dist_, lockstep
         self.edges: list[Edge] = []
 
     def step(self, engine, policy, examples: list[int], rollout: Rollout, seeds: Tensor, scored: RewardResult,
@@ -177,10 +185,11 @@ class SPOTree:
         b, (m0, m1) = s.branch_factors, s.segments
         prompts = [self.train_ids[e] for e in examples]
         n = len(examples)
-        forest = _Forest(torch.full((n,), -1, dtype=torch.long), list(range(n)), [[] for _ in range(n)], [0] * n,
-                         [False] * n, [False] * n, [""] * n)              # the roots are the prompts
+        forest = _Forest(torch.full((n,), -1, dtype=torch.long), list(range(n)), [[] for _ in range(n)],
+                         [0] * n, [False] * n, [False] * n, [""] * n)     # the roots are the prompts
         frontier = forest.add(list(range(n)), b[0], rollout, seeds, last=False)   # §B tree 1, depth 0
-        for depth, budget in ((1, m0 + m1), (2, r.max_new_tokens)):      # b_d continuations of each unfinished node
+        # b_d continuations of each unfinished node
+        for depth, budget in ((1, m0 + m1), (2, r.max_new_tokens)):
             kids = child_seeds(torch.tensor([forest.seed[i] for i in frontier], dtype=torch.long), b[depth])
             out = _continue(engine, [prompts[forest.owner[i]] for i in frontier],
                             [forest.tokens[i] for i in frontier], b[depth], r.temperature, r.top_p, budget,
@@ -190,7 +199,8 @@ class SPOTree:
         t_reward = time.perf_counter()
         leaves = [j for j in range(len(forest.owner)) if forest.leaf[j]]
         leaf_scores = _leaf_scores(leaves, n, len(rollout.texts), scored, score,
-                                   [examples[forest.owner[j]] for j in leaves], [forest.text[j] for j in leaves])
+                                   [examples[forest.owner[j]] for j in leaves],
+                                   [forest.text[j] for j in leaves])
         reward_s = time.perf_counter() - t_reward
         node_rewards = torch.full((len(forest.owner),), float("nan"), dtype=torch.float64)
         node_rewards[leaves] = leaf_scores.rewards.double()
@@ -205,12 +215,15 @@ class SPOTree:
         rewards = leaf_scores.rewards.double()                            # (leaves,)
         per_tree = [rewards[[k for k, j in enumerate(leaves) if forest.owner[j] == q]] for q in range(n)]
         batch.sums = {
-            "completions": len(leaves), "groups": n, "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-            "accuracy": leaf_scores.components["accuracy"].sum(), "format": leaf_scores.components["format"].sum(),
+            "completions": len(leaves), "groups": n,
+            "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
+            "accuracy": leaf_scores.components["accuracy"].sum(),
+            "format": leaf_scores.components["format"].sum(),
             "zero_std_groups": sum(bool((x == x[0]).all()) for x in per_tree),
             "truncated": sum(forest.truncated[j] for j in leaves),
             "reward_failures": sum(leaf_scores.failures.values()),
-            "completion_tokens": sum(len(forest.tokens[j]) for j in leaves), "spo_nodes": len(forest.owner) - n,
+            "completion_tokens": sum(len(forest.tokens[j]) for j in leaves),
+            "spo_nodes": len(forest.owner) - n,
             "spo_new_edges": len(new), "spo_edges": len(share),
             # replicated values, the same on every rank: counted once
             "spo_buffer": len(self.edges) if self.dist.is_main else 0,
@@ -229,7 +242,8 @@ class SPOTree:
         for i in rows:
             tokens, start = forest.tokens[i], len(forest.tokens[int(forest.parent[i])])
             edges.append(Edge(examples[forest.owner[i]], step, torch.tensor(tokens[:start], dtype=torch.long),
-                              torch.tensor(tokens[start:], dtype=torch.long), torch.zeros(0), float(advantages[i])))
+                              torch.tensor(tokens[start:], dtype=torch.long), torch.zeros(0),
+                              float(advantages[i])))
         completion, mask = _pad([e.segment for e in edges], self.pad_id)
         prompts = [self.train_ids[e.example] + e.prefix.tolist() for e in edges]
         old = _old_logp(policy, prompts, completion, mask, self.pad_id, self.cfg, self.dist.device)   # (E, T)
@@ -247,7 +261,8 @@ class SPOTree:
         toks = gather(torch.cat(tokens))
         logp = gather(torch.cat([e.old_logp for e in edges] or [torch.zeros(0)]))
         out, t, j = [], 0, 0
-        for (example, p, q), a in zip(meta.tolist(), adv.tolist()):     # copies: no view keeps the step's tensors
+        # copies: no view keeps the step's tensors
+        for (example, p, q), a in zip(meta.tolist(), adv.tolist()):
             out.append(Edge(example, step, toks[t:t + p].clone(), toks[t + p:t + p + q].clone(),
                             logp[j:j + q].clone(), a))
             t, j = t + p + q, j + q
@@ -291,10 +306,10 @@ class SPOTree:
         loss_mask = probability_mask(old_logp.exp(), mask)               # (N, T) M
         raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32)[:, None] * loss_mask
         advantages = whiten(raw, loss_mask, reduce_sum=distributed.all_reduce_sum)   # (N, T)
-        input_ids, attention_mask = batch_inputs([self.train_ids[e.example] + e.prefix.tolist() for e in edges],
-                                                 completion, mask, self.pad_id)
-        batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device), loss_mask.to(device),
-                            advantages.to(device), old_logp.to(device))
+        prompts = [self.train_ids[e.example] + e.prefix.tolist() for e in edges]
+        input_ids, attention_mask = batch_inputs(prompts, completion, mask, self.pad_id)
+        batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device),
+                            loss_mask.to(device), advantages.to(device), old_logp.to(device))
         return TreeBatch(batch, {}, 0.0)
 
     def state_dict(self) -> dict:
@@ -302,12 +317,13 @@ class SPOTree:
         return {"example": torch.tensor([x.example for x in e], dtype=torch.long),
                 "born": torch.tensor([x.born for x in e], dtype=torch.long),
                 "advantage": torch.tensor([x.advantage for x in e], dtype=torch.float64),
-                "prefix": [x.prefix for x in e], "segment": [x.segment for x in e], "old_logp": [x.old_logp for x in e]}
+                "prefix": [x.prefix for x in e], "segment": [x.segment for x in e],
+                "old_logp": [x.old_logp for x in e]}
 
     def load_state_dict(self, state: dict) -> None:
         self.edges = [Edge(int(q), int(b), p, s, lp, float(a)) for q, b, a, p, s, lp in
-                      zip(state["example"], state["born"], state["advantage"], state["prefix"], state["segment"],
-                          state["old_logp"])]
+                      zip(state["example"], state["born"], state["advantage"], state["prefix"],
+                          state["segment"], state["old_logp"])]
 
 
 def _leaf_scores(leaves: list[int], n: int, depth0: int, scored: RewardResult, score: Score,

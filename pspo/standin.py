@@ -82,11 +82,13 @@ def standin_path(real_config_path: str, cache_dir: str | None = None, seed: int 
     with open(real_config_path, "rb") as f:
         real_digest = hashlib.sha256(f.read()).hexdigest()
     key = json.dumps({"version": VERSION, "real": real_digest, "seed": seed, "hidden": HIDDEN_SIZE,
-                      "intermediate": INTERMEDIATE_SIZE, "layers": NUM_LAYERS, "head_dim": HEAD_DIM}, sort_keys=True)
+                      "intermediate": INTERMEDIATE_SIZE, "layers": NUM_LAYERS, "head_dim": HEAD_DIM},
+                     sort_keys=True)
     return os.path.join(cache_dir, f"standin-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
 
 
-def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, seed: int = 0, log=print) -> str:
+def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, seed: int = 0,
+                         log=print) -> str:
     """Build the stand-in for `real_config_path` (a config.json) once and return its folder."""
     path = standin_path(real_config_path, cache_dir, seed)
     if os.path.isdir(path):
@@ -121,8 +123,10 @@ def build_random_model(real_config_path: str, path: str, seed: int = 0, shrink: 
                                f"num_hidden_layers ({real.get('num_hidden_layers')})")
         config = _truncate(config, num_layers)
     tokenizer = build_standin_tokenizer(config["max_position_embeddings"])
-    special = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    config.update(special)                                           # ids of the stand-in tokenizer, not Qwen's
+    special = {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
+    # ids of the stand-in tokenizer, not Qwen's
+    config.update(special)
     model_type = config.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "architectures"})
     hf_config.architectures = config.get("architectures")
@@ -132,8 +136,8 @@ def build_random_model(real_config_path: str, path: str, seed: int = 0, shrink: 
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32 if shrink else dtype)
     model.generation_config = GenerationConfig(**special)
     model.to(dtype)                                                  # stored like the real checkpoint (bf16)
-    info = {"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed, "shrunk": shrink,
-            "parameters": sum(p.numel() for p in model.parameters())}
+    info = {"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed,
+            "shrunk": shrink, "parameters": sum(p.numel() for p in model.parameters())}
     return save_model_folder(path, model, tokenizer, "pspo_standin.json", info, log)
 
 
@@ -150,7 +154,8 @@ def _truncate(config: dict, num_layers: int) -> dict:
 def main(argv: list[str]) -> None:
     """python -m pspo.standin CONFIG.json OUT_DIR [--full] [--layers N]: build a random-weight model."""
     import argparse
-    ap = argparse.ArgumentParser(description="a random-weight model from a config.json, with the stand-in tokenizer")
+    ap = argparse.ArgumentParser(description="a random-weight model from a config.json, "
+                                             "with the stand-in tokenizer")
     ap.add_argument("config")
     ap.add_argument("out")
     ap.add_argument("--full", action="store_true", help="keep the real widths (default: the CPU stand-in's)")
@@ -161,7 +166,8 @@ def main(argv: list[str]) -> None:
         print(f"pspo.standin: {args.out} exists; remove it or name another folder", file=sys.stderr)
         raise SystemExit(2)
     try:
-        build_random_model(args.config, os.path.abspath(args.out), args.seed, shrink=not args.full, num_layers=args.layers)
+        build_random_model(args.config, os.path.abspath(args.out), args.seed, shrink=not args.full,
+                           num_layers=args.layers)
     except StandinError as e:
         print(f"pspo.standin: {e}", file=sys.stderr)
         raise SystemExit(2) from None

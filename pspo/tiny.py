@@ -89,7 +89,8 @@ def train_qwen2_bpe(corpus: list[str], vocab_size: int, added: list[str]) -> Pre
         padding_side="left")       # only a constructor argument survives save_pretrained + reload
 
 
-def _build_model(tokenizer: PreTrainedTokenizerFast, tie_word_embeddings: bool, seed: int) -> Qwen2ForCausalLM:
+def _build_model(tokenizer: PreTrainedTokenizerFast, tie_word_embeddings: bool,
+                 seed: int) -> Qwen2ForCausalLM:
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -105,7 +106,8 @@ def _build_model(tokenizer: PreTrainedTokenizerFast, tie_word_embeddings: bool, 
 
 def _encode_warmup(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt + completion + eos rows; labels are -100 except on completion tokens."""
-    prompts = tokenizer([format_prompt(tokenizer, ex.problem, "") for ex in examples], add_special_tokens=False)
+    prompts = tokenizer([format_prompt(tokenizer, ex.problem, "") for ex in examples],
+                        add_special_tokens=False)
     targets = tokenizer([tiny_completion(ex.answer) for ex in examples], add_special_tokens=False)
     rows = [(p, t + [tokenizer.eos_token_id]) for p, t in zip(prompts["input_ids"], targets["input_ids"])]
     width = max(len(p) + len(t) for p, t in rows)
@@ -134,7 +136,8 @@ def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 100 == 0 or step == steps:
-            log(f"  warm-up step {step}/{steps}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)")
+            log(f"  warm-up step {step}/{steps}  loss {loss.item():.3f}  "
+                f"({time.perf_counter() - start:.0f} s)")
     model.eval()
 
 
@@ -158,7 +161,8 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], batch_size: int =
     """Fraction of examples whose greedy completion has \\boxed{n} with n == int(answer).
     A quick integer check for the built-in task; training scores with math-verify (rewards.py)."""
     correct = 0
-    for text, ex in zip(greedy_completions(model, tokenizer, examples, batch_size, max_new_tokens)[1], examples):
+    texts = greedy_completions(model, tokenizer, examples, batch_size, max_new_tokens)[1]
+    for text, ex in zip(texts, examples):
         found = BOXED_INT.search(text)
         correct += found is not None and int(found.group(1)) == int(ex.answer)
     return correct / len(examples)

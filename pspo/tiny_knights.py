@@ -53,8 +53,10 @@ TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
 # supervised steps (964 s on one thread beside a pip install); accuracy by size in bench/RESULTS.md §8
 WARMUP_STEPS = 1600
-BATCH = 32                    # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
-SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}     # the small sizes, where the logic is learnable, twice
+# puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
+BATCH = 32
+# the small sizes, where the logic is learnable, twice
+SIZE_WEIGHTS = {2: 2, 3: 2, 4: 2, 5: 1, 6: 1, 7: 1, 8: 1}
 LR, LR_WARMUP = 3e-3, 50      # AdamW (β2 0.98): linear warm-up over LR_WARMUP steps, then cosine decay to 0
 # fresh puzzles, each seen ~1-2 times in the warm-up (2-person: all the stream has left after the splits)
 WARMUP_PER_SIZE = {2: 99, 3: 2000, 4: 2000, 5: 2000, 6: 1500, 7: 1500, 8: 1500}
@@ -82,9 +84,11 @@ def build_knights_tokenizer(examples: list[Example]) -> PreTrainedTokenizerFast:
     return train_qwen2_bpe(corpus, VOCAB_SIZE, TAGS + FIXED_TEXT)
 
 
-def _rows(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> dict[int, list[tuple[list[int], list[int]]]]:
+def _rows(tokenizer: PreTrainedTokenizerFast,
+          examples: list[Example]) -> dict[int, list[tuple[list[int], list[int]]]]:
     """(chat prompt ids, completion ids + eos) per number of people."""
-    prompts = tokenizer([format_prompt(tokenizer, ex.problem, "") for ex in examples], add_special_tokens=False)
+    prompts = tokenizer([format_prompt(tokenizer, ex.problem, "") for ex in examples],
+                        add_special_tokens=False)
     answers = tokenizer([knights_completion(ex.answer) for ex in examples], add_special_tokens=False)
     rows: dict[int, list[tuple[list[int], list[int]]]] = {}
     for p, c, ex in zip(prompts["input_ids"], answers["input_ids"], examples):
@@ -119,7 +123,8 @@ def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, example
     start = time.perf_counter()
     for step in range(1, WARMUP_STEPS + 1):
         size = rng.choices(sizes, [SIZE_WEIGHTS[n] for n in sizes])[0]
-        ids, labels, attention = _batch([rng.choice(rows[size]) for _ in range(BATCH)], tokenizer.pad_token_id)
+        ids, labels, attention = _batch([rng.choice(rows[size]) for _ in range(BATCH)],
+                                        tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -127,7 +132,8 @@ def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, example
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 100 == 0:
-            log(f"  warm-up step {step}/{WARMUP_STEPS}  loss {loss.item():.3f}  ({time.perf_counter() - start:.0f} s)")
+            log(f"  warm-up step {step}/{WARMUP_STEPS}  loss {loss.item():.3f}  "
+                f"({time.perf_counter() - start:.0f} s)")
     model.eval()
 
 
@@ -160,11 +166,13 @@ def knights_standin(cache_dir: str | None = None, seed: int = 0, log=print) -> s
     return ensure_tiny_knights_model(cache_dir, seed, log, trained=False)
 
 
-def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=print, trained: bool = True) -> str:
+def ensure_tiny_knights_model(cache_dir: str | None = None, seed: int = 0, log=print,
+                              trained: bool = True) -> str:
     """Build the K&K model once and return its folder; later calls return the cached folder. A call
     while another process builds it waits for that build (tiny.build_once: a lock beside the folder)."""
     path = tiny_knights_path(cache_dir, seed, trained)
-    return build_once(path, lambda: _build(path, seed, log) if trained else _build_untrained(path, seed, log), log)
+    return build_once(path, lambda: _build(path, seed, log) if trained else _build_untrained(path, seed, log),
+                      log)
 
 
 def _build_untrained(path: str, seed: int, log) -> str:
@@ -179,7 +187,8 @@ def _build_untrained(path: str, seed: int, log) -> str:
 
 
 def _build(path: str, seed: int, log) -> str:
-    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, ~16 minutes on one thread)")
+    log(f"building the tiny K&K model in {path} (once: {WARMUP_STEPS} warm-up steps, "
+        "~16 minutes on one thread)")
     start = time.perf_counter()
     examples = warmup_examples(WARMUP_PER_SIZE)
     tokenizer = build_knights_tokenizer(examples)

@@ -30,7 +30,8 @@ from pspo.micro_batches import plan_micro_batches
 from pspo.sequences import UpdateBatch
 
 
-def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config, dist_: Dist) -> dict[str, float]:
+def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
+                  dist_: Dist) -> dict[str, float]:
     """num_iterations optimizer steps on one batch; returns summed statistics for logging.
 
     batch.old_logp may be None only with one iteration (then π_old is the current policy: ρ ≡ 1);
@@ -50,7 +51,8 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
                                                                   device=lm.device), lm.sum().double()]))
     num_seqs, num_tokens = int(counts[0].item()), int(counts[1].item())  # over every rank
     weights = sequence_weights(lm, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
-    plan = plan_micro_batches(attention_mask, batch.mask, cfg.train.micro_batch_size, cfg.train.micro_batch_tokens)
+    plan = plan_micro_batches(attention_mask, batch.mask, cfg.train.micro_batch_size,
+                              cfg.train.micro_batch_tokens)
     positions = sum(len(b.rows) * b.length for b in plan if not b.spare)   # rows x the longest row (model.py)
     sums: dict[str, float] = {"skipped_steps": 0.0, "update_positions": float(positions * a.num_iterations),
                               "update_tokens": float(attention_mask.sum()) * a.num_iterations}
@@ -62,13 +64,14 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
             finite_loss = torch.ones((), dtype=torch.bool, device=dist_.device)
             totals: dict[str, Tensor] = {}
             for micro in plan:
-                logp, entropy = forward_logprobs(policy, micro, input_ids, attention_mask, T, temperature)  # (n, w)
+                logp, entropy = forward_logprobs(policy, micro, input_ids, attention_mask, T,
+                                                 temperature)             # (n, w)
                 rows, cols = micro.rows, slice(0, micro.width)
                 m = lm[rows, cols] * (0.0 if micro.spare else 1.0)       # (n, w); a spare one: zero loss
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows, cols]
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows, cols]
-                loss, stats = policy_loss(logp, old, ref, batch.advantages[rows, cols], m, weights[rows], a.beta,
-                                          a.eps_low, a.eps_high)
+                loss, stats = policy_loss(logp, old, ref, batch.advantages[rows, cols], m, weights[rows],
+                                          a.beta, a.eps_low, a.eps_high)
                 finite_loss &= torch.isfinite(loss.detach())
                 # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
                 (loss * dist_.world_size).backward()

@@ -46,7 +46,8 @@ def vllm_available() -> bool:
         return False
     except Exception as e:  # noqa: BLE001 - e.g. a torchvision built for another torch
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ModelError(f"rollout.engine: vllm is installed but does not import ({type(e).__name__}: {first})") from e
+        raise ModelError(f"rollout.engine: vllm is installed but does not import "
+                         f"({type(e).__name__}: {first})") from e
     return True
 
 
@@ -115,14 +116,16 @@ class VLLMEngine:
                            logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
                            enable_sleep_mode=self.sleep_enabled, enable_prefix_caching=True, **extra)
         except Exception as e:  # noqa: BLE001 - vLLM raises many types for a bad setting or too little memory
-            raise ModelError(f"rollout.engine: vLLM could not start on {model_path}: {startup_reason(e)}") from e
+            raise ModelError(f"rollout.engine: vLLM could not start on {model_path}: "
+                             f"{startup_reason(e)}") from e
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # vLLM adds the generation config's eos itself; these are the tokenizer's and the chat turn's
         self.stop_ids = stop_token_ids(tokenizer, self.llm.get_tokenizer().eos_token_id)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Tensor | None, prefix_ids: list[list[int]] | None = None) -> Rollout:
+                 max_new_tokens: int, seeds: Tensor | None,
+                 prefix_ids: list[list[int]] | None = None) -> Rollout:
         """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy.
 
         prefix_ids (one per prompt): partial completions to continue, each with at most
@@ -160,7 +163,8 @@ class VLLMEngine:
             texts = [c.text for c in completions]
         else:                                    # decode the joined ids: a cut may split a character's bytes
             prefixes = [q for q in prefix_ids for _ in range(n)]
-            texts = self.tokenizer.batch_decode([list(q) + list(c.token_ids) for q, c in zip(prefixes, completions)],
+            texts = self.tokenizer.batch_decode([list(q) + list(c.token_ids)
+                                                 for q, c in zip(prefixes, completions)],
                                                 skip_special_tokens=True)
         return Rollout(ids, mask, logprobs, truncated, texts, gen_time)
 
@@ -209,9 +213,9 @@ def stale_engine(metrics: dict[str, float], step: int, r) -> SyncError | None:
     gap = metrics.get("sync_gap_mean", 0.0)
     if gap <= r.sync_check_tol:
         return None
-    return SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the trainer's by "
-                     f"{gap:.4g} per token on average (max {metrics['sync_gap_max']:.4g}) > {r.sync_check_tol}: "
-                     "its weights are stale")
+    return SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the "
+                     f"trainer's by {gap:.4g} per token on average (max {metrics['sync_gap_max']:.4g}) "
+                     f"> {r.sync_check_tol}: its weights are stale")
 
 
 @torch.no_grad()
