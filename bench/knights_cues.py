@@ -61,7 +61,8 @@ def _model_accuracy(path: str) -> dict[int, float]:
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from pspo.knights import builtin_knights
-    from pspo.tiny_knights import TINY_KNIGHTS_MODEL, ensure_tiny_knights_model, greedy_accuracy_by_size
+    from pspo.builtin_models import TINY_KNIGHTS_MODEL
+    from pspo.tiny_knights import ensure_tiny_knights_model, greedy_accuracy_by_size
     path = ensure_tiny_knights_model() if path == TINY_KNIGHTS_MODEL else path
     model, tokenizer = Qwen2ForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     return greedy_accuracy_by_size(model, tokenizer, builtin_knights("test", test_per_size=100))

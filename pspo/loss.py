@@ -19,9 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# logπ of this loss; importable from here as before
-from pspo.token_logprobs import token_logprobs  # noqa: F401
-
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 estimator of KL(π_θ || π_ref) per token, docs/methods.md §1: exp(d) - d - 1, d = ref - logp.

@@ -137,9 +137,7 @@ def spo_chain(s: StepRollouts, ctx: Context) -> MethodOutput:
     Carlo values V at the cuts, A(segment) = V(end) - V(start) on the tokens of M, whitened."""
     cfg, device = ctx.cfg, ctx.dist.device
     prompts = [ctx.train_ids[i] for i in s.rows]
-    input_ids, attention_mask = batch_inputs(prompts, s.rollout.completion_ids, s.rollout.mask, ctx.pad_id)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    mask = s.rollout.mask.to(device)
+    input_ids, attention_mask, mask = _step_inputs(s, ctx)
     old_logp, _ = score_policy(ctx.policy, None, input_ids, attention_mask, mask, cfg, need_old=True,
                                need_ref=False)                                     # the cuts come from π_old
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
@@ -215,15 +213,21 @@ def _rollout_batch(s: StepRollouts, ctx: Context, loss_mask: Tensor, need_old: b
     reference."""
     cfg, device = ctx.cfg, ctx.dist.device
     ctx.release_engine()                                                           # nothing more to generate
-    input_ids, attention_mask = batch_inputs([ctx.train_ids[i] for i in s.rows], s.rollout.completion_ids,
-                                             s.rollout.mask, ctx.pad_id)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    mask = s.rollout.mask.to(device)
+    input_ids, attention_mask, mask = _step_inputs(s, ctx)
     score_old = need_old or cfg.rollout.is_correction != "none"
     old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, score_old,
                                       need_ref=cfg.algo.needs_reference)
     zeros = torch.zeros_like(mask)
     return UpdateBatch(input_ids, attention_mask, mask, loss_mask.to(device), zeros, old_logp, ref_logp)
+
+
+def _step_inputs(s: StepRollouts, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's prompts + completions on its device, left-padded: input ids and attention mask
+    (N, P + T), and the completion mask (N, T)."""
+    device = ctx.dist.device
+    input_ids, attention_mask = batch_inputs([ctx.train_ids[i] for i in s.rows], s.rollout.completion_ids,
+                                             s.rollout.mask, ctx.pad_id)
+    return input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)
 
 
 def _weigh(s: StepRollouts, ctx: Context, batch: UpdateBatch, advantages: Tensor,

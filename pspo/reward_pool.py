@@ -12,7 +12,7 @@ scores in the background while the trainer loads its model. `pool.score` is
 - a worker makes exactly the in-process calls, `guarded_call` under `alarm_guard`: the per-call
   limit `timeout_s` is its own SIGALRM, as in the trainer, and it answers call by call;
 - the reward functions travel by reference (pickle: module and name), looked up in
-  REWARD_FUNCTIONS per batch as before, so a test's module-level reward reaches the workers too;
+  REWARD_FUNCTIONS per batch as in the trainer, so a test's module-level reward reaches the workers too;
   a worker runs with the trainer's sys.path. It sees the modules as imported, not later changes
   the trainer makes to them (a monkeypatched constant).
 
@@ -24,7 +24,7 @@ in the trainer does; the rest of its chunk goes back in the queue, a fresh worke
 and one line goes to stderr. Each loss uses up one call, so every batch ends.
 
 Functions a worker cannot load (a lambda, a local function, one defined in a script run as
-`__main__`) are scored in the trainer as before, with a one-time warning; so is a batch whose
+`__main__`) are scored in the trainer instead, with a one-time warning; so is a batch whose
 worker is lost before it has loaded the functions.
 
 Lifetime: `close()` (train.py and eval.py call it) kills the workers, as does the pool's garbage

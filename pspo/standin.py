@@ -31,6 +31,7 @@ import sys
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+from pspo.model_cache import cache_folder
 from pspo.tiny import CHAT_TEMPLATE, build_tiny_tokenizer, save_model_folder
 
 VERSION = 1                   # part of the cache key: bump it whenever the build below changes
@@ -78,13 +79,11 @@ def build_standin_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
 
 def standin_path(real_config_path: str, cache_dir: str | None = None, seed: int = 0) -> str:
     """Where the stand-in for this config.json lives (built or not), named by a hash of its inputs."""
-    cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
     with open(real_config_path, "rb") as f:
         real_digest = hashlib.sha256(f.read()).hexdigest()
-    key = json.dumps({"version": VERSION, "real": real_digest, "seed": seed, "hidden": HIDDEN_SIZE,
-                      "intermediate": INTERMEDIATE_SIZE, "layers": NUM_LAYERS, "head_dim": HEAD_DIM},
-                     sort_keys=True)
-    return os.path.join(cache_dir, f"standin-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+    params = {"version": VERSION, "real": real_digest, "seed": seed, "hidden": HIDDEN_SIZE,
+              "intermediate": INTERMEDIATE_SIZE, "layers": NUM_LAYERS, "head_dim": HEAD_DIM}
+    return cache_folder("standin", params, cache_dir)
 
 
 def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, seed: int = 0,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -32,8 +31,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from pspo.data import R1_SYSTEM_PROMPT, Example, builtin_arithmetic, format_prompt, warmup_examples
+from pspo.model_cache import cache_folder
 
-TINY_MODEL = "builtin:tiny"
 VERSION = 2                   # part of the cache key: bump it whenever the build below changes
 WARMUP_STEPS = 240            # supervised steps: greedy test accuracy ~0.3-0.4 (bench/RESULTS.md §1)
 VOCAB_SIZE = 510              # BPE vocab cap; the small corpus runs out of merges at 403 (+ 2 tags = 405 ids)
@@ -172,10 +171,8 @@ def tiny_model_path(cache_dir: str | None = None, tie_word_embeddings: bool = Fa
                     warmup_steps: int = WARMUP_STEPS, seed: int = 0) -> str:
     """Where the tiny model with these build parameters lives (built or not): a folder under
     `cache_dir` (default $PSPO_CACHE, else ~/.cache/pspo) named by a hash of the parameters."""
-    cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
-    key = json.dumps({"version": VERSION, "tie_word_embeddings": tie_word_embeddings,
-                      "warmup_steps": warmup_steps, "seed": seed}, sort_keys=True)
-    return os.path.join(cache_dir, f"tiny-qwen2-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+    return cache_folder("tiny-qwen2", {"version": VERSION, "tie_word_embeddings": tie_word_embeddings,
+                                       "warmup_steps": warmup_steps, "seed": seed}, cache_dir)
 
 
 def ensure_tiny_model(cache_dir: str | None = None, tie_word_embeddings: bool = False,

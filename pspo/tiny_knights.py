@@ -8,7 +8,7 @@ one token; the same 4-layer Qwen2 and ChatML template; `save_model_folder`. <thi
 <answer>, </answer> are added tokens, and so is the text every built-in prompt shares (the island's
 rules, and the question with the instruction: ~70 BPE tokens as 2), so a prompt is 46-165 tokens
 instead of 126-240 and a warm-up step costs about half (bench/RESULTS.md). A puzzle
-worded otherwise (a hub file's quiz) is tokenized word by word as before.
+worded otherwise (a hub file's quiz) is tokenized word by word.
 
 The supervised warm-up teaches the reference code's layout with an empty think block,
 "<think></think><answer>(1) Aaron is a knave\\n(2) Zoey is a knight</answer>" + <|im_end|>, on
@@ -34,10 +34,8 @@ the accuracy spread by size) is checked by tests marked `knights_model`, which `
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import random
 import time
 
@@ -47,9 +45,9 @@ from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 from pspo.data import Example, format_prompt
 from pspo.knights import ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights, warmup_examples
 from pspo.knights_reward import _knights_gold, knights_people, knights_reward
+from pspo.model_cache import cache_folder
 from pspo.tiny import _build_model, build_once, greedy_completions, save_model_folder, train_qwen2_bpe
 
-TINY_KNIGHTS_MODEL = "builtin:tiny-knights"
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
 # supervised steps (964 s on one thread beside a pip install); accuracy by size in bench/RESULTS.md §8
 WARMUP_STEPS = 1600
@@ -155,10 +153,8 @@ def greedy_accuracy_by_size(model, tokenizer, examples: list[Example], batch_siz
 def tiny_knights_path(cache_dir: str | None = None, seed: int = 0, trained: bool = True) -> str:
     """Where the K&K model with these build parameters lives (built or not), as tiny.tiny_model_path.
     trained=False: its untrained twin (module docstring), in a folder of its own."""
-    cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
-    key = json.dumps({"version": VERSION, "seed": seed}, sort_keys=True)
-    name = "tiny-knights" if trained else "tiny-knights-untrained"
-    return os.path.join(cache_dir, f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+    kind = "tiny-knights" if trained else "tiny-knights-untrained"
+    return cache_folder(kind, {"version": VERSION, "seed": seed}, cache_dir)
 
 
 def knights_standin(cache_dir: str | None = None, seed: int = 0, log=print) -> str:

@@ -26,9 +26,6 @@ accuracy on fresh synthetic inputs is recorded in the folder's pspo_build.json (
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import random
 import re
 import string
@@ -38,9 +35,9 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
 from pspo.knights import ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SAYINGS
+from pspo.model_cache import cache_folder
 from pspo.tiny import build_once, save_model_folder
 
-TINY_PRM = "builtin:tiny-prm"
 VERSION = 1                   # part of the cache key: bump it whenever the build below changes
 HIDDEN, LAYERS, HEADS = 32, 2, 2   # BERT width, depth, attention heads
 FIT_STEPS = 200               # AdamW steps
@@ -153,9 +150,7 @@ def _fit(model: BertForSequenceClassification, tokenizer: BertTokenizerFast, ste
 
 def tiny_prm_path(cache_dir: str | None = None, seed: int = 0) -> str:
     """Where the tiny PRM with these build parameters lives (built or not), as tiny.tiny_model_path."""
-    cache_dir = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
-    key = json.dumps({"version": VERSION, "seed": seed}, sort_keys=True)
-    return os.path.join(cache_dir, f"tiny-prm-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
+    return cache_folder("tiny-prm", {"version": VERSION, "seed": seed}, cache_dir)
 
 
 def ensure_tiny_prm(cache_dir: str | None = None, seed: int = 0, log=print) -> str:

@@ -37,9 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pspo.config import load_config, to_dict
 from pspo.standin import ensure_standin_model, standin_config
 from pspo.standin import main as standin_main
-from pspo.tiny import TINY_MODEL
-from pspo.tiny_knights import TINY_KNIGHTS_MODEL
-from pspo.tiny_prm import TINY_PRM
+from pspo.builtin_models import TINY_KNIGHTS_MODEL, TINY_MODEL, TINY_PRM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),

@@ -78,8 +78,27 @@ def test_math_modules_and_config_import_no_components():
     # advantages. config.py imports no algorithm module, only its own checks, the spo section and the
     # prompt names it validates.
     imports = project_imports()
-    math_layer = {"advantages", "loss", "segments", "priority_sampler", "reference_sampler", "ema_stats",
-                  "token_logprobs"}
+    math_layer = {"advantages", "loss", "segments", "priority_sampler", "reference_sampler",
+                  "uniform_sampler", "ema_stats", "token_logprobs", "is_correction", "process_reward"}
     for module in math_layer:
         assert imports[module] <= math_layer, (module, imports[module] - math_layer)
     assert imports["config"] <= {"config_check", "spo_config", "prompts"}, imports["config"]
+
+
+def test_model_loading_reaches_no_builder_nor_the_knights_generator():
+    # model.py (loading, log-probs) imports neither a built-in model's builder nor the K&K generator,
+    # through any chain of imports; builtin_models.py imports a builder only inside the branch that
+    # resolves its name.
+    graph = project_imports()
+    for module in ("knights", "data", "tiny", "tiny_knights", "tiny_prm"):
+        assert reaches(graph, "model", module) is None, (module, reaches(graph, "model", module))
+
+
+@pytest.mark.slow
+def test_resolving_and_loading_a_local_model_imports_no_builder(tiny_model_path):
+    code = ("import sys; from pspo.builtin_models import resolve_model_path; "
+            "from pspo.model import build_policy; "
+            "path = resolve_model_path(sys.argv[1]); build_policy(path, False, 64, False, False); "
+            "builders = ('pspo.knights', 'pspo.data', 'pspo.tiny', 'pspo.tiny_knights', 'pspo.tiny_prm'); "
+            "loaded = [m for m in builders if m in sys.modules]; assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code, tiny_model_path], cwd=ROOT, check=True, timeout=120)

@@ -17,12 +17,13 @@ from transformers import (AutoModelForSequenceClassification, BertModel, PreTrai
 
 from pspo import plan
 from pspo import prm as prm_module
+from pspo.builtin_models import TINY_PRM
 from pspo.config import ConfigError, load_config
 from pspo.plan import GiB, PRMArch
 from pspo.prm import load_prm, prm_metrics
 from pspo.process_reward import geometric_mean, shaped_reward, split_lines, step_pairs
 from pspo.rewards import score_completions
-from pspo.tiny_prm import TINY_PRM, build_prm_tokenizer, ensure_tiny_prm
+from pspo.tiny_prm import build_prm_tokenizer, ensure_tiny_prm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")

@@ -18,8 +18,8 @@ from pspo.data import format_prompt
 from pspo.config import load_config
 from pspo.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.knights_reward import knights_people, knights_reward
-from pspo.builtin_models import resolve_model_path
-from pspo.tiny_knights import (FIXED_TEXT, TAGS, TINY_KNIGHTS_MODEL, build_knights_tokenizer,
+from pspo.builtin_models import TINY_KNIGHTS_MODEL, resolve_model_path
+from pspo.tiny_knights import (FIXED_TEXT, TAGS, build_knights_tokenizer,
                                ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion,
                                tiny_knights_path)
 
