@@ -10,7 +10,8 @@ import torch
 from pspo.config import load_config
 from pspo.model import build_policy
 from pspo.micro_batches import plan_micro_batches
-from test_modes import CPU, method_update, rollout_batch
+from pspo.sequences import batch_inputs
+from test_modes import CPU, REWARDS, method_update, rollout_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,20 +52,24 @@ def test_a_row_longer_than_the_budget_goes_alone():
     assert [b.rows.tolist() for b in plan] == [[0], [1]]
 
 
+# (B, G) the sampler's importance weights, one per prompt as PPS gives them: the update must weigh
+# each completion by its prompt's, however the rows are grouped
+IS_WEIGHTS = torch.tensor([1.0, 0.5, 2.0, 1.0])[:, None].expand(4, 3)
+
+
 def updated_parameters(path, batch, overrides):
-    """The policy after one policy_update with SGD(lr 1) and no clipping: θ - ∇L, so equal
-    parameters mean equal gradients."""
+    """The policy after one step through methods.py and policy_update with SGD(lr .1) and no
+    clipping: θ - .1·∇L, so equal parameters mean equal gradients. The small step keeps the second
+    iteration (num_iterations = 2) near π_old: with lr 1 the β·KL term drives the two iterations'
+    gradient norms to ~3000 (15 with lr .1), and the two groupings' parameters then differ by 2e-4
+    (2e-7 with lr .1)."""
     cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3", *overrides])
     policy = build_policy(path, False, 64, False, False)
     ref = build_policy(path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
-    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    _, _, input_ids, attention, mask, advantages = batch
-    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1])          # (12,) for REINFORCE++
     before = copy.deepcopy([p.detach() for p in policy.parameters()])
-    sums = method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask,
-                         torch.ones(12) if cfg.algo.advantage != "grpo" else advantages, cfg, CPU,
-                         rewards if cfg.algo.advantage != "grpo" else None)
+    sums = method_update(policy, ref, optimizer, scheduler, batch, REWARDS, IS_WEIGHTS, cfg, CPU)
     moved = max(float((p.detach() - b).abs().max()) for p, b in zip(policy.parameters(), before))
     return [p.detach().clone() for p in policy.parameters()], sums, moved
 
@@ -76,14 +81,12 @@ def updated_parameters(path, batch, overrides):
     ["--algo.aggregation=token_mean"],
 ])
 def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo):
-    tokenizer, ids, input_ids, attention, mask, advantages = rollout_batch(tiny_model_path)   # 12 sequences
+    batch = rollout_batch(tiny_model_path)                                  # 12 sequences
     # the tiny model's completions all run to 6 tokens: end row i after 1 + i % 6 of them (the rest
     # becomes padding), so that lengths spread as they do in real steps
-    T = mask.shape[1]
+    mask = batch[2].mask
     for i in range(12):
         mask[i, 1 + i % 6:] = 0
-        attention[i, attention.shape[1] - T + 1 + i % 6:] = 0
-    batch = (tokenizer, ids, input_ids, attention, mask, advantages)
     fixed, fixed_sums, moved = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_size=4", *algo])
     budget, budget_sums, _ = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_tokens=60", *algo])
     assert moved > 1e-4                                                  # the update did something
@@ -102,16 +105,20 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
     from pspo.distributed import Dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(0)
-    tokenizer, ids, input_ids, attention, mask, advantages = batch
-    rows = slice(0, 6) if rank == 0 else slice(6, 12)
+    tokenizer, ids, rollout, _ = batch
+    mine = slice(0, 2) if rank == 0 else slice(2, 4)                  # 2 of the 4 prompts each
+    rows = slice(3 * mine.start, 3 * mine.stop)                        # their G = 3 completions each
     cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3",
                                             "--train.micro_batch_tokens=40"], world_size=2)
-    plan = plan_micro_batches(attention[rows], mask[rows], 64, 40)
+    prompts = [p for p in ids[mine] for _ in range(3)]
+    _, attention = batch_inputs(prompts, rollout.completion_ids[rows], rollout.mask[rows],
+                                tokenizer.pad_token_id)
+    plan = plan_micro_batches(attention, rollout.mask[rows], 64, 40)
     policy = distributed.shard(build_policy(path, False, 64, False, False), 2)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    method_update(policy, None, optimizer, scheduler, input_ids[rows], attention[rows], mask[rows], advantages[rows],
-                  cfg, Dist(rank, 2, torch.device("cpu")))
+    dist_ = Dist(rank, 2, torch.device("cpu"))
+    method_update(policy, None, optimizer, scheduler, batch, REWARDS, IS_WEIGHTS, cfg, dist_, mine)
     state = distributed.full_model_state(policy)
     if rank == 0:
         torch.save({"state": state, "spares": [sum(b.spare for b in plan)]}, f"{out_dir}/rank0.pt")
@@ -125,12 +132,9 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
 @pytest.mark.slow
 def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path, tmp_path):
     import torch.multiprocessing as mp
-    tokenizer, ids, input_ids, attention, mask, advantages = rollout_batch(tiny_model_path)
-    T = mask.shape[1]
+    batch = rollout_batch(tiny_model_path)
     for i in range(6):                                     # rank 0's rows: 1-token completions -> few micro-batches
-        mask[i, 1:] = 0
-        attention[i, attention.shape[1] - T + 1:] = 0
-    batch = (tokenizer, ids, input_ids, attention, mask, advantages)
+        batch[2].mask[i, 1:] = 0
     mp.spawn(_update_on_rank, args=(str(tmp_path / "init"), tiny_model_path, batch, str(tmp_path)), nprocs=2)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert r0["spares"][0] > 0 and r1["spares"][0] == 0    # rank 0 ran spare micro-batches to match rank 1
@@ -140,7 +144,7 @@ def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path
     policy = build_policy(tiny_model_path, False, 64, False, False)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    method_update(policy, None, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
+    method_update(policy, None, optimizer, scheduler, batch, REWARDS, IS_WEIGHTS, cfg, CPU)
     want = {k: v for k, v in policy.lm.state_dict().items()}
     got = r0["state"]
     assert set(got) == set(want)

@@ -9,59 +9,63 @@ import copy
 
 import torch
 
-from pspo import distributed
-from pspo.advantages import reinforce_pp_advantages
 from pspo.config import load_config
 from pspo.data import builtin_arithmetic, format_prompt
 from pspo.distributed import Dist
+from pspo.methods import Context, StepRollouts, method_for
 from pspo.model import build_policy, load_tokenizer
-from pspo.rollout import HFEngine
-from pspo.sequences import batch_inputs, sequence_seeds
-from pspo.logprobs import score_policy
 from pspo.optim import lr_lambda
-from pspo.sequences import UpdateBatch
+from pspo.rewards import RewardResult
+from pspo.rollout import HFEngine
+from pspo.sequences import Rollout, batch_inputs, sequence_seeds
 from pspo.update import policy_update
 
 CPU = Dist(0, 1, torch.device("cpu"))
+# (B, G) = (4, 3): distinct rewards in every group, so that every completion gets a non-zero advantage
+REWARDS = torch.tensor([[1.0, 0.0, 0.5], [0.2, 1.0, 0.0], [0.0, 0.6, 1.0], [0.9, 0.3, 0.0]])
 
 
 def rollout_batch(path, n_prompts=4, G=3):
-    """A real rollout of the tiny model (6 new tokens), as the update receives it."""
+    """A real rollout of the tiny model (6 new tokens): the tokenizer, the prompts' token ids, the
+    Rollout (n_prompts·G completions, prompt-major) and its seeds."""
     tokenizer = load_tokenizer(path)
     ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
            for ex in builtin_arithmetic("train")[:n_prompts]]
     engine = HFEngine(build_policy(path, False, 64, False, False), tokenizer, 64)
-    r = engine.generate(ids, G, 1.0, 1.0, 6, sequence_seeds(0, 0, torch.arange(n_prompts), G))
-    input_ids, attention = batch_inputs([p for p in ids for _ in range(G)], r.completion_ids, r.mask,
-                                        tokenizer.pad_token_id)
-    advantages = torch.linspace(-1, 1, n_prompts * G)                      # (N,) any non-zero signal
-    return tokenizer, ids, input_ids, attention, r.mask, advantages
+    seeds = sequence_seeds(0, 0, torch.arange(n_prompts), G)
+    return tokenizer, ids, engine.generate(ids, G, 1.0, 1.0, 6, seeds), seeds
 
 
-def method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, dist_,
-                  rewards=None):
-    """What methods.py hands the optimizer step, then policy_update. GRPO: A (N,) broadcast over each
-    completion's tokens. With `rewards` (N,), REINFORCE++: token advantages from them (§A, groups of
-    rollout.num_generations for the baseline variant) times `advantages` as the IS weight. π_old is
-    scored when the method needs it, π_ref when the run has a reference."""
-    a = cfg.algo
-    need_old = a.num_iterations > 1 or (rewards is not None and a.kl_coef > 0)
-    old, ref_logp = score_policy(policy, ref, input_ids, attention, mask, cfg, need_old, a.needs_reference)
-    if rewards is None:
-        token_advantages = advantages[:, None].expand_as(mask)             # (N, T)
-    else:
-        group = cfg.rollout.num_generations if a.advantage == "reinforce_pp_baseline" else None
-        token_advantages = reinforce_pp_advantages(rewards, mask, old, ref_logp, a.kl_coef, a.clip_score, group,
-                                                   a.whiten, reduce_sum=distributed.all_reduce_sum)
-        token_advantages = token_advantages * advantages[:, None]          # (N, T)
-    batch = UpdateBatch(input_ids, attention, mask, mask, token_advantages, old, ref_logp)
-    return policy_update(policy, optimizer, scheduler, batch, cfg, dist_)
+def _no_scoring(rows: list[int], texts: list[str]) -> RewardResult:
+    raise AssertionError("only SPO scores continuations")
+
+
+def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights, cfg, dist_, mine=None):
+    """One step as train.py runs it: the rollout with its (B, G) rewards and IS weights through the
+    method algo.advantage names (methods.method_for), then policy_update on the batch it hands over.
+    `mine`: this rank's prompts among the B (all of them by default), whose completions it trains."""
+    tokenizer, ids, rollout, seeds = batch
+    B, G = rewards.shape
+    mine = mine or slice(0, B)
+    local = slice(mine.start * G, mine.stop * G)                          # this rank's completions
+    rollout = Rollout(rollout.completion_ids[local], rollout.mask[local], rollout.logprobs[local],
+                      rollout.truncated[local], rollout.texts[local], rollout.gen_time_s)
+    flat = rewards[mine].reshape(-1)                                       # (N,)
+    scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros_like(flat)}, {"accuracy": 0})
+    rows = [p for p in range(mine.start, mine.stop) for _ in range(G)]
+    step = StepRollouts(0, torch.arange(B), rows, seeds[local], rollout, scored, rewards, is_weights)
+    pad = tokenizer.pad_token_id
+    problems = [f"p{i}" for i in range(B)]
+    ctx = Context(cfg, policy, ref, None, ids, problems, pad, dist_, mine, False, _no_scoring, lambda: None, B)
+    result = method_for(cfg, ids, pad, dist_, False).advantages(step, ctx)
+    return policy_update(policy, optimizer, scheduler, result.batch, cfg, dist_)
 
 
 def run_update(path, batch, checkpointing, overrides=()):
-    """π_old / π_ref scored as the methods do, then one policy_update, with a decoder layer's forward
-    calls recorded as (training, grad enabled)."""
-    cfg = load_config("configs/grpo.yaml", ["--train.micro_batch_size=4", *overrides])
+    """One GRPO step through methods.py (π_old / π_ref scored where the method needs them) and
+    policy_update, with a decoder layer's forward calls recorded as (training, grad enabled)."""
+    cfg = load_config("configs/grpo.yaml", ["--train.micro_batch_size=4", "--rollout.num_generations=3",
+                                            *overrides])
     policy = build_policy(path, False, 64, False, checkpointing)
     ref = build_policy(path, False, 64, False, False, trainable=False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -69,17 +73,16 @@ def run_update(path, batch, checkpointing, overrides=()):
     calls = []
     layer = policy.lm.model.layers[1]
     layer.register_forward_pre_hook(lambda module, args: calls.append((module.training, torch.is_grad_enabled())))
-    _, _, input_ids, attention, mask, advantages = batch
     assert not policy.training                                              # built in eval mode
-    method_update(policy, ref, optimizer, scheduler, input_ids, attention, mask, advantages, cfg, CPU)
+    method_update(policy, ref, optimizer, scheduler, batch, REWARDS, torch.ones(4, 3), cfg, CPU)
     assert not policy.training and not ref.training                         # handed back in eval mode
     return policy, calls
 
 
 def test_scoring_runs_in_eval_mode_and_the_update_in_train_mode(tiny_model_path):
     batch = rollout_batch(tiny_model_path)
-    # 12 sequences, micro-batches of 4 -> 3 micro-batches; 2 iterations; π_old scored up front (π_ref
-    # runs on the reference model, whose layer is not hooked).
+    # 12 sequences, micro-batches of 4 -> 3 micro-batches; 2 iterations, so methods.grpo scores π_old
+    # up front, before the update (π_ref runs on the reference model, whose layer is not hooked).
     _, calls = run_update(tiny_model_path, batch, False, ["--algo.num_iterations=2", "--algo.beta=0.04"])
     scoring, update = calls[:3], calls[3:]
     assert scoring == [(False, False)] * 3                                  # π_old: eval, no grad
@@ -115,13 +118,15 @@ def test_generation_with_checkpointing_enabled_is_unchanged(tiny_model_path):
 
 def test_checkpointing_saves_less_for_backward(tiny_model_path):
     # The memory side: tensors saved for backward in one training forward, with and without.
-    _, _, input_ids, attention, mask, _ = rollout_batch(tiny_model_path)
+    tokenizer, ids, rollout, _ = rollout_batch(tiny_model_path)
+    prompts = [p for p in ids for _ in range(3)]                           # G = 3 completions each
+    input_ids, attention = batch_inputs(prompts, rollout.completion_ids, rollout.mask, tokenizer.pad_token_id)
     saved = {}
     for checkpointing in (False, True):
         policy = build_policy(tiny_model_path, False, 64, False, checkpointing).train()
         total = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
                                                       lambda t: t):
-            policy(input_ids, attention, mask.shape[1], 1.0)
+            policy(input_ids, attention, rollout.mask.shape[1], 1.0)
         saved[checkpointing] = sum(total)
     assert saved[True] < 0.5 * saved[False]
