@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
         checkpoint.load_optimizer(resume_from, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         adopt_optim_config(optimizer, scheduler, cfg)
-        checkpoint.restore_trainer_state(state, sampler, method.ers, method.tree, cfg, sampler_mode(cfg))
+        checkpoint.restore_trainer_state(state, sampler, method.state, cfg, sampler_mode(cfg))
         step, generated_tokens = state["step"], state.get("generated_tokens", 0.0)
         print0(f"resumed from {resume_from} at step {step}")
     max_prompt_len = max(len(p) for p in train.ids + evals.ids)
@@ -118,8 +118,8 @@ def main(argv: list[str]) -> None:
         return evaluation(engine, evals, cfg, dist_, reward_pool)
 
     def save() -> None:
-        state = checkpoint.trainer_state(step, scheduler, sampler, method.ers, method.tree, generated_tokens,
-                                         cfg, sampler_mode(cfg))
+        state = checkpoint.trainer_state(step, scheduler, sampler, method.state, generated_tokens, cfg,
+                                         sampler_mode(cfg))
         path = checkpoint.save_checkpoint(out, step, policy, tokenizer, optimizer, state, dist_,
                                           cfg.train.keep_checkpoints)
         print0(f"saved {path}")
@@ -138,7 +138,7 @@ def main(argv: list[str]) -> None:
     # vLLM frees its GPU memory (rollout.sleep)
     release = engine.sleep if separate_engine else (lambda: None)
     ctx = Context(cfg, policy, ref, counter, train.ids, problems, tokenizer.pad_token_id, dist_, mine,
-                  lockstep, score, release, len(set(problems)), method.ers, method.tree)
+                  lockstep, score, release, len(set(problems)), method.state)
     last_eval, skipped_in_a_row = first_eval, 0                               # non-finite updates in a row
     preemption = distributed.PreemptionSignal()                               # SIGTERM / SIGUSR1
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))

@@ -153,19 +153,19 @@ def load_trainer_state(path: str, rank: int) -> dict:
     return state
 
 
-def trainer_state(step: int, scheduler, sampler, ers, tree, generated_tokens: float, cfg: Config,
+def trainer_state(step: int, scheduler, sampler, method_state, generated_tokens: float, cfg: Config,
                   sampler_mode: str) -> dict:
     """What an exact resume needs beside the weights and AdamW: the step, the schedule, the replicated
-    sampler / ERS / SPO-tree state, the tokens generated so far, and the method and sampler mode the
-    run trained with (a resume under another one is refused)."""
+    sampler and method state (methods.MethodState: ERS's statistics, SPO-tree's buffer), the tokens
+    generated so far, and the method and sampler mode the run trained with (a resume under another
+    one is refused)."""
     return {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
-            "ers": ers.state_dict() if ers is not None else None, "generated_tokens": generated_tokens,
-            "spo_tree": tree.state_dict() if tree is not None else None,
+            **method_state.state_dict(), "generated_tokens": generated_tokens,
             "advantage": cfg.algo.advantage, "sampler_mode": sampler_mode}
 
 
-def restore_trainer_state(state: dict, sampler, ers, tree, cfg: Config, sampler_mode: str) -> None:
-    """Load the replicated state of a checkpoint into the run's sampler, ERS and SPO-tree.
+def restore_trainer_state(state: dict, sampler, method_state, cfg: Config, sampler_mode: str) -> None:
+    """Load the replicated state of a checkpoint into the run's sampler and method state.
 
     A checkpoint trained under another algo.advantage or sampler mode (uniform, PPS paper or
     reference), or with ERS switched the other way, is refused with one ConfigError line naming both
@@ -188,10 +188,7 @@ def restore_trainer_state(state: dict, sampler, ers, tree, cfg: Config, sampler_
                               f"{key}={now}; resume with the same setting")
     try:
         sampler.load_state_dict(state["sampler"])
-        if ers is not None:
-            ers.load_state_dict(state["ers"])
-        if tree is not None and state.get("spo_tree") is not None:
-            tree.load_state_dict(state["spo_tree"])
+        method_state.load_state_dict(state)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -57,6 +57,26 @@ class StepRollouts:
 
 
 @dataclass
+class MethodState:
+    """What a method keeps across steps, replicated on every rank and saved in checkpoints: ERS's
+    statistics (grpo with ers.enabled, docs/methods.md §2) and SPO-tree's replay buffer (spo_tree,
+    docs/related.md §B). A method with state of its own adds a field here and to the two functions
+    below; train.py and checkpoint.py hand the object on as it is."""
+    ers: EMAStats | None = None
+    tree: SPOTree | None = None
+
+    def state_dict(self) -> dict:
+        return {"ers": self.ers.state_dict() if self.ers is not None else None,
+                "spo_tree": self.tree.state_dict() if self.tree is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ers is not None:
+            self.ers.load_state_dict(state["ers"])
+        if self.tree is not None and state.get("spo_tree") is not None:
+            self.tree.load_state_dict(state["spo_tree"])
+
+
+@dataclass
 class Context:
     """What the methods need from the run beside the step: models, engine, data, ranks and state."""
     cfg: Config
@@ -72,8 +92,7 @@ class Context:
     score: Score                  # (dataset rows, texts) -> their RewardResult
     release_engine: Callable[[], None]   # the step generates nothing more: a separate engine frees its memory
     distinct_problems: int        # distinct problems of the train set (ERS's seen_frac)
-    ers: EMAStats | None = None   # ERS statistics (grpo with ers.enabled)
-    tree: SPOTree | None = None   # SPO-tree's replay buffer (spo_tree)
+    state: MethodState = field(default_factory=MethodState)   # the chosen method's (Method.state)
 
 
 @dataclass
@@ -91,8 +110,7 @@ class Method:
     name: str
     advantages: Callable[[StepRollouts, Context], MethodOutput]
     max_new_tokens: int                # tokens per completion of the step's rollout (SPO-tree: M0)
-    ers: EMAStats | None = None
-    tree: SPOTree | None = None
+    state: MethodState = field(default_factory=MethodState)
 
 
 # ---- the methods ----
@@ -105,11 +123,11 @@ def grpo(s: StepRollouts, ctx: Context) -> MethodOutput:
     start = time.perf_counter()
     advantages = group_advantages(s.rewards, a.scale_rewards, a.adv_eps)          # (B, G) §1
     metrics = {}
-    if ctx.ers is not None:                                                        # §2
+    if ctx.state.ers is not None:                                                  # §2
         problems = [ctx.problems[i] for i in s.indices.tolist()]
-        ers_mean, ers_std = ctx.ers.update(problems, s.rewards)                   # (B,), (B,)
+        ers_mean, ers_std = ctx.state.ers.update(problems, s.rewards)             # (B,), (B,)
         advantages = smoothed_advantages(s.rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
-        stats = ctx.ers.batch_stats(problems, s.rewards, ers_mean, ctx.distinct_problems)
+        stats = ctx.state.ers.batch_stats(problems, s.rewards, ers_mean, ctx.distinct_problems)
         metrics = {f"ers_{k}": v for k, v in stats.items()}
     bookkeeping_s = time.perf_counter() - start                                    # the advantages and ERS
     mine = advantages[ctx.mine]                                                    # (B_local, G)
@@ -160,7 +178,7 @@ def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     the edges drawn from the replay buffer are trained (their π_old from when they were generated).
     PPS and rollout.is_correction are refused with this method (config.py): the edges are trained in
     later steps, and they keep no engine log-probs, so there is no IS weight to apply."""
-    cfg, tree = ctx.cfg, ctx.tree
+    cfg, tree = ctx.cfg, ctx.state.tree
     local = s.indices[ctx.mine].tolist()
     grown = tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step, ctx.score)
     ctx.release_engine()
@@ -178,7 +196,7 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
     name = cfg.algo.advantage
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None      # config.py allows ERS with grpo only
     if name == "grpo":
-        return Method(name, grpo, cfg.rollout.max_new_tokens, ers=ers)
+        return Method(name, grpo, cfg.rollout.max_new_tokens, MethodState(ers=ers))
     if name == "reinforce_pp":
         return Method(name, reinforce_pp, cfg.rollout.max_new_tokens)
     if name == "reinforce_pp_baseline":
@@ -187,7 +205,7 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
         return Method(name, spo_chain, cfg.rollout.max_new_tokens)
     if name == "spo_tree":
         tree = SPOTree(cfg, train_ids, pad_id, dist_, lockstep)
-        return Method(name, spo_tree, cfg.spo.segments[0], tree=tree)
+        return Method(name, spo_tree, cfg.spo.segments[0], MethodState(tree=tree))
     raise ValueError(f"algo.advantage: no method named {name!r}")   # config.py validates the name first
 
 

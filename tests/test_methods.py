@@ -92,7 +92,7 @@ def test_every_configured_name_has_its_method(advantage):
     assert method.name == advantage and method.advantages.__name__ == advantage
     # the step's generation budget: SPO-tree generates the trees' first level, M0 tokens
     assert method.max_new_tokens == (3 if advantage == "spo_tree" else cfg.rollout.max_new_tokens)
-    assert (method.tree is not None) == (advantage == "spo_tree") and method.ers is None
+    assert (method.state.tree is not None) == (advantage == "spo_tree") and method.state.ers is None
 
 
 def test_grpo_with_ers_smooths_the_second_visit():
@@ -102,7 +102,7 @@ def test_grpo_with_ers_smooths_the_second_visit():
     cfg, step, ctx = step_and_context("grpo", torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
     cfg.ers.enabled, cfg.ers.alpha = True, 0.5
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
-    ctx.ers = method.ers
+    ctx.state = method.state
     first = method.advantages(step, ctx)
     torch.testing.assert_close(first.batch.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
     assert first.metrics["ers_visits"] == 1 and first.metrics["ers_seen_frac"] == 1.0
