@@ -2,7 +2,8 @@
 
 `Policy` wraps a transformers causal LM. Its forward returns log π(o_t | q, o_<t) for the
 completion tokens, from logits divided by the sampling temperature, in float32, one
-(tokens x vocab) block at a time (token_logprobs.py). Generation also goes through
+(tokens x vocab) block at a time (token_logprobs.py; docs/methods.md §1, "Log-probabilities at the
+sampling temperature"). Generation also goes through
 `Policy.__call__` (generate=True): under FSDP2 the wrapper is the root module, and only work done
 inside the root's forward sees its gathered parameters (embeddings, final norm, lm_head).
 """
