@@ -92,7 +92,7 @@ class Context:
     score: Score                  # (dataset rows, texts) -> their RewardResult
     release_engine: Callable[[], None]   # the step generates nothing more: a separate engine frees its memory
     distinct_problems: int        # distinct problems of the train set (ERS's seen_frac)
-    state: MethodState = field(default_factory=MethodState)   # the chosen method's (Method.state)
+    state: MethodState            # the chosen method's (Method.state)
 
 
 @dataclass
@@ -189,7 +189,7 @@ def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     return MethodOutput(b, sums, times={"reward_s": grown.reward_s})
 
 
-# ---- the one place algo.advantage is read ----
+# ---- the one place a method is chosen ----
 
 def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool) -> Method:
     """The method named by algo.advantage, with its generation budget and replicated state."""

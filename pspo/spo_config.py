@@ -12,7 +12,7 @@ from pspo.config_check import check, parse_ints
 @dataclass
 class SPOConfig:
     """SPO, docs/related.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
-    # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B, "Cut points")
+    # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
     cutpoint_interval: int = 5
     # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
     num_mc: int = 9
@@ -23,7 +23,7 @@ class SPOConfig:
     segment_tokens: str = "30"
     # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
     tree_scale: bool = False
-    # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B, "Replay buffer")
+    # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
     replay_iterations: int = 8
     # tree: at most this many of a question's buffered edges drawn (and removed) per step
     edges_per_question: int = 32

@@ -34,7 +34,6 @@ the accuracy spread by size) is checked by tests marked `knights_model`, which `
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import time

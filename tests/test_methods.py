@@ -6,7 +6,7 @@ import torch
 
 from pspo.config import ADVANTAGES, load_config
 from pspo.distributed import Dist
-from pspo.methods import Context, StepRollouts, method_for
+from pspo.methods import Context, MethodState, StepRollouts, method_for
 from pspo.rewards import RewardResult
 from pspo.sequences import Rollout
 
@@ -24,7 +24,7 @@ def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Te
     scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(4)}, {"accuracy": 0})
     step = StepRollouts(0, torch.tensor([0, 1]), [0, 0, 1, 1], torch.arange(4), rollout, scored, rewards, is_weights)
     ctx = Context(cfg, None, None, None, [[1, 2], [3]], ["p0", "p1"], 0, CPU, slice(0, 2), False, None,
-                  lambda: None, 2)
+                  lambda: None, 2, MethodState())
     return cfg, step, ctx
 
 

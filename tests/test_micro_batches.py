@@ -57,16 +57,15 @@ def test_a_row_longer_than_the_budget_goes_alone():
 IS_WEIGHTS = torch.tensor([1.0, 0.5, 2.0, 1.0])[:, None].expand(4, 3)
 
 
-def updated_parameters(path, batch, overrides):
-    """The policy after one step through methods.py and policy_update with SGD(lr .1) and no
-    clipping: θ - .1·∇L, so equal parameters mean equal gradients. The small step keeps the second
-    iteration (num_iterations = 2) near π_old: with lr 1 the β·KL term drives the two iterations'
-    gradient norms to ~3000 (15 with lr .1), and the two groupings' parameters then differ by 2e-4
-    (2e-7 with lr .1)."""
+def updated_parameters(path, batch, overrides, lr=1.0):
+    """The policy after one step through methods.py and policy_update with SGD(lr) and no clipping:
+    θ - lr·∇L, so equal parameters mean equal gradients. With two iterations (num_iterations = 2) a
+    step of lr .1 keeps the second one near π_old: with lr 1 the β·KL term drives its gradient norm
+    to ~3000 (15 with lr .1), and the two groupings' parameters then differ by 2e-4 (2e-7 with lr .1)."""
     cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3", *overrides])
     policy = build_policy(path, False, 64, False, False)
     ref = build_policy(path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
-    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = copy.deepcopy([p.detach() for p in policy.parameters()])
     sums = method_update(policy, ref, optimizer, scheduler, batch, REWARDS, IS_WEIGHTS, cfg, CPU)
@@ -87,8 +86,10 @@ def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo
     mask = batch[2].mask
     for i in range(12):
         mask[i, 1 + i % 6:] = 0
-    fixed, fixed_sums, moved = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_size=4", *algo])
-    budget, budget_sums, _ = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_tokens=60", *algo])
+    lr = 0.1 if "--algo.num_iterations=2" in algo else 1.0
+    fixed, fixed_sums, moved = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_size=4", *algo], lr)
+    budget, budget_sums, _ = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_tokens=60", *algo],
+                                                lr)
     assert moved > 1e-4                                                  # the update did something
     for a, b in zip(fixed, budget):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)

@@ -22,7 +22,7 @@ from pspo.update import policy_update
 
 CPU = Dist(0, 1, torch.device("cpu"))
 # (B, G) = (4, 3): distinct rewards in every group, so that every completion gets a non-zero advantage
-REWARDS = torch.tensor([[1.0, 0.0, 0.5], [0.2, 1.0, 0.0], [0.0, 0.6, 1.0], [0.9, 0.3, 0.0]])
+REWARDS = torch.tensor([[1.0, 0.0, 0.4], [0.2, 1.0, 0.0], [0.0, 0.6, 1.0], [0.9, 0.3, 0.0]])
 
 
 def rollout_batch(path, n_prompts=4, G=3):
@@ -56,8 +56,10 @@ def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights,
     step = StepRollouts(0, torch.arange(B), rows, seeds[local], rollout, scored, rewards, is_weights)
     pad = tokenizer.pad_token_id
     problems = [f"p{i}" for i in range(B)]
-    ctx = Context(cfg, policy, ref, None, ids, problems, pad, dist_, mine, False, _no_scoring, lambda: None, B)
-    result = method_for(cfg, ids, pad, dist_, False).advantages(step, ctx)
+    method = method_for(cfg, ids, pad, dist_, False)
+    ctx = Context(cfg, policy, ref, None, ids, problems, pad, dist_, mine, False, _no_scoring, lambda: None, B,
+                  method.state)
+    result = method.advantages(step, ctx)
     return policy_update(policy, optimizer, scheduler, result.batch, cfg, dist_)
 
 

@@ -227,7 +227,7 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     cpu = Dist(0, 1, torch.device("cpu"))
     method = method_for(cfg, ids, tokenizer.pad_token_id, cpu, False)
     ctx = Context(cfg, policy, ref, None, ids, [ex.problem for ex in examples], tokenizer.pad_token_id, cpu,
-                  slice(0, 4), False, None, lambda: None, 4)
+                  slice(0, 4), False, None, lambda: None, 4, method.state)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     calls = []
