@@ -1,15 +1,13 @@
 """The memory plan (pspo/plan.py): hand-worked static parts, the activation and log-prob estimates
 against what PyTorch really saves / allocates on CPU, the `--plan` command and the start-up check."""
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
@@ -19,9 +17,16 @@ from pspo.token_logprobs import token_logprobs
 from pspo.decode import bucket
 from pspo.plan import GiB, PlanError
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = os.path.join(ROOT, "configs", "qwen2.5-math-1.5b")
 RECIPE = os.path.join(QWEN, "pspo.yaml")
+# LiveBytes (the peak of the storages allocated inside it) is bench/logprob_head.py's, which measures
+# the log-prob head the same way
+_spec = importlib.util.spec_from_file_location("logprob_head", os.path.join(ROOT, "bench", "logprob_head.py"))
+logprob_head = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(logprob_head)
+LiveBytes = logprob_head.LiveBytes
 
 
 def small_config(**kw) -> Qwen2Config:
@@ -122,33 +127,6 @@ def test_activation_estimate_matches_saved_tensors(bf16):
     layer_measured = acts - acts_ckpt + b * s * 4 * arch.hidden + copies
     extra = plan.activation_peak(arch, b, s, 0, bf16, True) - predicted_ckpt
     assert extra >= 0.75 * layer_measured, (extra, layer_measured)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages created inside the mode, each counted until it is freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key in self.live or key in inputs or storage.nbytes() == 0:      # a view, not new memory
-                    continue
-                self.live[key] = storage.nbytes()
-                self.now += storage.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(storage, self._free, key)
-        return out
 
 
 def test_logprob_chunk_estimate_matches_allocations():
