@@ -1,5 +1,7 @@
-"""The one error type of a config mistake, and the check that raises it: imported by config.py and
-spo_config.py (which config.py imports), so both report a bad value the same way."""
+"""The one error type of a config mistake, the check that raises it, and the first line of an
+exception that a one-line error quotes: imported by config.py and spo_config.py (which config.py
+imports), so both report a bad value the same way, and by the components that turn a library's
+exception into one line."""
 from __future__ import annotations
 
 from typing import Any
@@ -21,3 +23,8 @@ def parse_ints(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in str(text).split(","))
     except ValueError:
         return ()
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of e's message, at most `limit` characters; e's type name if it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]

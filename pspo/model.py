@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from pspo.config_check import first_line
 from pspo.token_logprobs import token_logprobs
 
 
@@ -33,7 +34,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
                                                   trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
         raise ModelError(f"model.name_or_path: cannot load a tokenizer from {path!r} "
-                         f"({_first_line(e)})") from None
+                         f"({first_line(e)})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -45,7 +46,7 @@ def load_model_config(path: str, trust_remote_code: bool = False):
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
         raise ModelError(f"model.name_or_path: cannot load a model config from {path!r} "
-                         f"({_first_line(e)})") from None
+                         f"({first_line(e)})") from None
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -55,11 +56,9 @@ def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Modul
                                                     trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, corrupt (SafetensorError), foreign or rejected
         raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} "
-                         f"({_first_line(e)})") from None
+                         f"({first_line(e)})") from None
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 class Policy(torch.nn.Module):

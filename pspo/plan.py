@@ -68,6 +68,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from pspo.config import Config, ConfigError, load_config
+from pspo.config_check import first_line
 from pspo.builtin_models import resolve_model_path
 from pspo.model import load_model_config
 from pspo.decode import bucket
@@ -156,7 +157,7 @@ def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = Fal
         except Exception as e:  # noqa: BLE001 - not cached (OSError), or a config.json transformers rejects
             if source != standin and not os.path.isdir(source):
                 continue                                        # not in the cache: try the stand-in
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            first = first_line(e, 200)
             raise PlanError(f"model.name_or_path: cannot read {source}'s config.json ({first})") from None
         return arch_from_config(config, trust_remote_code), label
     fallback = ""
@@ -186,7 +187,7 @@ def load_prm_arch(cfg: Config, local_only: bool) -> tuple[PRMArch | None, str]:
         with torch.device("meta"):                                      # shapes only, no memory
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
     except Exception as e:  # noqa: BLE001 - not a local folder nor cached, or not a classifier
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        why = first_line(e, 120)
         return None, f"prm.model {cfg.prm.model!r}: not counted, its config.json cannot be read ({why})"
     hidden = getattr(config, "hidden_size", 0)
     return PRMArch(sum(p.numel() for p in model.parameters()), hidden,

@@ -38,6 +38,7 @@ from transformers.utils import logging as hf_logging
 from pspo import distributed
 from pspo.builtin_models import resolve_model_path
 from pspo.config import Config, ConfigError, PRMConfig
+from pspo.config_check import first_line
 from pspo.process_reward import geometric_mean, shaped_reward, split_steps, step_pairs
 
 
@@ -151,7 +152,7 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
             path, dtype=dtype, trust_remote_code=p.trust_remote_code, output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - missing, not a classifier, remote code refused, corrupt
         raise ConfigError(f"prm.model: cannot load {p.model!r} as a tokenizer and an "
-                          f"AutoModelForSequenceClassification ({_first_line(e)})") from None
+                          f"AutoModelForSequenceClassification ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if info["missing_keys"]:
@@ -192,7 +193,3 @@ def prm_metrics(prm: PRM | None, device: torch.device, step_s: float) -> dict[st
     return {"prm_steps": sums["prm_steps"] / completions, "prm_scored_frac": scored / completions,
             "prm_score": sums["prm_score"] / scored if scored else float("nan"), "prm_s": seconds,
             "prm_share": seconds / max(step_s, 1e-9)}
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
