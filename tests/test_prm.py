@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -108,6 +109,11 @@ def test_a_prm_that_cannot_serve_stops_with_one_line(tmp_path, tiny_prm_path):
              (prm_config("--prm.max_tokens=600", "--prm.batch_tokens=600"),
               "prm.max_tokens: expected at most the PRM's 512 positions, got 600"),
              (prm_config(model=decoder_classifier(tmp_path / "decoder")), "prm.separator: ")]
+    unpadded = tmp_path / "unpadded"                     # the tiny PRM with a tokenizer that has no pad (nor eos)
+    shutil.copytree(tiny_prm_path, unpadded)
+    settings = json.loads((unpadded / "tokenizer_config.json").read_text())
+    (unpadded / "tokenizer_config.json").write_text(json.dumps({**settings, "pad_token": None}))
+    cases.append((prm_config(model=str(unpadded)), "tokenizer has neither a pad nor an eos token"))
     encoder = tmp_path / "encoder"                       # the PRM's encoder without its classification head
     base = AutoModelForSequenceClassification.from_pretrained(tiny_prm_path)
     BertModel(base.config).save_pretrained(encoder)
