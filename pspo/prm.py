@@ -173,8 +173,8 @@ def load_prm(cfg: Config, device: torch.device) -> PRM | None:
     if tokenizer.pad_token_id is None:                   # a decoder PRM: pad with eos, as load_tokenizer does
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.pad_token_id is None:
-        raise ConfigError(f"prm.model: {p.model!r}'s tokenizer has neither a pad nor an eos token; expected one "
-                          "to pad a batch of steps with")
+        raise ConfigError(f"prm.model: {p.model!r}'s tokenizer has neither a pad nor an eos token; "
+                          "expected one to pad a batch of steps with")
     if model.config.pad_token_id is None:                # decoder classifiers find the last token by it
         model.config.pad_token_id = tokenizer.pad_token_id
     model.requires_grad_(False)
