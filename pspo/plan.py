@@ -78,6 +78,9 @@ GiB = 2**30
 OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
 # PyTorch's caching allocator: reserved / the plan's tensors - 1 (the docstring: at most 0.19 seen)
 ALLOCATOR_SLACK = 0.2
+# the sampler's working set per generated row, about 8 float32 (vocab,) blocks (logits/T, log_softmax,
+# Gumbel noise and its int64 hashes): a rough figure
+SAMPLER_BLOCKS = 8
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
 USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
          f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")
@@ -413,18 +416,16 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
         rows.append(("kvcache", text, static_cache_bytes(a, cache_rows, length, m.bf16), "both"))
         if m.bf16:
             rows.append(("copies", "the decoder's bf16 weight copies, kept", 2 * P, "both"))
-        # the sampler's (rows x vocab) working set, about 8 float32 blocks (logits/T, log_softmax, Gumbel
-        # noise and its int64 hashes: a rough figure), at the largest call's bucketed rows
+        # the sampler's working set (SAMPLER_BLOCKS), at the largest call's bucketed rows
         batch = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
-        rows.append(("generate", f"sampler working set, {batch} rows x vocab", batch * 8 * a.vocab * 4,
-                     "generation"))
+        rows.append(("generate", f"sampler working set, {batch} rows x vocab",
+                     batch * SAMPLER_BLOCKS * a.vocab * 4, "generation"))
     else:                                    # transformers generate on the sharded policy (rollout.py)
         # per call: the KV cache of its rows in flight at their longest (fp32 K after RoPE) and the
-        # sampler's (rows x vocab) working set, about 8 float32 blocks (logits/T, log_softmax, Gumbel
-        # noise and its int64 hashes: a rough figure); the largest call counts
+        # sampler's working set (SAMPLER_BLOCKS); the largest call counts
         per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
         in_flight = [(rows_in_flight(c, r.batch_size), c.longest) for c in calls]
-        cost, batch, longest = max((n * (length * per_token + 8 * a.vocab * 4), n, length)
+        cost, batch, longest = max((n * (length * per_token + SAMPLER_BLOCKS * a.vocab * 4), n, length)
                                    for n, length in in_flight)
         # plus autocast's bf16 weight copies and the gathered FSDP2 params
         work = (2 * P if m.bf16 else 0) + 4 * (a.root_params + 2 * L)
