@@ -27,15 +27,15 @@ import sys
 
 import torch
 
-from pspo import distributed
-from pspo.benchmarks import BENCHMARKS, load_benchmark
-from pspo.config import ConfigError, load_config
-from pspo.data import DataError, PromptSet, load_examples, prompt_set
-from pspo.distributed import print0
+from pspo.training import distributed
+from pspo.tasks.benchmarks import BENCHMARKS, load_benchmark
+from pspo.training.config import ConfigError, load_config
+from pspo.tasks.data import DataError, PromptSet, load_examples, prompt_set
+from pspo.training.distributed import print0
 from pspo.evaluation import evaluate
-from pspo.builtin_models import resolve_model_path
-from pspo.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
-from pspo.reward_pool import RewardPool, resolve_workers
+from pspo.offline.builtin import resolve_model_path
+from pspo.training.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
+from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.rollout import build_engine, engine_name
 
 FLAGS = ("--benchmarks", "--engine")

@@ -24,26 +24,29 @@ import sys
 import torch
 from tqdm import tqdm
 
-from pspo import checkpoint, distributed
-from pspo.checkpoint import CheckpointError
-from pspo.config import Config, ConfigError, load_config, save_config
-from pspo.data import DataError, PromptSet, load_examples, prompt_set
-from pspo.distributed import Dist, print0
+from pspo.training import checkpoint
+
+from pspo.training import distributed
+from pspo.training.checkpoint import CheckpointError
+from pspo.training.config import Config, ConfigError, load_config, save_config
+from pspo.tasks.data import DataError, PromptSet, load_examples, prompt_set
+from pspo.training.distributed import Dist, print0
 from pspo.evaluation import evaluate
 from pspo.methods import Context, StepRollouts, method_for
-from pspo.metrics import MetricsLogger, StepClock, gpu_memory, step_record
-from pspo.builtin_models import resolve_model_path
-from pspo.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
-from pspo.optim import adopt_optim_config, build_optimizer
-from pspo.plan import plan_cli, startup_check
-from pspo.prm import load_prm, prm_metrics
-from pspo.reward_pool import RewardPool, resolve_workers
+from pspo.training.metrics import MetricsLogger, StepClock, gpu_memory, step_record
+from pspo.offline.builtin import resolve_model_path
+from pspo.training.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
+from pspo.training.optim import adopt_optim_config, build_optimizer
+from pspo.training.plan import plan_cli, startup_check
+from pspo.related.prm import load_prm, prm_metrics
+from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.rewards import RewardResult, score_completions
-from pspo.rollout import CountingEngine, HFEngine, build_engine, engine_name
+from pspo.rollout import CountingEngine, build_engine, engine_name
+from pspo.engines.hf_engine import HFEngine
 from pspo.sampler import build_sampler, importance_weights, sampler_metrics, sampler_mode
-from pspo.sequences import sequence_seeds
+from pspo.engines.sampling import sequence_seeds
 from pspo.update import policy_update
-from pspo.vllm_engine import SyncError, stale_engine, sync_engine
+from pspo.engines.vllm_engine import SyncError, stale_engine, sync_engine
 
 MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
 
@@ -76,7 +79,7 @@ def main(argv: list[str]) -> None:
     check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
                   r.max_new_tokens)
     # PlanError (exit 2) if it cannot fit
-    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device))
+    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine_name(r.engine)))
     prm = load_prm(cfg, dist_.device)             # reward.prm != 0: PSPO*'s frozen process reward model (§C)
     policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
                           m.gradient_checkpointing).to(dist_.device)

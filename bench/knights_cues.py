@@ -22,7 +22,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pspo.knights import SIZES, Puzzle, split_puzzles  # noqa: E402
+from pspo.tasks.knights import SIZES, Puzzle, split_puzzles  # noqa: E402
 
 SHAPES = ("op", "full")
 
@@ -60,9 +60,9 @@ def splits(n: int, test_per_size: int = 100, train_per_size: int = 200) -> tuple
 def _model_accuracy(path: str) -> dict[int, float]:
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-    from pspo.knights import builtin_knights
-    from pspo.builtin_models import TINY_KNIGHTS_MODEL
-    from pspo.tiny_knights import ensure_tiny_knights_model, greedy_accuracy_by_size
+    from pspo.tasks.knights import builtin_knights
+    from pspo.offline.builtin import TINY_KNIGHTS_MODEL
+    from pspo.offline.tiny_knights import ensure_tiny_knights_model, greedy_accuracy_by_size
     path = ensure_tiny_knights_model() if path == TINY_KNIGHTS_MODEL else path
     model, tokenizer = Qwen2ForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     return greedy_accuracy_by_size(model, tokenizer, builtin_knights("test", test_per_size=100))

@@ -1,4 +1,4 @@
-"""The log-prob head before and after pspo/token_logprobs.py, side by side on CPU.
+"""The log-prob head before and after pspo/training/token_logprobs.py, side by side on CPU.
 
     python bench/logprob_head.py        # 4096 tokens x hidden 1536 x vocab 32768: ~15 min on 2 cores
     python bench/logprob_head.py --tokens 1024 --vocab 8192 --reps 3          # quicker
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pspo.token_logprobs import token_logprobs  # noqa: E402
+from pspo.training.token_logprobs import token_logprobs  # noqa: E402
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor,

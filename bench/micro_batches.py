@@ -15,7 +15,7 @@ same and only the padding differs; --budget sets another budget (the GPU recipes
 two modes alternate, `--reps` times each; the table has the median update time, real tokens per
 second and the padded share of positions, then the ratio.
 With --arch the model is that config.json's architecture at its real widths, random weights
-(pspo/standin.py), and on a GPU the table adds the peak memory of the update (allocated and
+(pspo/offline/standin.py), and on a GPU the table adds the peak memory of the update (allocated and
 reserved, AdamW state included) and the model FLOPs utilisation: 6 x parameters x real tokens /
 time / the GPU's dense bf16 peak (--peak-tflops; 989 = H100 SXM); attention FLOPs and the forward
 that checkpointing recomputes are not counted. The optimizer is AdamW (fused on a GPU, as
@@ -39,12 +39,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from pspo.config import load_config  # noqa: E402
-from pspo.distributed import Dist  # noqa: E402
-from pspo.model import build_policy  # noqa: E402
-from pspo.standin import build_random_model  # noqa: E402
-from pspo.micro_batches import plan_micro_batches  # noqa: E402
-from pspo.sequences import UpdateBatch  # noqa: E402
+from pspo.training.config import load_config  # noqa: E402
+from pspo.training.distributed import Dist  # noqa: E402
+from pspo.training.model import build_policy  # noqa: E402
+from pspo.offline.standin import build_random_model  # noqa: E402
+from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
+from pspo.training.micro_batches import UpdateBatch  # noqa: E402
 from pspo.update import policy_update  # noqa: E402
 
 

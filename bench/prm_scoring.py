@@ -1,12 +1,12 @@
 """PSPO*'s PRM scoring: every step of a training step's completions in batched, length-sorted
-forwards (pspo/prm.py) against one step at a time (as the released code scores them).
+forwards (pspo/related/prm.py) against one step at a time (as the released code scores them).
 
     python bench/prm_scoring.py                        # a GPU: a BERT-base-sized PRM, 48 completions x 20 steps
     python bench/prm_scoring.py --small --completions 8 --steps 5      # CPU: a 2-layer stand-in, seconds
 
 The PRM is a randomly initialised BertForSequenceClassification with 3 labels (the PSPO* authors'
 PRM is a BERT step classifier; --small keeps 2 layers of width 64) over the tiny PRM's word
-vocabulary (pspo/tiny_prm.py), bf16 on a GPU, float32 on CPU. Each completion has --steps lines of
+vocabulary (pspo/offline/tiny_prm.py), bf16 on a GPU, float32 on CPU. Each completion has --steps lines of
 1 to 9 repeated K&K clauses, split per line (prm.split: lines) and paired with the step before. The
 table gives the steps scored, seconds batched and one at a time, the ratio, steps per second, the
 largest |batched - one at a time| score and, on a GPU, the peak memory. The PRM's share of a
@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
 
-from pspo.config import load_config  # noqa: E402
-from pspo.prm import PRM  # noqa: E402
-from pspo.process_reward import split_lines, step_pairs  # noqa: E402
-from pspo.tiny_prm import build_prm_tokenizer  # noqa: E402
+from pspo.training.config import load_config  # noqa: E402
+from pspo.related.prm import PRM  # noqa: E402
+from pspo.related.process_reward import split_lines, step_pairs  # noqa: E402
+from pspo.offline.tiny_prm import build_prm_tokenizer  # noqa: E402
 
 CLAUSE = "Zoey is a knight and Mia says that Leo is a knave"
 

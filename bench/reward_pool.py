@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pspo.reward_pool import RewardPool  # noqa: E402
+from pspo.tasks.reward_pool import RewardPool  # noqa: E402
 from pspo.rewards import score_completions  # noqa: E402
 
 WEIGHTS = {"accuracy": 1.0, "format": 0.0}

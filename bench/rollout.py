@@ -7,7 +7,7 @@
     python bench/rollout.py --random 8,512 --max-new-tokens 64     # a random-weight 8 x 512 Qwen2
 
 Engines: `generate` is HFEngine's transformers `generate` loop (dynamic KV cache, the sampler as a
-logits processor); `static` is its static-cache loop (pspo/decode.py), compiled as
+logits processor); `static` is its static-cache loop (pspo/engines/decode.py), compiled as
 `rollout.compile` says (--compile; auto: on CUDA, CUDA graphs there); `vllm` is the colocated
 in-process engine train.py uses. Each generates n completions of each of the same prompts (the
 built-in task under the chat template, or for --arch/--random the stand-in tokenizer's), with the
@@ -31,13 +31,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pspo.data import builtin_arithmetic, format_prompt  # noqa: E402
-from pspo.model import build_policy, load_tokenizer  # noqa: E402
-from pspo.rollout import HFEngine, compile_enabled  # noqa: E402
-from pspo.sampling import draw  # noqa: E402
-from pspo.sequences import sequence_seeds  # noqa: E402
-from pspo.standin import build_random_model  # noqa: E402
-from pspo.tiny import ensure_tiny_model  # noqa: E402
+from pspo.tasks.data import builtin_arithmetic, format_prompt  # noqa: E402
+from pspo.training.model import build_policy, load_tokenizer  # noqa: E402
+from pspo.engines.hf_engine import HFEngine  # noqa: E402
+from pspo.rollout import compile_enabled
+from pspo.engines.sampling import draw  # noqa: E402
+from pspo.engines.sampling import sequence_seeds  # noqa: E402
+from pspo.offline.standin import build_random_model  # noqa: E402
+from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
 
 ENGINES = ("generate", "static", "vllm")
 
@@ -64,7 +65,7 @@ def build(name: str, path: str, tokenizer, policy, args, max_len: int, device: s
     if name == "static":
         return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, max_len=max_len,
                         compile=compile_enabled(args.compile, torch.device(device)))
-    from pspo.vllm_engine import VLLMEngine
+    from pspo.engines.vllm_engine import VLLMEngine
     return VLLMEngine(path, tokenizer, max_len, seed=0, bf16=args.bf16)
 
 

@@ -8,7 +8,7 @@ or, leaving the project's environment untouched:
     pip install --target DIR --no-deps trl==1.16.0 accelerate==1.15.0
     PYTHONPATH=DIR python bench/step_time.py
 
-The same on both sides: the offline tiny model (pspo/tiny.py), the builtin:arithmetic train split,
+The same on both sides: the offline tiny model (pspo/offline/tiny.py), the builtin:arithmetic train split,
 B = 16 prompts x G = 8 completions per step, at most 12 new tokens, T = 1, full-vocabulary sampling,
 one AdamW step per rollout batch (num_iterations 1, all 128 completions in one micro-batch),
 β = 0 (no reference model), lr 1e-4 with 5 warm-up steps then cosine, AdamW β2 0.99, clip ε
@@ -111,10 +111,10 @@ def trl_worker(w: Workload, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from pspo.data import builtin_arithmetic, prompt_set
-    from pspo.model import load_tokenizer
+    from pspo.tasks.data import builtin_arithmetic, prompt_set
+    from pspo.training.model import load_tokenizer
     from pspo.rewards import accuracy_reward
-    from pspo.tiny import ensure_tiny_model
+    from pspo.offline.tiny import ensure_tiny_model
 
     path = ensure_tiny_model()
     tokenizer = load_tokenizer(path)
@@ -217,7 +217,7 @@ def main(argv: list[str]) -> int:
     import transformers
     import trl
 
-    from pspo.tiny import ensure_tiny_model
+    from pspo.offline.tiny import ensure_tiny_model
     ensure_tiny_model()                           # built once, before any timed run
     print(f"{os.cpu_count()} CPUs, {args.threads} torch threads per side, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, trl {trl.__version__}, accelerate {accelerate.__version__}; "

@@ -5,7 +5,7 @@ Each rank scores a strided slice of the prompts; slices are padded to equal leng
 rank makes the same number of generate calls (required under FSDP), and padded rows are not
 counted. Sums are reduced over ranks, so the result is the same for any number of ranks.
 
-On knights-and-knaves puzzles (every gold a K&K solution, pspo/knights.py) accuracy is the K&K
+On knights-and-knaves puzzles (every gold a K&K solution, pspo/tasks/knights.py) accuracy is the K&K
 exact match (rewards.accuracy_reward), and the greedy accuracy is also reported per number of
 people, `greedy_{n}ppl` for each n present (2..8), as K&K results are reported.
 """
@@ -16,13 +16,13 @@ import math
 import torch
 from tqdm import tqdm
 
-from pspo import distributed
-from pspo.data import Example
-from pspo.distributed import Dist
-from pspo.knights_reward import knights_people
-from pspo.reward_pool import RewardPool
+from pspo.training import distributed
+from pspo.tasks.data import Example
+from pspo.training.distributed import Dist
+from pspo.tasks.knights_reward import knights_people
+from pspo.tasks.reward_pool import RewardPool
 from pspo.rewards import score_completions
-from pspo.sequences import sequence_seeds
+from pspo.engines.sampling import sequence_seeds
 
 EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every training step
 
@@ -33,7 +33,7 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
              pool: RewardPool | None = None) -> dict[str, float]:
     """Returns {"greedy_accuracy", and with num_samples = k > 0: f"mean@{k}", f"pass@{k}";
     on K&K puzzles also f"greedy_{n}ppl" for each number of people n present}. Completions are
-    scored in `pool`'s worker processes if one is given (pspo/reward_pool.py), else here."""
+    scored in `pool`'s worker processes if one is given (pspo/tasks/reward_pool.py), else here."""
     mine = list(range(dist_.rank, len(prompt_ids), dist_.world_size))
     per_rank = math.ceil(len(prompt_ids) / dist_.world_size)
     real = len(mine)

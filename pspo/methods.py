@@ -32,15 +32,16 @@ import torch
 from torch import Tensor
 
 from pspo.advantages import group_advantages, reinforce_pp_advantages, smoothed_advantages, zero_variance
-from pspo import distributed
-from pspo.config import Config
-from pspo.distributed import Dist
+from pspo.training import distributed
+from pspo.training.config import Config
+from pspo.training.distributed import Dist
 from pspo.ema_stats import EMAStats
 from pspo.is_correction import correction_weights, mismatch_sums
-from pspo.logprobs import score_policy
+from pspo.training.logprobs import score_policy
 from pspo.rewards import RewardResult
-from pspo.sequences import Rollout, UpdateBatch, batch_inputs
-from pspo.spo import Score, SPOTree, chain_advantages_of
+from pspo.engines.tokens import Rollout, batch_inputs
+from pspo.training.micro_batches import UpdateBatch
+from pspo.related.spo import Score, SPOTree, chain_advantages_of
 
 
 @dataclass

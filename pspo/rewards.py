@@ -1,10 +1,10 @@
 """Verifiable rewards of the reference recipes, docs/methods.md §5: accuracy (math-verify), format
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and PaddleNLP's
-knights-and-knaves reward (docs/related.md §A), `knights` (pspo/knights_reward.py). PSPO*'s
+knights-and-knaves reward (docs/related.md §A), `knights` (pspo/tasks/knights_reward.py). PSPO*'s
 process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
-(`StepReward`, pspo/prm.py) and summed with them.
+(`StepReward`, pspo/related/prm.py) and summed with them.
 
-Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/knights.py) are not math: for
+Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/tasks/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
 right) and `format` the K&K tag check, so the logged accuracy and format rates, the data check
 (`check_gold_answer`) and evaluation mean the same for both tasks, and a K&K preset sets
@@ -12,22 +12,17 @@ reward.accuracy 0 and reward.knights 1.
 
 Every reward function is a pure function (prompt, completion, gold) -> float. `score_completions`
 runs them on a batch, in the calling process or in a pool of worker processes
-(pspo/reward_pool.py: the same calls under the same guard, so the same scores), and turns a raise
+(pspo/tasks/reward_pool.py: the same calls under the same guard, so the same scores), and turns a raise
 or a run past `timeout_s` into a score of 0 counted in `failures`, except `GoldAnswerError`: a
 gold answer math-verify cannot parse is an error in the data and propagates (the reference code
-scored it a free 1.0). Data loading checks every gold first (pspo/data.py) and leaves such rows
-out. A gold is first brought to what math-verify parses (pspo/golds.py: escaped dollars, `\\!`,
+scored it a free 1.0). Data loading checks every gold first (pspo/tasks/data.py) and leaves such rows
+out. A gold is first brought to what math-verify parses (pspo/tasks/golds.py: escaped dollars, `\\!`,
 e-notation, `$...$` delimiters).
 
-Time limits. math-verify guards itself with `signal.alarm` (whole seconds, main thread only,
-and it overwrites any outer alarm). We switch its guards off (`parsing_timeout=None`,
-`timeout_seconds=None`; its one-time warning saying so is silenced) and put one guard of our own
-around every reward-function call: `signal.setitimer(ITIMER_REAL, timeout_s)` with a handler
-raising `_RewardTimeout`, a BaseException so that math-verify's many `except Exception` blocks
-cannot swallow it. An outer ITIMER_REAL timer (e.g. pytest-timeout) is paused during the batch
-and re-armed afterwards with what was left of it. Signals reach only the main thread, so
-`score_completions` raises RuntimeError elsewhere rather than run without a limit. A signal
-cannot interrupt one long C call (a regex); the input caps below keep those short.
+Time limits. math-verify's own `signal.alarm` guards are switched off (`parsing_timeout=None`,
+`timeout_seconds=None`; its one-time warning saying so is silenced): every reward-function call
+runs under one guard of ours instead, a per-call SIGALRM timer (pspo/tasks/reward_pool.py, which
+also runs the calls in worker processes).
 
 Input caps (cost of a pathological completion). math-verify sees only the answer part: the text
 from the last `\\boxed` on, at most MAX_ANSWER_CHARS characters (else the last MAX_ANSWER_CHARS
@@ -43,21 +38,18 @@ its functions and guard, and start in ~0.7 s without torch instead of ~2 s with 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import re
-import signal
-import threading
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from math_verify import parse, verify
 
-from pspo.golds import GoldAnswerError, answer_latex, gold_latex
-from pspo.knights_reward import assistant_turn, knights_format_ok, knights_people, knights_reward
+from pspo.tasks.golds import GoldAnswerError, answer_latex, gold_latex
+from pspo.tasks.knights_reward import assistant_turn, knights_format_ok, knights_people, knights_reward
+from pspo.tasks.reward_pool import RewardFn, RewardPool, score_calls
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -68,10 +60,6 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 MAX_ANSWER_CHARS = 300       # characters of the answer part math-verify sees (a 300-char sum: ~0.5 s)
 MAX_BRACKET_DEPTH = 10       # deeper ( [ { nesting in the answer part scores 0 without parsing
 COSINE_MAX_LEN = 1000        # L_max of the cosine reward, characters (§5)
-
-
-class _RewardTimeout(BaseException):
-    """Raised by our SIGALRM handler; a BaseException so `except Exception` cannot swallow it."""
 
 
 # ---- accuracy --------------------------------------------------------------------------------
@@ -164,7 +152,7 @@ def format_reward(prompt: str, completion: str, gold: str) -> float:
     whitespace, `<think>`, anything (possibly empty), `</think>`, then the answer part; (3) the
     last `\\boxed{` of the answer part has a matching `}` and non-blank content between them.
     Text around the box in the answer part is allowed; a box inside the think block does not count.
-    A knights-and-knaves gold: 1.0 iff the K&K format check passes (pspo/knights_reward.py).
+    A knights-and-knaves gold: 1.0 iff the K&K format check passes (pspo/tasks/knights_reward.py).
     """
     if knights_people(gold) is not None:
         return 1.0 if knights_format_ok(assistant_turn(prompt, completion)) else 0.0
@@ -188,8 +176,6 @@ def cosine_reward(prompt: str, completion: str, gold: str, max_len: int = COSINE
     return 0.75 + 0.25 * cos if correct else -0.25 + 0.25 * cos
 
 
-RewardFn = Callable[[str, str, str], float]
-Values = tuple[dict[str, list[float]], dict[str, int]]   # (name -> (N,) values, name -> failures)
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "accuracy": accuracy_reward,
     "format": format_reward,
@@ -207,81 +193,17 @@ class RewardResult:
     failures: dict[str, int]         # name -> number of calls that raised or timed out
 
 
-def _on_alarm(signum: int, frame: object) -> None:
-    raise _RewardTimeout()
-
-
-@contextlib.contextmanager
-def alarm_guard() -> Iterator[None]:
-    """Install our SIGALRM handler for a batch; pause and afterwards re-arm any outer timer."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("score_completions must run in the main thread: its per-call time "
-                           "limit uses SIGALRM, which Python delivers only there")
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, 0)
-    outer_handler = signal.signal(signal.SIGALRM, _on_alarm)
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        # getsignal() reports None for a handler not installed from Python; SIG_DFL is the closest.
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if outer_handler is None else outer_handler)
-        if outer_delay > 0:                              # fires at once if it expired meanwhile
-            remaining = max(outer_delay - (time.monotonic() - start), 1e-6)
-            signal.setitimer(signal.ITIMER_REAL, remaining, outer_interval)
-
-
-def guarded_call(fn: RewardFn, args: tuple[str, str, str], timeout_s: float) -> float | None:
-    """fn(*args) limited to `timeout_s` seconds, inside `alarm_guard`: its finite value, or None if
-    it raised, returned a non-finite value or ran past the limit. GoldAnswerError propagates."""
-    try:
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        try:
-            value = float(fn(*args))
-        finally:                                         # an alarm that fires in here lands below
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    except GoldAnswerError:
-        raise
-    except (Exception, _RewardTimeout):                  # the caller scores 0 and counts it
-        return None
-    return value if math.isfinite(value) else None
-
-
-def score_calls(fns: dict[str, RewardFn], prompts: list[str], completions: list[str], golds: list[str],
-                timeout_s: float) -> Values:
-    """Every function on every completion in this process: (values, failures), a failed call 0.0."""
-    values = {name: [0.0] * len(completions) for name in fns}
-    failures = dict.fromkeys(fns, 0)
-    with alarm_guard():
-        for name, fn in fns.items():
-            for i, args in enumerate(zip(prompts, completions, golds)):
-                value = guarded_call(fn, args, timeout_s)
-                if value is None:
-                    failures[name] += 1
-                else:
-                    values[name][i] = value
-    return values, failures
-
-
 class StepReward(Protocol):
-    """A reward computed beside the functions above, for the whole batch at once: pspo/prm.py's PRM
+    """A reward computed beside the functions above, for the whole batch at once: pspo/related/prm.py's PRM
     (PSPO*'s process reward, docs/related.md §C: a model forward on the trainer's device, so neither in
     a worker nor under the alarm guard); named here so that this module needs nothing from it."""
 
     def __call__(self, completions: list[str]) -> list[float]: ...
 
 
-class Scorer(Protocol):
-    """Runs `score_calls` elsewhere with the same result: pspo/reward_pool.py's RewardPool (worker
-    processes), which builds on this module; named here so that this module needs nothing from it."""
-
-    def score(self, fns: dict[str, RewardFn], prompts: list[str], completions: list[str], golds: list[str],
-              timeout_s: float) -> Values: ...
-
-
 def score_completions(prompts: list[str], completions: list[str], golds: list[str],
                       weights: dict[str, float], timeout_s: float = 5.0,
-                      pool: Scorer | None = None, prm: StepReward | None = None) -> RewardResult:
+                      pool: RewardPool | None = None, prm: StepReward | None = None) -> RewardResult:
     """Score N completions with every function named in `weights`, in `pool`'s worker processes if
     one is given, else in this process (main thread only); the result is the same either way. The
     weight "prm" names the process reward `prm` (docs/related.md §C), scored here on the whole batch.

@@ -1,132 +1,30 @@
-"""Rollout: generate G completions per prompt and return their tokens, masks and log-probs.
+"""Rollout: the contract between the loop and a generation engine, and the choice of engine.
 
-The loop talks to an engine through one method, `generate(prompt_ids, n, ...) -> Rollout`:
-`HFEngine` here (transformers on the training model) or `VLLMEngine` (vllm_engine.py, its own copy
-of the weights, synced after each step); `build_engine` picks one. With `prefix_ids` it continues
-partial completions instead (SPO's Monte Carlo states and tree branches, segments.py), seeded per
-continuation like any completion (sequences.prefix_seeds).
+The loop talks to an engine through one method, `generate(prompt_ids, n, temperature, top_p,
+max_new_tokens, seeds, prefix_ids=None) -> Rollout` (pspo/engines/tokens.py): n completions per
+prompt in prompt-major order (prompt p, sample j -> row p·n + j), each with its tokens, its mask (up
+to and including the stop token), log softmax(z/T) of every sampled token (docs/methods.md §1),
+whether it hit its token budget, and its text. With `prefix_ids` it continues partial completions
+instead (SPO's Monte Carlo states and tree branches, docs/related.md §B), seeded per continuation
+like any completion.
 
-Sampling is counter-based (sampling.py): completion j draws token t from its own seed and t alone,
-so a completion does not depend on which other prompts share its batch or its rank: a 2-process
-run generates exactly what a 1-process run does. The log-probs returned are log softmax(z/T) of
-the sampled tokens (docs/methods.md §1).
+Sampling is counter-based (engines/sampling.py): completion j draws token t from its own seed
+and t alone, so a completion does not depend on which other prompts share its batch or its rank:
+a 2-process run generates exactly what a 1-process run does.
 
-`HFEngine` runs one of two loops with the same draws: its own static-cache loop (decode.py: a
-preallocated KV cache, the decoding step compiled once per shape bucket when `rollout.compile`
-says so), or transformers `generate` with a dynamic cache and the sampler as a logits processor
-(under FSDP2, where ranks step together through the sharded root, and as the reference the first
-is tested against).
+Two engines keep the contract, each in its own file, and `build_engine` picks one
+(`rollout.engine`): `HFEngine` (engines/hf_engine.py: transformers on the training model itself)
+and `VLLMEngine` (engines/vllm_engine.py: its own copy of the weights, synced after each step).
+`CountingEngine` wraps the one training pays for, to count what it generates.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from pspo import vllm_engine
-from pspo.decode import Decoder
-from pspo.sampling import perturbed_logits
-from pspo.sequences import Rollout, continuation_inputs, left_pad, stop_token_ids
-
-
-class _GumbelSampler(LogitsProcessor):
-    """Turns greedy decoding into seeded sampling and records log softmax(z/T) of each choice."""
-
-    def __init__(self, seeds: Tensor | None, prompt_len: int, temperature: float, top_p: float):
-        self.seeds, self.prompt_len, self.temperature, self.top_p = seeds, prompt_len, temperature, top_p
-        self.logprobs: list[Tensor] = []
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        t = input_ids.shape[1] - self.prompt_len                            # tokens generated so far
-        z, logp = perturbed_logits(scores, self.seeds, t, self.temperature, self.top_p)
-        choice = z.argmax(dim=-1)                                           # what generate picks
-        self.logprobs.append(logp.gather(1, choice[:, None]).squeeze(1))
-        return z
-
-
-class HFEngine:
-    """transformers on the training model itself, batched and left-padded.
-
-    loop "static": decode.py's static-cache loop, its step compiled when `compile` (one compile per
-    shape bucket: rows up to `batch_size`, cache length a multiple of `max_len`, the longest prompt +
-    max_new_tokens; 0 = each call's own). loop "generate": transformers `generate` with a dynamic
-    cache, through the `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's
-    parameters are gathered; `synced` (FSDP2) forces it and keeps ranks stepping together (a rank
-    that finishes early keeps running dummy forwards until all are done).
-    """
-
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int, synced: bool = False,
-                 compile: bool = False, max_len: int = 0, loop: str = "static"):
-        self.model, self.tokenizer, self.batch_size, self.synced = model, tokenizer, batch_size, synced
-        self.stop_ids = stop_token_ids(tokenizer, model.lm.generation_config.eos_token_id)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        if loop not in ("static", "generate"):
-            raise ValueError(f"loop: expected static | generate, got {loop!r}")
-        self.decoder = None
-        if loop == "static" and not synced:
-            self.decoder = Decoder(model, self.stop_ids, self.pad_id, batch_size, max_len, compile)
-
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seeds: Tensor | None,
-                 prefix_ids: list[list[int]] | None = None) -> Rollout:
-        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy.
-
-        prefix_ids (one per prompt): partial completions to continue, each with at most
-        max_new_tokens - len(prefix) new tokens; the Rollout's tensors hold the continuations only
-        (its texts the whole completions). A chunk runs to its largest budget; each row is then
-        cut to its own, which changes nothing else, since a row's draws depend on its seed alone.
-        """
-        inputs, budgets = continuation_inputs(prompt_ids, prefix_ids, max_new_tokens)
-        per_call = max(1, self.batch_size // n)
-        parts = []
-        start = time.perf_counter()
-        for i in range(0, len(inputs), per_call):
-            chunk = inputs[i:i + per_call]
-            chunk_seeds = None if seeds is None else seeds[i * n:(i + len(chunk)) * n]
-            parts.append(self._generate(chunk, n, temperature, top_p, max(budgets[i:i + per_call]),
-                                        chunk_seeds))
-        gen_time = time.perf_counter() - start
-        width = max(p[0].shape[1] for p in parts)
-        ids = torch.cat([_pad_right(p[0], width, self.pad_id) for p in parts])
-        logprobs = torch.cat([_pad_right(p[1], width, 0.0) for p in parts])
-        is_stop = torch.isin(ids, torch.tensor(self.stop_ids, device=ids.device))
-        before_stop = (is_stop.cumsum(1) - is_stop.long()) == 0                  # up to the first stop
-        budget = torch.tensor(budgets, device=ids.device).repeat_interleave(n)[:, None]   # (N, 1)
-        columns = torch.arange(width, device=ids.device)
-        mask = before_stop & (columns < _lengths(parts, width)) & (columns < budget)
-        truncated = ~(is_stop & mask).any(1)
-        ids = ids.masked_fill(~mask, self.pad_id)
-        prefixes = [q for q in (prefix_ids or [[]] * len(prompt_ids)) for _ in range(n)]
-        texts = self.tokenizer.batch_decode([list(q) + row[m].tolist()
-                                             for q, row, m in zip(prefixes, ids, mask)],
-                                            skip_special_tokens=True)
-        return Rollout(ids.cpu(), mask.float().cpu(), (logprobs * mask).cpu(), truncated.cpu(), texts,
-                       gen_time)
-
-    def _generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds):
-        device = next(self.model.parameters()).device
-        input_ids, attention = left_pad(prompt_ids, self.pad_id)
-        width = input_ids.shape[1]
-        input_ids = input_ids.repeat_interleave(n, 0).to(device)
-        attention = attention.repeat_interleave(n, 0).to(device)
-        seeds = None if seeds is None else seeds.to(device)
-        if self.decoder is not None:
-            completion, logprobs = self.decoder.generate(input_ids, attention, seeds, temperature, top_p,
-                                                         max_new_tokens)
-            return completion, logprobs, completion.shape[1]
-        sampler = _GumbelSampler(seeds, width, temperature, top_p)
-        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                                  eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-                                  repetition_penalty=1.0, num_beams=1, return_dict_in_generate=True)
-        out = self.model(input_ids=input_ids, attention_mask=attention, generation_config=config,
-                         logits_processor=LogitsProcessorList([sampler]), synced_gpus=self.synced,
-                         generate=True)
-        completion = out.sequences[:, width:]                                   # (N, T')
-        logprobs = torch.stack(sampler.logprobs, 1) if sampler.logprobs else completion.float()
-        return completion, logprobs[:, :completion.shape[1]], completion.shape[1]
+from pspo.engines import vllm_engine
+from pspo.engines.hf_engine import HFEngine
+from pspo.engines.tokens import Rollout
 
 
 class CountingEngine:
@@ -160,15 +58,6 @@ class CountingEngine:
         the seconds spent generating them."""
         counts, self.counts = self.counts, dict.fromkeys(self.KEYS, 0.0)
         return counts
-
-
-def _pad_right(x: Tensor, width: int, value) -> Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
-
-
-def _lengths(parts, width: int) -> Tensor:
-    """Columns actually generated in each part (a part may stop before `width`). (N, 1)"""
-    return torch.cat([torch.full((p[0].shape[0], 1), p[2]) for p in parts]).to(parts[0][0].device)
 
 
 def engine_name(engine: str) -> str:

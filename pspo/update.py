@@ -21,13 +21,13 @@ import math
 import torch
 from torch import Tensor
 
-from pspo import distributed
-from pspo.config import Config
-from pspo.distributed import Dist
-from pspo.logprobs import forward_logprobs
+from pspo.training import distributed
+from pspo.training.config import Config
+from pspo.training.distributed import Dist
+from pspo.training.logprobs import forward_logprobs
 from pspo.loss import policy_loss, sequence_weights
-from pspo.micro_batches import plan_micro_batches
-from pspo.sequences import UpdateBatch
+from pspo.training.micro_batches import plan_micro_batches
+from pspo.training.micro_batches import UpdateBatch
 
 
 def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,

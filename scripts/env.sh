@@ -33,12 +33,12 @@ if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
 fi
 if [ -n "$vllm_pkg" ] && [ "$(cat "$venv/.vllm" 2>/dev/null)" != "$vllm_pkg" ]; then
   if [ "${PSPO_PREBUILD_TINY:-0}" = "1" ]; then
-    # The tiny demo model takes about a minute to build once (pspo/tiny.py): build it now, while
+    # The tiny demo model takes about a minute to build once (pspo/offline/tiny.py): build it now, while
     # vLLM downloads (one thread: pip unpacks on the other core); whoever needs it before it is
     # done waits on its lock instead of building it again.
     echo "building the tiny demo model in the background (log: .venv/prebuild.log)"
     (cd "$root" && OMP_NUM_THREADS=1 "$venv/bin/python" -u -c \
-      "from pspo.tiny import ensure_tiny_model as b; b()" > "$venv/prebuild.log" 2>&1 &)
+      "from pspo.offline.tiny import ensure_tiny_model as b; b()" > "$venv/prebuild.log" 2>&1 &)
   fi
   echo "installing $vllm_pkg (about a minute, ~3.5 GB)"
   pip_install "$vllm_pkg"

@@ -40,7 +40,7 @@ mkdir -p "$OUT" "$MODELS"
 
 model() {   # model NAME CONFIG [LAYERS]: build a random full-width model once
   local full=--full; [ "$SIZE" = full ] || full=
-  [ -d "$MODELS/$1-$SIZE" ] || $PY -m pspo.standin "$2" "$MODELS/$1-$SIZE" $full ${3:+--layers $3} || exit 1
+  [ -d "$MODELS/$1-$SIZE" ] || $PY -m pspo.offline.standin "$2" "$MODELS/$1-$SIZE" $full ${3:+--layers $3} || exit 1
 }
 train() {   # train SECTION CONFIG OVERRIDES...: torchrun with one process, metrics copied to OUT
   local name=$1 config=$2; shift 2

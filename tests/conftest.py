@@ -26,19 +26,19 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 @functools.cache
 def _tiny_model() -> str:
-    from pspo.tiny import ensure_tiny_model
+    from pspo.offline.tiny import ensure_tiny_model
     return ensure_tiny_model()
 
 
 @functools.cache
 def _knights_standin() -> str:
-    from pspo.tiny_knights import knights_standin
+    from pspo.offline.tiny_knights import knights_standin
     return knights_standin()
 
 
 @functools.cache
 def _tiny_knights_model() -> str:
-    from pspo.tiny_knights import ensure_tiny_knights_model
+    from pspo.offline.tiny_knights import ensure_tiny_knights_model
     return ensure_tiny_knights_model()
 
 
@@ -54,7 +54,7 @@ def knights_standin_path() -> str:
 
 @pytest.fixture(scope="module")
 def tiny_knights_model_path() -> str:
-    from pspo.tiny_knights import tiny_knights_path
+    from pspo.offline.tiny_knights import tiny_knights_path
     if not os.path.isdir(tiny_knights_path()) and os.environ.get("PSPO_BUILD_KNIGHTS") != "1":
         pytest.skip("the trained tiny K&K model is not built (~20 min): `bash scripts/study.sh --task knights` "
                     "builds it and runs these tests (or set PSPO_BUILD_KNIGHTS=1)")

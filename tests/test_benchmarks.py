@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from pspo.benchmarks import BENCHMARKS, gold_answer, load_benchmark
-from pspo.data import DataError, builtin_arithmetic, prompt_set
-from pspo.model import load_tokenizer
+from pspo.tasks.benchmarks import BENCHMARKS, gold_answer, load_benchmark
+from pspo.tasks.data import DataError, builtin_arithmetic, prompt_set
+from pspo.training.model import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,7 +1,7 @@
 """The replicated-state digest that checkpoints compare across ranks, and unreadable checkpoint files."""
 import torch
 
-from pspo.checkpoint import state_digest
+from pspo.training.checkpoint import state_digest
 from pspo.ema_stats import EMAStats
 from pspo.priority_sampler import PrioritySampler
 
@@ -32,7 +32,7 @@ def test_digest_is_equal_for_equal_state_and_sensitive_to_any_change():
 def test_a_corrupt_checkpoint_file_is_one_line(tmp_path):
     # a truncated/garbage trainer_state.pt must not end in a traceback: one line naming the file
     import pytest
-    from pspo.checkpoint import CheckpointError, load_trainer_state
+    from pspo.training.checkpoint import CheckpointError, load_trainer_state
     (tmp_path / "trainer_state.pt").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="train.resume: cannot read .*trainer_state.pt") as e:
         load_trainer_state(str(tmp_path), 0)

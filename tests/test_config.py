@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pspo.config import Config, ConfigError, load_config, save_config
+from pspo.training.config import Config, ConfigError, load_config, save_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,14 +5,14 @@ Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this 
 real `python train.py --config X` subprocess for 2 steps plus the final eval, with only what a
 2-core CPU cannot do replaced:
 - the model: the arithmetic presets' tiny model stays (conftest's cached copy); the K&K presets'
-  `builtin:tiny-knights` becomes its untrained twin (pspo/tiny_knights.py: the same tokenizer, so
+  `builtin:tiny-knights` becomes its untrained twin (pspo/offline/tiny_knights.py: the same tokenizer, so
   the same prompt lengths against data.max_prompt_tokens, and architecture; random weights, built in
   seconds where the trained model takes ~20 minutes); a GPU recipe's model becomes the stand-in
-  built from the real config.json shipped beside it as model_config.json (pspo/standin.py: the
+  built from the real config.json shipped beside it as model_config.json (pspo/offline/standin.py: the
   real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
 - the process reward model: a PRM folder or hub id (reward.prm != 0) becomes builtin:tiny-prm (built in
-  seconds, pspo/tiny_prm.py);
+  seconds, pspo/offline/tiny_prm.py);
 - the size: 2 steps, at most 2 prompts per step and 8 new tokens for a model with random weights
   (a GPU recipe's stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2),
   14 eval puzzles (2 per size) and at most 2 prompts per step when the eval set is
@@ -34,10 +34,10 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pspo.config import load_config, to_dict
-from pspo.standin import ensure_standin_model, standin_config
-from pspo.standin import main as standin_main
-from pspo.builtin_models import TINY_KNIGHTS_MODEL, TINY_MODEL, TINY_PRM
+from pspo.training.config import load_config, to_dict
+from pspo.offline.standin import ensure_standin_model, standin_config
+from pspo.offline.standin import main as standin_main
+from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_MODEL, TINY_PRM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),

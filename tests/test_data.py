@@ -1,4 +1,4 @@
-"""pspo/data.py: the fixed built-in splits, local file loading, one-line DataErrors, prompts, and
+"""pspo/tasks/data.py: the fixed built-in splits, local file loading, one-line DataErrors, prompts, and
 which rows a run uses (bad golds and too-long prompts left out, reported in one line each)."""
 import hashlib
 import json
@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pspo import data
-from pspo.data import (R1_SYSTEM_PROMPT, DataError, Example, builtin_arithmetic, format_prompt, load_examples,
-                       prompt_set, resolve_system_prompt, warmup_examples)
+from pspo.tasks import data
+from pspo.training.config import R1_SYSTEM_PROMPT
+from pspo.tasks.data import DataError, Example, builtin_arithmetic, format_prompt, load_examples, prompt_set, resolve_system_prompt, warmup_examples
 from pspo.rewards import format_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def test_builtin_splits_leave_the_global_rng_alone_and_match_across_processes():
     random.seed(7)
     test = builtin_arithmetic("test")
     assert random.random() == expected
-    code = ("import hashlib, json; from pspo.data import builtin_arithmetic as b; "
+    code = ("import hashlib, json; from pspo.tasks.data import builtin_arithmetic as b; "
             "print(hashlib.sha256(json.dumps([[e.problem, e.answer] for e in b('test')]).encode()).hexdigest())")
     env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""pspo/distributed.py: every collective runs on the process group's device (NCCL takes CUDA tensors
+"""pspo/training/distributed.py: every collective runs on the process group's device (NCCL takes CUDA tensors
 only) and hands its result back on the caller's device; and no other module calls torch.distributed
 collectives, so the device rule holds everywhere.
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from pspo import distributed
+from pspo.training import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
@@ -136,8 +136,9 @@ def test_the_checker_finds_each_spelling(tmp_path):
 
 def test_only_distributed_py_calls_collectives():
     files = [os.path.join(ROOT, "train.py"), os.path.join(ROOT, "eval.py")]
-    files += [os.path.join(ROOT, "pspo", f) for f in sorted(os.listdir(os.path.join(ROOT, "pspo")))
-              if f.endswith(".py") and f != "distributed.py"]
+    home = os.path.join(ROOT, "pspo", "training", "distributed.py")
+    files += [os.path.join(folder, f) for folder, _, names in os.walk(os.path.join(ROOT, "pspo"))
+              for f in sorted(names) if f.endswith(".py") and os.path.join(folder, f) != home]
     offenders = {os.path.relpath(f, ROOT): calls for f in files if (calls := _collective_calls(f))}
-    assert offenders == {}, f"call pspo.distributed's functions instead: {offenders}"
-    assert _collective_calls(os.path.join(ROOT, "pspo", "distributed.py"))        # the checker sees them there
+    assert offenders == {}, f"call pspo.training.distributed's functions instead: {offenders}"
+    assert _collective_calls(home)                                            # the checker sees them there

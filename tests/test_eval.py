@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from pspo.data import builtin_arithmetic, format_prompt, load_examples
-from pspo.distributed import Dist
+from pspo.tasks.data import builtin_arithmetic, format_prompt, load_examples
+from pspo.training.distributed import Dist
 from pspo.evaluation import evaluate
-from pspo.model import build_policy, load_tokenizer
-from pspo.rollout import HFEngine
+from pspo.training.model import build_policy, load_tokenizer
+from pspo.engines.hf_engine import HFEngine
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 

@@ -1,8 +1,8 @@
-"""pspo/golds.py: the answer forms of MATH-500, AIME, AMC, Minerva, OlympiadBench and GSM8K, scored
+"""pspo/tasks/golds.py: the answer forms of MATH-500, AIME, AMC, Minerva, OlympiadBench and GSM8K, scored
 both ways by the real math-verify: natural right boxed answers get 1.0, near misses 0.0."""
 import pytest
 
-from pspo.golds import answer_latex, gold_latex, gold_text
+from pspo.tasks.golds import answer_latex, gold_latex, gold_text
 from pspo.rewards import accuracy_reward, check_gold_answer
 
 # (gold as the dataset stores it, right boxed answers, wrong boxed answers)

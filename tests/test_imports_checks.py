@@ -1,6 +1,13 @@
-"""Imports flow one way between pspo's modules: no module imports, directly or through others, a
-module that imports it back. Every import counts: at the top, inside a function (a lazy import)
-and under `if TYPE_CHECKING:`, since each one ties the two modules together all the same."""
+"""The house rules of pspo/, read from the code.
+
+- The top of pspo/ is what a reader of the paper opens (TOP below); everything else lives one
+  folder down, in the folder of its role (FOLDERS).
+- Imports flow one way: no module imports, directly or through others, a module that imports it
+  back. Every import counts: at the top, inside a function (a lazy import) and under
+  `if TYPE_CHECKING:`, since each one ties the two modules together all the same.
+- The math (the formulas the docs state) imports nothing of the project but other math.
+- The machinery in the folders never imports the loop's steps at the top (LOOP_STEPS).
+"""
 import ast
 import os
 import subprocess
@@ -11,22 +18,43 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PSPO = os.path.join(ROOT, "pspo")
 
+# The paper and the loop's steps (docs/README.md's table names their formulas).
+TOP = {"advantages", "ema_stats", "priority_sampler", "reference_sampler", "sampler", "loss", "is_correction",
+       "rollout", "rewards", "methods", "update", "evaluation"}
+FOLDERS = {"engines", "tasks", "related", "training", "offline"}
+MATH = {"advantages", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction",
+        "related.spo_segments", "related.process_reward", "training.token_logprobs"}
+LOOP_STEPS = {"sampler", "rollout", "methods", "update", "evaluation"}
+
+
+def module_files() -> dict[str, str]:
+    """module name without "pspo." (folders dotted: "engines.decode") -> its file."""
+    out = {}
+    for folder, _, files in os.walk(PSPO):
+        rel = os.path.relpath(folder, PSPO)
+        for f in files:
+            if f.endswith(".py") and f != "__init__.py":
+                name = f[:-3] if rel == "." else f"{rel.replace(os.sep, '.')}.{f[:-3]}"
+                out[name] = os.path.join(folder, f)
+    return out
+
 
 def project_imports() -> dict[str, set[str]]:
     """module name (without "pspo.") -> the pspo modules it imports anywhere in its file."""
-    modules = {f[:-3] for f in os.listdir(PSPO) if f.endswith(".py") and f != "__init__.py"}
+    files = module_files()
     graph = {}
-    for name in modules:
-        tree = ast.parse(open(os.path.join(PSPO, f"{name}.py"), encoding="utf-8").read())
+    for name, path in files.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
         deps = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "pspo":           # from pspo import x
-                deps |= {a.name for a in node.names if a.name in modules}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pspo."):
-                deps.add(node.module.split(".")[1])
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pspo"):
+                base = node.module[len("pspo."):] if node.module != "pspo" else ""
+                for a in node.names:                                     # from pspo.training import config
+                    full = f"{base}.{a.name}" if base else a.name
+                    deps.add(full if full in files else base)
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("pspo.")}
-        graph[name] = deps - {name}
+                deps |= {a.name[len("pspo."):] for a in node.names if a.name.startswith("pspo.")}
+        graph[name] = {d for d in deps if d in files} - {name}
     return graph
 
 
@@ -50,55 +78,66 @@ def test_no_import_cycles():
     assert cycles == {}, cycles
 
 
-def test_data_builds_on_knights_and_rewards_below_the_pool():
+def test_data_builds_on_knights_and_rewards_on_the_pool():
     # Two pairs that could close a circle: data and knights (Example and DataError live below both, in
-    # pspo/example.py) and rewards and reward_pool (rewards names a Protocol, Scorer, not RewardPool).
+    # pspo/tasks/example.py) and rewards and the reward pool (the pool runs the functions it is handed).
     graph = project_imports()
-    assert "knights" in graph["data"] and reaches(graph, "knights", "data") is None
-    assert "rewards" in graph["reward_pool"] and reaches(graph, "rewards", "reward_pool") is None
-    assert graph["example"] == set()
+    assert "tasks.knights" in graph["tasks.data"] and reaches(graph, "tasks.knights", "tasks.data") is None
+    assert "tasks.reward_pool" in graph["rewards"] and reaches(graph, "tasks.reward_pool", "rewards") is None
 
 
 @pytest.mark.slow
 def test_each_module_imports_first_on_its_own():
     # Importing either module of such a pair first works (no partly initialised module).
     code = ("import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; "
-            "from pspo.data import DataError, Example; from pspo import example; "
+            "from pspo.tasks.data import DataError, Example; from pspo.tasks import example; "
             "assert (DataError, Example) == (example.DataError, example.Example)")
-    for order in (["pspo.knights", "pspo.data"], ["pspo.data", "pspo.knights"],
-                  ["pspo.rewards", "pspo.reward_pool"], ["pspo.reward_pool", "pspo.rewards"]):
+    for order in (["pspo.tasks.knights", "pspo.tasks.data"], ["pspo.tasks.data", "pspo.tasks.knights"],
+                  ["pspo.rewards", "pspo.tasks.reward_pool"], ["pspo.tasks.reward_pool", "pspo.rewards"]):
         proc = subprocess.run([sys.executable, "-c", code, *order], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, (order, proc.stderr[-2000:])
 
 
-def test_math_modules_and_config_import_no_components():
-    # The math layer (advantages, loss and its log-prob head, segments, the samplers, ERS) imports
-    # nothing of the project but itself: segments and ema_stats take whiten / zero_variance from
-    # advantages. config.py imports no algorithm module, only its own checks, the spo section and the
-    # prompt names it validates.
+def test_the_top_of_pspo_is_the_paper_and_the_rest_is_in_folders():
+    top = {f[:-3] for f in os.listdir(PSPO) if f.endswith(".py") and f != "__init__.py"}
+    folders = {d for d in os.listdir(PSPO) if os.path.isdir(os.path.join(PSPO, d)) and d != "__pycache__"}
+    assert top == TOP, f"a new module goes into the folder of its role, not beside the paper's: {top ^ TOP}"
+    assert folders == FOLDERS, folders ^ FOLDERS
+    for folder in folders:                       # each folder says what its role is
+        doc = ast.get_docstring(ast.parse(open(os.path.join(PSPO, folder, "__init__.py")).read()))
+        assert doc, folder
+
+
+def test_the_math_imports_only_math_and_the_config_no_component():
+    # The formulas (advantages, ERS, the samplers' math, the loss and its log-prob head, the IS
+    # correction, SPO's segments, PSPO*'s process reward) import nothing of the project but each other.
     imports = project_imports()
-    math_layer = {"advantages", "loss", "segments", "priority_sampler", "reference_sampler",
-                  "uniform_sampler", "ema_stats", "token_logprobs", "is_correction", "process_reward"}
-    for module in math_layer:
-        assert imports[module] <= math_layer, (module, imports[module] - math_layer)
-    assert imports["config"] <= {"config_check", "spo_config", "prompts"}, imports["config"]
+    for module in MATH:
+        assert imports[module] <= MATH, (module, imports[module] - MATH)
+    assert imports["training.config"] == set(), imports["training.config"]
+
+
+def test_the_machinery_never_imports_the_loops_steps():
+    imports = project_imports()
+    offenders = {m: deps & LOOP_STEPS for m, deps in imports.items() if "." in m and deps & LOOP_STEPS}
+    assert offenders == {}, offenders
 
 
 def test_model_loading_reaches_no_builder_nor_the_knights_generator():
-    # model.py (loading, log-probs) imports neither a built-in model's builder nor the K&K generator,
-    # through any chain of imports; builtin_models.py imports a builder only inside the branch that
-    # resolves its name.
+    # training/model.py (loading, log-probs) imports neither a built-in model's builder nor the K&K
+    # generator, through any chain of imports; offline/builtin.py imports a builder only inside the
+    # branch that resolves its name.
     graph = project_imports()
-    for module in ("knights", "data", "tiny", "tiny_knights", "tiny_prm"):
-        assert reaches(graph, "model", module) is None, (module, reaches(graph, "model", module))
+    for module in ("tasks.knights", "tasks.data", "offline.tiny", "offline.tiny_knights", "offline.tiny_prm"):
+        assert reaches(graph, "training.model", module) is None, (module, reaches(graph, "training.model", module))
 
 
 @pytest.mark.slow
 def test_resolving_and_loading_a_local_model_imports_no_builder(tiny_model_path):
-    code = ("import sys; from pspo.builtin_models import resolve_model_path; "
-            "from pspo.model import build_policy; "
+    code = ("import sys; from pspo.offline.builtin import resolve_model_path; "
+            "from pspo.training.model import build_policy; "
             "path = resolve_model_path(sys.argv[1]); build_policy(path, False, 64, False, False); "
-            "builders = ('pspo.knights', 'pspo.data', 'pspo.tiny', 'pspo.tiny_knights', 'pspo.tiny_prm'); "
+            "builders = ('pspo.tasks.knights', 'pspo.tasks.data', 'pspo.offline.tiny', 'pspo.offline.tiny_knights', 'pspo.offline.tiny_prm'); "
             "loaded = [m for m in builders if m in sys.modules]; assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code, tiny_model_path], cwd=ROOT, check=True, timeout=120)

@@ -12,13 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pspo import knights
-from pspo.data import DataError, Example, load_examples, prompt_set
-from pspo.distributed import Dist
+from pspo.tasks import knights
+from pspo.tasks.data import DataError, Example, load_examples, prompt_set
+from pspo.training.distributed import Dist
 from pspo.evaluation import evaluate
-from pspo.knights import KNIGHTS_INSTRUCTION, SIZES, Puzzle, builtin_knights, puzzles, solutions, warmup_examples
-from pspo.rewards import (REWARD_FUNCTIONS, GoldAnswerError, accuracy_reward, check_gold_answer, format_reward,
-                          knights_people, knights_reward, score_completions)
+from pspo.tasks.knights import KNIGHTS_INSTRUCTION, SIZES, Puzzle, builtin_knights, puzzles, solutions, warmup_examples
+from pspo.rewards import REWARD_FUNCTIONS, GoldAnswerError, accuracy_reward, check_gold_answer, format_reward, knights_people, knights_reward, score_completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "data", "samples")
@@ -84,7 +83,7 @@ def test_generation_is_deterministic_and_leaves_the_global_rng_alone():
     assert random.random() == before
     assert first == list(puzzles(5, 40)) and first != list(puzzles(5, 40, seed=99))
     # the same texts in another process (string hashing differs there)
-    code = ("from pspo.knights import builtin_knights; import hashlib; "
+    code = ("from pspo.tasks.knights import builtin_knights; import hashlib; "
             "print(hashlib.sha256(repr(builtin_knights('test')).encode()).hexdigest())")
     there = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONHASHSEED": "123"}).stdout.strip()
@@ -145,7 +144,7 @@ def test_builtin_and_both_file_layouts_load_through_load_examples(tmp_path):
 
 
 def test_train_people_keeps_those_sizes_and_names_a_row_that_is_not_kk(tmp_path):
-    from pspo.config import DataConfig
+    from pspo.training.config import DataConfig
     assert DataConfig(train_people="2,4").people == (2, 4) and DataConfig().people == ()
     # the train split interleaves sizes 2..8, 200 each: sizes 2 and 4 keep rows 0, 2, 7, 9, 14, ...
     train = builtin_knights("train")

@@ -2,8 +2,8 @@
 import importlib.util
 import os
 
-from pspo.knights import Puzzle, builtin_knights
-from pspo.knights_reward import knights_people
+from pspo.tasks.knights import Puzzle, builtin_knights
+from pspo.tasks.knights_reward import knights_people
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("knights_cues", os.path.join(ROOT, "bench", "knights_cues.py"))

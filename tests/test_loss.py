@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from pspo.config import AGGREGATIONS
+from pspo.training.config import AGGREGATIONS
 from pspo.loss import clipped_surrogate, k3_kl, policy_loss, sequence_weights
-from pspo.token_logprobs import token_logprobs
+from pspo.training.token_logprobs import token_logprobs
 
 
 # ---------------------------------------------------------------- k3 KL and the clipped surrogate

@@ -4,11 +4,11 @@ iteration, β = 0 and no KL reward, no log-prob needs scoring."""
 import pytest
 import torch
 
-from pspo.config import ADVANTAGES, load_config
-from pspo.distributed import Dist
+from pspo.training.config import ADVANTAGES, load_config
+from pspo.training.distributed import Dist
 from pspo.methods import Context, MethodState, StepRollouts, method_for
 from pspo.rewards import RewardResult
-from pspo.sequences import Rollout
+from pspo.engines.tokens import Rollout
 
 CPU = Dist(0, 1, torch.device("cpu"))
 MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])        # (N, T) 4 completions: 3, 2, 1, 3 tokens

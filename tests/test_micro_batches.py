@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from pspo.config import load_config
-from pspo.model import build_policy
-from pspo.micro_batches import plan_micro_batches
-from pspo.sequences import batch_inputs
+from pspo.training.config import load_config
+from pspo.training.model import build_policy
+from pspo.training.micro_batches import plan_micro_batches
+from pspo.engines.tokens import batch_inputs
 from test_modes import CPU, REWARDS, method_update, rollout_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,8 +102,8 @@ def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo
 
 def _update_on_rank(rank, init_file, path, batch, out_dir):
     import torch.distributed as dist
-    from pspo import distributed
-    from pspo.distributed import Dist
+    from pspo.training import distributed
+    from pspo.training.distributed import Dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(0)
     tokenizer, ids, rollout, _ = batch
@@ -186,7 +186,7 @@ def test_profile_summary_of_the_bench():
 
 def _bf16_forward_on_rank(rank, init_file, path, out_dir):
     import torch.distributed as dist
-    from pspo import distributed
+    from pspo.training import distributed
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     policy = distributed.shard(build_policy(path, False, 64, True, False), 2, bf16=True)
     seen = []

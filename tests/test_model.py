@@ -4,7 +4,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pspo import rollout
-from pspo.model import ModelError, check_context, check_plain_head
+from pspo.training.model import ModelError, check_context, check_plain_head
 
 
 def tiny_qwen2(**overrides) -> Qwen2ForCausalLM:
@@ -65,8 +65,8 @@ def test_auto_engine_is_transformers_without_a_gpu(monkeypatch):
 
 def test_a_chat_turns_end_stops_generation_even_when_eos_is_another_token(tiny_model_path):
     # Qwen2.5-Math-1.5B's eos is <|endoftext|> but its ChatML turns end with <|im_end|>: both stop.
-    from pspo.model import load_tokenizer
-    from pspo.sequences import stop_token_ids
+    from pspo.training.model import load_tokenizer
+    from pspo.engines.tokens import stop_token_ids
     tokenizer = load_tokenizer(tiny_model_path)
     vocab = tokenizer.get_vocab()
     tokenizer.eos_token = "<|endoftext|>"
@@ -77,7 +77,7 @@ def test_a_chat_turns_end_stops_generation_even_when_eos_is_another_token(tiny_m
 
 def test_a_corrupt_weights_file_is_one_line(tmp_path, tiny_model_path):
     import shutil
-    from pspo.model import load_causal_lm
+    from pspo.training.model import load_causal_lm
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_path, folder)
     (folder / "model.safetensors").write_bytes(b"xx")                  # a truncated download
@@ -89,7 +89,7 @@ def test_a_corrupt_weights_file_is_one_line(tmp_path, tiny_model_path):
 def test_dropout_is_off_so_train_mode_scores_like_eval_mode():
     # A model configured with attention dropout 0.5: in train mode its log-probs are random
     # unless dropout is disabled, and the update (train mode) would disagree with π_old (eval).
-    from pspo.model import Policy, disable_dropout
+    from pspo.training.model import Policy, disable_dropout
     torch.manual_seed(0)
     lm = tiny_qwen2(attention_dropout=0.5)
     policy = Policy(lm, chunk_tokens=64)
@@ -105,7 +105,7 @@ def test_scoring_is_padding_free_and_equals_each_row_alone(tiny_model_path):
     # to 4): the log-probs of Policy.forward, which moves each row's tokens to the start and attends
     # causally without a mask, equal each row scored alone with the model's own logits:
     # log_softmax(logits / T)[next token] at positions p - 1 .. p + c - 2.
-    from pspo.model import build_policy
+    from pspo.training.model import build_policy
     torch.manual_seed(0)
     policy = build_policy(tiny_model_path, False, 4, False, False)
     V = policy.lm.config.vocab_size

@@ -9,15 +9,16 @@ import copy
 
 import torch
 
-from pspo.config import load_config
-from pspo.data import builtin_arithmetic, format_prompt
-from pspo.distributed import Dist
+from pspo.training.config import load_config
+from pspo.tasks.data import builtin_arithmetic, format_prompt
+from pspo.training.distributed import Dist
 from pspo.methods import Context, StepRollouts, method_for
-from pspo.model import build_policy, load_tokenizer
-from pspo.optim import lr_lambda
+from pspo.training.model import build_policy, load_tokenizer
+from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
-from pspo.rollout import HFEngine
-from pspo.sequences import Rollout, batch_inputs, sequence_seeds
+from pspo.engines.hf_engine import HFEngine
+from pspo.engines.tokens import Rollout, batch_inputs
+from pspo.engines.sampling import sequence_seeds
 from pspo.update import policy_update
 
 CPU = Dist(0, 1, torch.device("cpu"))

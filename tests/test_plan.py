@@ -1,4 +1,4 @@
-"""The memory plan (pspo/plan.py): hand-worked static parts, the activation and log-prob estimates
+"""The memory plan (pspo/training/plan.py): hand-worked static parts, the activation and log-prob estimates
 against what PyTorch really saves / allocates on CPU, the `--plan` command and the start-up check."""
 import functools
 import importlib.util
@@ -11,11 +11,11 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
-from pspo import plan
-from pspo.config import load_config
-from pspo.token_logprobs import token_logprobs
-from pspo.decode import bucket
-from pspo.plan import GiB, PlanError
+from pspo.training import plan
+from pspo.training.config import load_config
+from pspo.training.token_logprobs import token_logprobs
+from pspo.engines.decode import bucket
+from pspo.training.plan import GiB, PlanError
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +158,7 @@ def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
     assert "\n" not in str(e.value) and "train.micro_batch_size" in str(e.value)
     plan.check_fits(plan.make_plan(cfg, a, 1, 80 * GiB, "hf"), cfg)     # fits: no error
     monkeypatch.setattr(plan, "host_memory", lambda: 2**20)
-    line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"))  # CPU: printed, never stops
+    line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"), "hf")  # CPU: printed, never stops
     assert "does not fit" in line and "not enforced" in line and "\n" not in line
 
 

@@ -1,4 +1,4 @@
-"""PSPO*'s process reward model (pspo/prm.py, docs/related.md §C) on the offline tiny PRM (pspo/tiny_prm.py):
+"""PSPO*'s process reward model (pspo/related/prm.py, docs/related.md §C) on the offline tiny PRM (pspo/offline/tiny_prm.py):
 start-up checks and their one-line errors, the frozen model, pair encoding and truncation, batched
 scoring equal to one-at-a-time scoring, the reward and its metrics, the config section, the rewards'
 sum, the memory plan's PRM rows; and (slow) the real loop with the PRM reward under two advantage
@@ -16,15 +16,15 @@ import torch
 from transformers import (AutoModelForSequenceClassification, BertModel, PreTrainedTokenizerFast, Qwen2Config,
                           Qwen2ForSequenceClassification)
 
-from pspo import plan
-from pspo import prm as prm_module
-from pspo.builtin_models import TINY_PRM
-from pspo.config import ConfigError, load_config
-from pspo.plan import GiB, PRMArch
-from pspo.prm import load_prm, prm_metrics
-from pspo.process_reward import geometric_mean, shaped_reward, split_lines, step_pairs
+from pspo.training import plan
+from pspo.related import prm as prm_module
+from pspo.offline.builtin import TINY_PRM
+from pspo.training.config import ConfigError, load_config
+from pspo.training.plan import GiB, PRMArch
+from pspo.related.prm import load_prm, prm_metrics
+from pspo.related.process_reward import geometric_mean, shaped_reward, split_lines, step_pairs
 from pspo.rewards import score_completions
-from pspo.tiny_prm import build_prm_tokenizer, ensure_tiny_prm
+from pspo.offline.tiny_prm import build_prm_tokenizer, ensure_tiny_prm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU = torch.device("cpu")
@@ -171,7 +171,7 @@ def test_the_reward_and_its_metrics(tiny_prm):
     rewards = tiny_prm(texts)
     scores = [tiny_prm.step_scores(step_pairs(split_lines(t))) for t in texts[:3]]
     assert rewards == pytest.approx([shaped_reward(s, "wrs") for s in scores] + [0.0, 0.0])
-    # the tiny PRM (pspo/tiny_prm.py) scores "(k) Name is a role" lines near 1 and "(2) Zoey" near 0:
+    # the tiny PRM (pspo/offline/tiny_prm.py) scores "(k) Name is a role" lines near 1 and "(2) Zoey" near 0:
     # R = g²·e for 2 lines, so a written-out answer gets ~2.5, the malformed one ~0.1
     assert min(scores[0] + scores[2]) > 0.8 and scores[1][1] < 0.2
     assert rewards[0] > 2.0 > 0.5 > rewards[1] and rewards[2] > 6.0

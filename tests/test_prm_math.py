@@ -1,4 +1,4 @@
-"""PSPO*'s process reward math (pspo/process_reward.py, docs/related.md §C) on hand-worked numbers: the
+"""PSPO*'s process reward math (pspo/related/process_reward.py, docs/related.md §C) on hand-worked numbers: the
 released code's step split and its odd cases, the alternative split, the step pairs, the geometric
 mean, every branch of ff, the adjusted Weibull and the three shapings."""
 import ast
@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from pspo import process_reward as pr
-from pspo.process_reward import (ff, geometric_mean, shaped_reward, split_lines, split_reference, split_steps,
-                                 step_pairs, weibull_weight)
+from pspo.related import process_reward as pr
+from pspo.related.process_reward import ff, geometric_mean, shaped_reward, split_lines, split_reference, split_steps, step_pairs, weibull_weight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E2 = math.exp(2.0)                     # e^{k τ} = e^{0.5 · 4} = 7.389056
@@ -156,7 +155,7 @@ def test_the_other_shapings():
 
 
 def test_config_names_match_the_implementations():
-    from pspo.config import PRM_SHAPINGS, PRM_SPLITS
+    from pspo.training.config import PRM_SHAPINGS, PRM_SPLITS
     for rule in PRM_SPLITS:
         split_steps("a\nb", rule)
     for shaping in PRM_SHAPINGS:

@@ -12,18 +12,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pspo import distributed
+from pspo.training import distributed
 from pspo.advantages import reinforce_pp_advantages, reinforce_pp_returns, whiten
-from pspo.config import ConfigError, load_config
-from pspo.distributed import Dist
+from pspo.training.config import ConfigError, load_config
+from pspo.training.distributed import Dist
 from pspo.loss import policy_loss
-from pspo.data import builtin_arithmetic, format_prompt
+from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.methods import Context, StepRollouts, method_for
-from pspo.model import build_policy, load_tokenizer
-from pspo.optim import lr_lambda
+from pspo.training.model import build_policy, load_tokenizer
+from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
-from pspo.rollout import HFEngine
-from pspo.sequences import sequence_seeds
+from pspo.engines.hf_engine import HFEngine
+from pspo.engines.sampling import sequence_seeds
 from pspo.update import policy_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The reward pool (pspo/reward_pool.py): the trainer's scores and failure counts from worker
+"""The reward pool (pspo/tasks/reward_pool.py): the trainer's scores and failure counts from worker
 processes, the per-call limit kept in the worker, a hang the guard cannot end or a dead worker
 costing exactly one call, and no process left behind.
 
@@ -16,7 +16,7 @@ import types
 import pytest
 
 from pspo import rewards
-from pspo.reward_pool import GRACE_S, RewardPool, resolve_workers
+from pspo.tasks.reward_pool import GRACE_S, RewardPool, resolve_workers
 from pspo.rewards import GoldAnswerError, score_completions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,7 +206,7 @@ def test_auto_workers_are_the_cores_left_per_rank(monkeypatch):
 
 
 def test_reward_workers_config_is_checked():
-    from pspo.config import ConfigError, load_config
+    from pspo.training.config import ConfigError, load_config
     assert load_config(None).reward.workers == -1
     assert load_config(None, ["--reward.workers=2"]).reward.workers == 2
     with pytest.raises(ConfigError, match=r"^reward\.workers: expected >= 0 processes, or -1 for auto"):

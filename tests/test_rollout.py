@@ -5,11 +5,13 @@ import math
 import pytest
 import torch
 
-from pspo.data import builtin_arithmetic, format_prompt
-from pspo.model import Policy, build_policy, load_tokenizer
-from pspo.rollout import CountingEngine, HFEngine, _GumbelSampler
-from pspo.sampling import gumbel_noise, outside_nucleus as _outside_nucleus
-from pspo.sequences import batch_inputs, child_seeds, continuation_inputs, prefix_seeds, sequence_seeds
+from pspo.tasks.data import builtin_arithmetic, format_prompt
+from pspo.training.model import Policy, build_policy, load_tokenizer
+from pspo.rollout import CountingEngine
+from pspo.engines.hf_engine import HFEngine, _GumbelSampler
+from pspo.engines.sampling import gumbel_noise, outside_nucleus as _outside_nucleus
+from pspo.engines.tokens import batch_inputs, continuation_inputs
+from pspo.engines.sampling import child_seeds, prefix_seeds, sequence_seeds
 
 
 def test_nucleus_hand_worked():

@@ -1,4 +1,4 @@
-"""The static-cache loop (pspo/decode.py) against transformers `generate` (the engine's other loop):
+"""The static-cache loop (pspo/engines/decode.py) against transformers `generate` (the engine's other loop):
 the same tokens, masks, texts and log-probs in float32 on CPU, for fresh prompts and for prefixes;
 completions independent of the shape buckets; early-stopping rows; the bf16 weight copies; the
 compiled step."""
@@ -6,14 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pspo import decode
-from pspo.config import ConfigError, load_config
-from pspo.data import builtin_arithmetic, format_prompt
-from pspo.decode import decode_twin, static_attention
-from pspo.model import build_policy, load_tokenizer
-from pspo.rollout import HFEngine, compile_enabled
-from pspo.sampling import gumbel_noise
-from pspo.sequences import batch_inputs, prefix_seeds, sequence_seeds
+from pspo.engines import decode
+from pspo.training.config import ConfigError, load_config
+from pspo.tasks.data import builtin_arithmetic, format_prompt
+from pspo.engines.decode import decode_twin, static_attention
+from pspo.training.model import build_policy, load_tokenizer
+from pspo.engines.hf_engine import HFEngine
+from pspo.rollout import compile_enabled
+from pspo.engines.sampling import gumbel_noise
+from pspo.engines.tokens import batch_inputs
+from pspo.engines.sampling import prefix_seeds, sequence_seeds
 
 
 @pytest.fixture(scope="module")

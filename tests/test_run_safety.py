@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pspo.config import load_config
-from pspo.optim import lr_lambda
+from pspo.training.config import load_config
+from pspo.training.optim import lr_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
@@ -111,7 +111,7 @@ def test_a_context_the_model_cannot_hold_is_one_line_exit_2(tmp_path, tiny_model
 def test_shutdown_waits_for_the_other_ranks_only_after_a_clean_finish(monkeypatch, clean, calls):
     """A finished run leaves the group together (a barrier, then destroy), so no rank closes its
     connections under a peer; after an error it must not wait for ranks that may never arrive."""
-    from pspo import distributed
+    from pspo.training import distributed
     seen = []
     monkeypatch.setattr(distributed, "_OWN_GROUP", True)
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: True)
@@ -126,7 +126,7 @@ def test_finish_ends_a_rank_without_finalization_only_when_it_owned_a_group(monk
     """train.py ends through distributed.finish: a rank of a process group leaves it together with
     its peers and exits with os._exit (the collective library's threads are not torn down by the
     interpreter's finalization); a world of one exits normally with the same code."""
-    from pspo import distributed
+    from pspo.training import distributed
     seen = []
     monkeypatch.setattr(distributed, "_OWN_GROUP", owned)
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: owned)

@@ -1,7 +1,7 @@
 """Uniform prompt sampler: shuffled epochs, same order on every rank, exact resume."""
 import torch
 
-from pspo.uniform_sampler import UniformSampler
+from pspo.sampler import UniformSampler
 
 
 def test_every_prompt_once_per_epoch_and_deterministic():

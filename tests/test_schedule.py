@@ -1,8 +1,8 @@
 """train.py formulas: the learning-rate schedule (warm-up + cosine) and the step metrics from rank sums."""
 import pytest
 
-from pspo.config import load_config
-from pspo.optim import lr_lambda
+from pspo.training.config import load_config
+from pspo.training.optim import lr_lambda
 
 
 def test_warmup_then_cosine_hand_worked():
@@ -26,7 +26,7 @@ def test_step_metrics_from_rank_sums_hand_worked():
     # std = sqrt(3/4 - .75²) = sqrt(.1875) = .43301; one group of two has zero variance -> .5.
     # 10 tokens, 2 clipped, Σkl = 1 -> clip_frac .2, kl .1; 2 iterations -> loss = Σpg / 2,
     # response_length = completion tokens / completions = 5 / 4 = 1.25 (the update saw them twice: 10).
-    from pspo.metrics import step_metrics
+    from pspo.training.metrics import step_metrics
     cfg = load_config(None, ["--algo.num_iterations=2"])
     sums = {"completions": 4, "groups": 2, "tokens": 10, "completion_tokens": 5, "reward": 3, "reward_sq": 3, "accuracy": 3,
             "format": 4, "adv_abs": 2, "adv_sq": 2, "adv_count": 4, "zero_std_groups": 1, "pg_loss": .6, "kl": 1,

@@ -1,4 +1,4 @@
-"""SPO segment credit (pspo/segments.py): docs/related.md §B's hand-worked chain and tree cases,
+"""SPO segment credit (pspo/related/spo_segments.py): docs/related.md §B's hand-worked chain and tree cases,
 then independent loop-style references (written like the SPO reference code) on random inputs."""
 import math
 import random
@@ -7,8 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pspo.segments import (add_children, chain_advantages, mc_values, probability_mask, segment_advantages,
-                           select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes)
+from pspo.related.spo_segments import add_children, chain_advantages, mc_values, probability_mask, segment_advantages, select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes
 
 P = torch.tensor([[.95, .5, .99, .3, .97, .8, .99]])       # §B's chain: candidates t = 1, 3, 5
 ONES = torch.ones(1, 7)

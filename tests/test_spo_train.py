@@ -1,4 +1,4 @@
-"""SPO in the real loop (pspo/spo.py, train.py) on the tiny model: the generation it pays for, the
+"""SPO in the real loop (pspo/related/spo.py, train.py) on the tiny model: the generation it pays for, the
 advantages it hands the update, exact resume, two ranks, and its config errors.
 
 A probe runs train.py in a subprocess with the transformers engine's `generate` and the loop's
@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from pspo.config import ConfigError, load_config
-from pspo.segments import PROB_THRESHOLD, select_cuts, unique_prefixes
+from pspo.training.config import ConfigError, load_config
+from pspo.related.spo_segments import PROB_THRESHOLD, select_cuts, unique_prefixes
 from test_train import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,8 +1,8 @@
 """The sync check's gap, on a stand-in engine and trainer with hand-set log-probs (no vLLM needed)."""
 import torch
 
-from pspo.sequences import Rollout
-from pspo.vllm_engine import sync_gap
+from pspo.engines.tokens import Rollout
+from pspo.engines.vllm_engine import sync_gap
 
 
 class FakeEngine:

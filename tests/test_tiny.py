@@ -1,4 +1,4 @@
-"""pspo/tiny.py: the tokenizer survives save + AutoTokenizer unchanged; the model builds once, atomically."""
+"""pspo/offline/tiny.py: the tokenizer survives save + AutoTokenizer unchanged; the model builds once, atomically."""
 import json
 import os
 import shutil
@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-from pspo import tiny
-from pspo.data import R1_SYSTEM_PROMPT, format_prompt
-from pspo.tiny import build_tiny_tokenizer, ensure_tiny_model, tiny_completion, tiny_model_path
+from pspo.offline import tiny
+from pspo.tasks.data import format_prompt
+from pspo.training.config import R1_SYSTEM_PROMPT
+from pspo.offline.tiny import build_tiny_tokenizer, ensure_tiny_model, tiny_completion, tiny_model_path
 
 TEXTS = [   # prompts + completions as the trainer sees them, and text with odd whitespace/unicode
     format_prompt(build_tiny_tokenizer(), "What is 47 + 35?", "") + tiny_completion("82") + "<|im_end|>",

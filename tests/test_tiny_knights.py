@@ -1,4 +1,4 @@
-"""The tiny knights-and-knaves model (pspo/tiny_knights.py): its warm-up target, the build lock, its
+"""The tiny knights-and-knaves model (pspo/offline/tiny_knights.py): its warm-up target, the build lock, its
 untrained twin (the tests' stand-in: same tokenizer), and the built model (marked knights_model: run
 by `scripts/study.sh --task knights`, skipped while it is not built): it loads through
 from_pretrained like a hub model, writes the reference code's layout with the puzzle's own names, and its
@@ -14,14 +14,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from pspo.data import format_prompt
-from pspo.config import load_config
-from pspo.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
-from pspo.knights_reward import knights_people, knights_reward
-from pspo.builtin_models import TINY_KNIGHTS_MODEL, resolve_model_path
-from pspo.tiny_knights import (FIXED_TEXT, TAGS, build_knights_tokenizer,
-                               ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion,
-                               tiny_knights_path)
+from pspo.tasks.data import format_prompt
+from pspo.training.config import load_config
+from pspo.tasks.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
+from pspo.tasks.knights_reward import knights_people, knights_reward
+from pspo.offline.builtin import TINY_KNIGHTS_MODEL, resolve_model_path
+from pspo.offline.tiny_knights import FIXED_TEXT, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, tiny_knights_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,10 +82,10 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
 
 @pytest.mark.slow
 def test_loading_a_model_does_not_import_the_puzzle_generator():
-    # pspo.model resolves builtin: names lazily: neither builder, nor the K&K generator, is imported
-    code = "import sys, pspo.model; print(sorted(m for m in sys.modules if m.startswith('pspo')))"
+    # pspo.training.model resolves builtin: names lazily: neither builder, nor the K&K generator, is imported
+    code = "import sys, pspo.training.model; print(sorted(m for m in sys.modules if m.startswith('pspo')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert "pspo.knights" not in out and "pspo.tiny" not in out and "pspo.data" not in out, out
+    assert "pspo.tasks.knights" not in out and "pspo.offline.tiny" not in out and "pspo.tasks.data" not in out, out
 
 
 def test_the_untrained_twin_is_the_builds_start(knights_standin_path, tmp_path):

@@ -1,9 +1,9 @@
-"""The chunked log-prob head (pspo/token_logprobs.py): hand-worked values and gradients, agreement with
+"""The chunked log-prob head (pspo/training/token_logprobs.py): hand-worked values and gradients, agreement with
 a float64 autograd reference, chunking, bf16 precision and what is kept for backward."""
 import pytest
 import torch
 
-from pspo.token_logprobs import token_logprobs
+from pspo.training.token_logprobs import token_logprobs
 
 
 def _reference(hidden, weight, targets, temperature):
@@ -245,7 +245,7 @@ def test_policy_bf16_head_scores_and_trains_a_tied_model():
     # log-probs within bf16 precision of the float32 policy, gradients reaching the tied matrix.
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pspo.model import Policy
+    from pspo.training.model import Policy
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)

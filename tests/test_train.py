@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from pspo.data import builtin_arithmetic
+from pspo.tasks.data import builtin_arithmetic
 from pspo.reference_sampler import ReferenceSampler
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine

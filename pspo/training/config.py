@@ -1,0 +1,547 @@
+"""Typed configuration: dataclasses filled from YAML, then `--section.key=value` overrides.
+
+Precedence is CLI > YAML > the defaults below. Every field has one comment naming its symbol in
+docs/methods.md (where it has one) and its unit. Validation runs once, right after loading, and a
+mistake is one `ConfigError` line naming the key (train.py turns it into exit code 2).
+A YAML file may start with `base: other.yaml` (relative to itself) to inherit from a preset.
+
+The sections: model, data, rollout, reward, prm (PSPO*'s process reward, docs/related.md §C), algo,
+ers, pps, optim, train, eval, and spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
+checks in `validate_spo`). `ConfigError`, `check` and `first_line` are also how the components
+that turn a library's exception into one line (model loading, the PRM, the memory plan) report it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message is one line naming the key."""
+
+
+def check(ok: bool, key: str, expected: str, value: Any) -> None:
+    """Raise ConfigError "key: expected ..., got value" unless ok."""
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    """"6,6,6" -> (6, 6, 6); () if a part is not an integer."""
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        return ()
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of e's message, at most `limit` characters; e's type name if it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
+# The R1 prompt of the open-rs / Open-R1 recipes: reason in <think> </think>, answer in \boxed{}.
+# Departure from the recipes' text: they also ask for <answer> </answer> tags (and print a literal
+# "\boxed{{}}"); our format reward (docs/methods.md §5) wants <think>..</think> then \boxed{...}.
+R1_SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process is enclosed within <think> </think>, followed by the final answer "
+    "in \\boxed{}, i.e., <think> reasoning process here </think> The answer is \\boxed{answer here}."
+)
+SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
+
+# The names each setting accepts. This file is their one home: it imports no algorithm module, and
+# the modules that implement them raise on a name they do not know.
+ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")          # loss.sequence_weights, docs/methods.md §1
+WHITENINGS = ("bessel", "population")                     # advantages.whiten: PaddleNLP | OpenRLHF
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampler, docs/methods.md §3b
+IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
+PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
+IS_CORRECTIONS = ("none", "token", "sequence")            # is_correction.py, docs/methods.md §7
+PRM_SPLITS = ("reference", "lines")                       # process_reward.split_steps, docs/related.md §C
+PRM_SHAPINGS = ("wrs", "weibull", "none")                 # process_reward.shaped_reward, docs/related.md §C
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "builtin:tiny"  # hub id, local folder, or builtin:tiny (cached demo model)
+    trust_remote_code: bool = False     # run model code shipped with a checkpoint (off: safer)
+    bf16: bool = False                  # bf16 autocast for forward passes (GPU); log-probs stay fp32
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    logprob_chunk_tokens: int = 2048    # tokens per (chunk x vocab) logits block in the loss
+
+
+@dataclass
+class DataConfig:
+    train: str = "builtin:arithmetic"   # builtin:arithmetic, a .jsonl/.json/.parquet file, or hub name
+    train_split: str = "train"          # split of `train`
+    # K&K: train on puzzles of these numbers of people only, e.g. "2,3,4" ("" = all; eval keeps every size)
+    train_people: str = ""
+    eval: str = "builtin:arithmetic"    # eval set, same forms as `train`; "" disables eval
+    eval_split: str = "test"            # split of `eval`
+    problem_field: str = "problem"      # column holding the question
+    answer_field: str = "answer"        # column holding the gold answer
+    # system message: "r1" = the R1 prompt (<think> then \boxed{}), else the text ("" = none; one other word
+    # is an error)
+    system_prompt: str = ""
+    max_eval_examples: int = 0          # 0 = the whole eval set
+    # 0 = all; else the first N rows (builtin sets: stratified), revisited more often
+    max_train_examples: int = 0
+    max_prompt_tokens: int = 512        # longer prompts are dropped at load time (logged), never truncated
+    # a gold answer math-verify cannot parse: skip (report, leave out) | error
+    bad_gold: str = "skip"
+
+    @property
+    def people(self) -> tuple[int, ...]:
+        """data.train_people as sizes, once validated: "2,3,4" -> (2, 3, 4); "" -> () (all)."""
+        return parse_ints(self.train_people) if str(self.train_people).strip() else ()
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"                # vllm | hf (transformers generate) | auto (vllm on a GPU, hf on CPU)
+    num_generations: int = 8            # G, completions per prompt
+    temperature: float = 1.0            # T; also divides the logits in the loss (§1)
+    top_p: float = 1.0                  # nucleus sampling mass
+    max_new_tokens: int = 16            # L_max, tokens per completion
+    batch_size: int = 512               # sequences per generate call on one rank (hf engine)
+    compile: str = "auto"               # hf engine: compile the decoding step: auto (CUDA) | always | never
+    gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
+    sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
+    sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)
+    sync_check_tol: float = 0.02        # stop if the mean |Δ log π| per token exceeds this (nats)
+    # engine/trainer mismatch (§7): the PG term weighted by min(π_old/π_engine, C) per token | sequence | none
+    is_correction: str = "none"
+    is_cap: float = 2.0                 # C, the truncation of that weight (> 1)
+
+
+@dataclass
+class RewardConfig:
+    accuracy: float = 1.0               # weight of the math-verify accuracy reward (§5)
+    format: float = 0.0                 # weight of the <think>..</think> format reward (§5)
+    cosine: float = 0.0                 # weight of the cosine length-scaled accuracy (§5)
+    # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (docs/related.md §A)
+    knights: float = 0.0
+    prm: float = 0.0                    # weight of PSPO*'s process reward R (docs/related.md §C; section prm)
+    timeout_s: float = 5.0              # per-call limit of one reward function, seconds
+    # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
+    # threads)
+    workers: int = -1
+
+
+@dataclass
+class PRMConfig:
+    """The process reward model of reward.prm (PSPO*, docs/related.md §C), loaded when reward.prm != 0."""
+    # an AutoModelForSequenceClassification folder or hub id, or builtin:tiny-prm (pspo/offline/tiny_prm.py)
+    model: str = ""
+    trust_remote_code: bool = False     # run model code shipped with the PRM (off: safer)
+    label: int = 2                      # the "correct" class: s_j = softmax(logits)[label] (-1, 0, 1: 2)
+    # steps: reference (the released code's markers) | lines (and "Step k:")
+    split: str = "reference"
+    # what joins the previous step to the step: "" = the PRM tokenizer's pair encoding (its sep token);
+    # else this text (the released code: " </s><s>")
+    separator: str = ""
+    max_tokens: int = 512               # each scored input truncated to this many tokens
+    shaping: str = "wrs"                # R from g and n: wrs g·ff(g, n) | weibull g·w(n) | none g (§C)
+    batch_tokens: int = 16384           # padded tokens per PRM forward (the inputs sorted by length)
+
+
+@dataclass
+class AlgoConfig:
+    # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO and ERS
+    # through the keys below) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A, per token) |
+    # spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
+    advantage: str = "grpo"
+    scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
+    aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
+    # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
+    beta: float = 0.04
+    eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
+    eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
+    num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
+    adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
+    # REINFORCE++ (docs/related.md §A): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref)
+    # (PaddleNLP's: 1e-3)
+    kl_coef: float = 0.0
+    # REINFORCE++: the reward is clipped to ±clip_score before it enters the last token
+    clip_score: float = 10.0
+    # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
+    whiten: str = "bessel"
+
+    @property
+    def needs_reference(self) -> bool:
+        """The frozen reference model is built and scored: the k3 loss term (β > 0), or REINFORCE++'s KL
+        reward (kl_coef > 0, which validation allows with REINFORCE++ only)."""
+        return self.beta > 0 or self.kl_coef > 0
+
+
+@dataclass
+class ERSConfig:
+    enabled: bool = False               # ERS (§2): smoothed per-prompt (m_q, v_q) replace the group's (μ, s²)
+    alpha: float = 0.99                 # a, weight of the current group in the EMA (1 = plain GRPO)
+
+
+@dataclass
+class PPSConfig:
+    enabled: bool = False               # PPS (§3): prioritized prompt sampling with IS weights
+    alpha: float = 0.6                  # α, priority exponent p_q = (mean|A| + ε_p)^α (0 = uniform)
+    beta: float = 0.4                   # β, IS-weight exponent w = (N·P)^-β at the first step
+    beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
+    eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
+    mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
+    priority: str = "mean_abs"          # |A^GRPO| statistic mean_abs | max_abs | last_abs, or posterior (§3b)
+    is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
+    uniform_mix: float = 0.0            # u: P' = (1-u)·P + u/N, no prompt below u/N (§3b)
+    posterior_decay: float = 0.9        # λ of priority=posterior: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
+    skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
+    skip_min: float = 0.01              # s_min
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6                    # peak AdamW learning rate
+    weight_decay: float = 0.0           # AdamW decoupled weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    warmup_steps: int = 0               # linear warm-up, in optimizer steps
+    min_lr_ratio: float = 0.0           # cosine decays to lr * min_lr_ratio at the last step
+    max_grad_norm: float = 1.0          # global grad-norm clip (0 = off)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/demo"       # metrics.jsonl, TensorBoard events, checkpoints
+    seed: int = 0                       # seeds data order, sampling and init
+    max_steps: int = 100                # rollout steps
+    prompts_per_step: int = 64          # B, global prompts per step (split over ranks)
+    micro_batch_size: int = 64          # sequences per forward/backward on one rank
+    micro_batch_tokens: int = 0         # > 0: token-budget micro-batches of at most this many padded tokens
+    eval_steps: int = 0                 # evaluate every N steps (0 = only before/after)
+    save_steps: int = 0                 # checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
+    resume: str = ""                    # "" (fresh), "auto" (latest in output_dir), or a path
+    progress: bool = True               # tqdm bar on rank 0
+    # stop at start-up when the memory plan (plan.py) says the GPU is too small
+    memory_check: bool = True
+
+
+@dataclass
+class EvalConfig:
+    num_samples: int = 0                # k for mean@k sampled accuracy (0 = greedy only)
+    temperature: float = 0.6            # sampling temperature for mean@k
+    top_p: float = 0.95                 # nucleus mass for mean@k
+    batch_size: int = 256               # prompts per generate call
+    output: str = ""                    # eval.py writes its results here as JSON ("" = no file)
+
+
+@dataclass
+class SPOConfig:
+    """SPO, docs/related.md §B: only with algo.advantage spo_chain (the first two) or spo_tree (the rest)."""
+    # chain: K, every K-th token with p_t < 0.9 is a cut ("int5"; §B chain 3)
+    cutpoint_interval: int = 5
+    # chain: N continuations per cut state, V(c) = their mean reward (9 rho-1.1B, 4 long CoT)
+    num_mc: int = 9
+    # tree: "b0,b1,b2", children per node at depths 0, 1, 2; b0 = rollout.num_generations
+    branching: str = "6,6,6"
+    # tree: M, the most new tokens of a depth-0 / depth-1 segment ("M0,M1" apart); depth 2 runs to
+    # rollout.max_new_tokens (30 rho GSM8K, 100 MATH, 600 R1-Distill)
+    segment_tokens: str = "30"
+    # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
+    tree_scale: bool = False
+    # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
+    replay_iterations: int = 8
+    # tree: at most this many of a question's buffered edges drawn (and removed) per step
+    edges_per_question: int = 32
+    # tree: at most this many drawn edges trained per step, a random subset (0 = all; the reference code: 512)
+    edges_per_step: int = 0
+
+    @property
+    def branch_factors(self) -> tuple[int, ...]:
+        """(b0, b1, b2), once validated."""
+        return parse_ints(self.branching)
+
+    @property
+    def segments(self) -> tuple[int, int]:
+        """(M0, M1): the token budgets of the depth-0 and depth-1 segments, once validated."""
+        m = parse_ints(self.segment_tokens) or (0,)
+        return (m[0], m[-1])
+
+
+CHAIN_KEYS = ("cutpoint_interval", "num_mc")     # the rest of SPOConfig is the tree's
+
+
+def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> None:
+    """The spo section (docs/related.md §B) beside algo.advantage, the rollout section `r` and
+    pps.enabled: its chain keys only with spo_chain, its tree keys only with spo_tree, the tree's
+    shape consistent with the rollout section, and neither PPS nor the IS correction with the tree.
+    Raises ConfigError (one line)."""
+    default = SPOConfig()
+    for f in dataclasses.fields(SPOConfig):
+        owner = "spo_chain" if f.name in CHAIN_KEYS else "spo_tree"
+        value = getattr(s, f.name)
+        check(advantage == owner or value == getattr(default, f.name), f"spo.{f.name}",
+              f"{getattr(default, f.name)!r} (unset) unless algo.advantage={owner}", value)
+    if advantage == "spo_chain":
+        check(s.cutpoint_interval >= 1, "spo.cutpoint_interval", ">= 1", s.cutpoint_interval)
+        check(s.num_mc >= 1, "spo.num_mc", ">= 1", s.num_mc)
+    if advantage != "spo_tree":
+        return
+    # Refused: PPS's IS weight belongs to the step its prompt was drawn, but a tree's edges are
+    # trained over the next spo.replay_iterations steps, mixed with other steps' prompts.
+    check(not pps_enabled, "pps.enabled", "false with algo.advantage=spo_tree (its edges are replayed in "
+          "later steps, where the drawing step's IS weights do not apply)", pps_enabled)
+    check(r.is_correction == "none", "rollout.is_correction", "none with algo.advantage=spo_tree (its "
+          "replayed tree edges keep no engine log-probs)", r.is_correction)
+    b, m = s.branch_factors, parse_ints(s.segment_tokens)
+    check(len(b) == 3 and min(b) >= 1, "spo.branching", "three positive integers b0,b1,b2 (e.g. 6,6,6)",
+          s.branching)
+    check(r.num_generations == b[0], "rollout.num_generations", f"spo.branching's b0 = {b[0]} with "
+          "algo.advantage=spo_tree (the root's children are the prompt's G completions)", r.num_generations)
+    check(len(m) in (1, 2) and min(m) >= 1, "spo.segment_tokens", "one positive integer M, or two M0,M1",
+          s.segment_tokens)
+    check(sum(s.segments) < r.max_new_tokens, "spo.segment_tokens", f"M0 + M1 < rollout.max_new_tokens = "
+          f"{r.max_new_tokens} (depth 2 continues to max_new_tokens)", s.segment_tokens)
+    check(s.replay_iterations >= 1, "spo.replay_iterations", ">= 1 (1 = no replay)", s.replay_iterations)
+    check(s.edges_per_question >= 1, "spo.edges_per_question", ">= 1", s.edges_per_question)
+    check(s.edges_per_step >= 0, "spo.edges_per_step", ">= 0 (0 = every drawn edge)", s.edges_per_step)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ers: ERSConfig = field(default_factory=ERSConfig)
+    pps: PPSConfig = field(default_factory=PPSConfig)
+    spo: SPOConfig = field(default_factory=SPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
+COMPILES = ("auto", "always", "never")      # rollout.compile, resolved by rollout.compile_enabled
+
+
+def _coerce(key: str, value: Any, typ: str) -> Any:
+    """Check/convert one value to the field's annotated type (YAML values and CLI strings)."""
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+    elif typ == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ == "str":
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {typ}, got {value!r}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections or not name:
+        raise ConfigError(f"{key}: unknown section, expected one of {', '.join(sections)}")
+    sub = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    if name not in fields:
+        raise ConfigError(f"{key}: unknown key, expected one of {', '.join(fields)}")
+    setattr(sub, name, _coerce(key, value, str(fields[name].type)))
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Read a YAML config, following `base:` links; later files override earlier ones."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"{path}: `base:` cycle")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    merged: dict[str, dict[str, Any]] = {}
+    base = raw.pop("base", None)
+    if base is not None:
+        merged = _read_yaml(os.path.join(os.path.dirname(path), str(base)), seen + (os.path.abspath(path),))
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section `{section}` must be a mapping of key: value")
+        merged.setdefault(section, {}).update(values)
+    return merged
+
+
+def load_config(path: str | None, overrides: list[str] = (), world_size: int = 1) -> Config:
+    """Defaults <- YAML file (if any) <- `--section.key=value` overrides; then validate."""
+    cfg = Config()
+    if path:
+        for section, values in _read_yaml(path).items():
+            for name, value in values.items():
+                _set(cfg, f"{section}.{name}", value)
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"{item}: overrides look like --section.key=value")
+        key, _, value = item[2:].partition("=")
+        _set(cfg, key, value)
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Impossible values and combinations, each reported as one line naming the key."""
+    r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
+    check(r.engine in ENGINES, "rollout.engine", " | ".join(ENGINES), r.engine)
+    check(r.num_generations >= 2, "rollout.num_generations", "G >= 2 (a group needs two samples)",
+           r.num_generations)
+    check(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
+    check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
+    check(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
+    check(r.compile in COMPILES, "rollout.compile", " | ".join(COMPILES), r.compile)
+    check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+           r.gpu_memory_utilization)
+    check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
+    check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)
+    corrected = r.is_correction != "none"
+    check(r.is_correction in IS_CORRECTIONS, "rollout.is_correction", " | ".join(IS_CORRECTIONS),
+           r.is_correction)
+    check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)",
+           r.is_cap)
+    check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
+           "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
+    check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
+    check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
+    check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)
+    check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
+    check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
+    check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
+    check(a.kl_coef >= 0, "algo.kl_coef", ">= 0", a.kl_coef)
+    check(a.clip_score > 0, "algo.clip_score", "> 0", a.clip_score)
+    check(a.whiten in WHITENINGS, "algo.whiten", " | ".join(WHITENINGS), a.whiten)
+    validate_method(cfg)
+    check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
+    p = cfg.pps
+    check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
+    check(p.beta >= 0, "pps.beta", ">= 0", p.beta)
+    check(p.beta_end == -1 or p.beta_end >= 0, "pps.beta_end", ">= 0, or -1 for a constant β", p.beta_end)
+    check(p.eps > 0, "pps.eps", "> 0", p.eps)
+    check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
+    check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
+    check(p.mode in PPS_MODES, "pps.mode", " | ".join(PPS_MODES), p.mode)
+    check(0 <= p.uniform_mix < 1, "pps.uniform_mix", "in [0, 1)", p.uniform_mix)
+    check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
+    check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
+    check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
+    if p.mode == "reference":                     # §3a is one fixed procedure: the §3b options do not apply
+        paper_only = {"beta_end": -1.0, "priority": "mean_abs", "is_norm": "batch_max", "uniform_mix": 0.0,
+                      "skip": False, "eps": 1e-6}
+        for key, default in paper_only.items():
+            check(getattr(p, key) == default, f"pps.{key}", f"{default} (unset) with pps.mode=reference, "
+                   "the released code's fixed procedure (docs/methods.md §3a)", getattr(p, key))
+    check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
+    check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
+    check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)
+    check(o.max_grad_norm >= 0, "optim.max_grad_norm", ">= 0", o.max_grad_norm)
+    check(t.max_steps >= 1, "train.max_steps", ">= 1", t.max_steps)
+    check(t.prompts_per_step >= world_size and t.prompts_per_step % world_size == 0,
+           "train.prompts_per_step", f"a multiple of the {world_size} ranks", t.prompts_per_step)
+    check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
+    check(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", ">= 0 (0 = fixed micro_batch_size)",
+           t.micro_batch_tokens)
+    for key in ("eval_steps", "save_steps", "keep_checkpoints"):
+        check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
+    weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights", "prm")}
+    for key, weight in weights.items():
+        check(math.isfinite(weight), f"reward.{key}", "a finite weight", weight)
+    check(any(w != 0 for w in weights.values()), "reward", "at least one non-zero weight", weights)
+    check(cfg.reward.timeout_s > 0, "reward.timeout_s", "> 0", cfg.reward.timeout_s)
+    check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
+           "the training threads)", cfg.reward.workers)
+    validate_prm(cfg.prm, cfg.reward.prm)
+    check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
+    check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
+    check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
+    # 0 = all for the two example caps
+    for key, low in (("max_eval_examples", 0), ("max_train_examples", 0), ("max_prompt_tokens", 1)):
+        check(getattr(cfg.data, key) >= low, f"data.{key}", f">= {low}", getattr(cfg.data, key))
+    sizes = parse_ints(cfg.data.train_people)
+    all_people = not str(cfg.data.train_people).strip()
+    check(all_people or (sizes and all(2 <= n <= 8 for n in sizes)), "data.train_people",
+           'K&K numbers of people in 2..8, comma-separated (e.g. "2,3,4"), or "" for all',
+           cfg.data.train_people)
+    # one word that is not a name is a mistyped name ("R1"), not a prompt
+    prompt = cfg.data.system_prompt.strip()
+    check(not prompt or prompt in SYSTEM_PROMPTS or any(c.isspace() for c in prompt), "data.system_prompt",
+           f"a prompt name ({', '.join(SYSTEM_PROMPTS)}), the text of a system message (words with spaces) "
+           "or \"\"", cfg.data.system_prompt)
+    check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
+    check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1",
+           cfg.model.logprob_chunk_tokens)
+
+
+def validate_method(cfg: Config) -> None:
+    """The settings that belong to one advantage method: the one place validation reads
+    algo.advantage (methods.method_for picks the function, plan.step_shape counts what it generates)."""
+    a = cfg.algo
+    check(a.advantage in ADVANTAGES, "algo.advantage", " | ".join(ADVANTAGES), a.advantage)
+    if a.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        check(a.beta == 0, "algo.beta", f"0 with algo.advantage={a.advantage} (REINFORCE++ has no KL loss "
+               "term; its KL is in the reward, algo.kl_coef)", a.beta)
+    else:
+        check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward "
+               "is REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
+    if a.advantage != "grpo":
+        check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths "
+               "the group statistics of GRPO advantages; this one whitens token advantages over the whole "
+               "batch)", cfg.ers.enabled)
+    validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
+
+
+def validate_prm(p: PRMConfig, weight: float) -> None:
+    """The prm section (docs/related.md §C); a model is required only when reward.prm weighs it."""
+    check(weight == 0 or bool(p.model.strip()), "prm.model", "a sequence-classifier folder or hub id (or "
+           f"builtin:tiny-prm) with reward.prm={weight:g}", p.model)
+    check(p.label >= 0, "prm.label", ">= 0 (the index of the PRM's \"correct\" class)", p.label)
+    check(p.split in PRM_SPLITS, "prm.split", " | ".join(PRM_SPLITS), p.split)
+    check(p.shaping in PRM_SHAPINGS, "prm.shaping", " | ".join(PRM_SHAPINGS), p.shaping)
+    check(p.max_tokens >= 8, "prm.max_tokens", ">= 8", p.max_tokens)
+    check(p.batch_tokens >= p.max_tokens, "prm.batch_tokens", f">= prm.max_tokens = {p.max_tokens}",
+           p.batch_tokens)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config (every field, after overrides) as YAML."""
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+

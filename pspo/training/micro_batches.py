@@ -1,0 +1,100 @@
+"""The update batch and its micro-batches: `UpdateBatch`, the rows one optimizer step trains on, and
+how they are cut into forward/backward passes (docs/methods.md §1, "Aggregation": the loss is
+normalised by global counts, so the split never changes the gradient).
+
+Two ways, chosen by `train.micro_batch_tokens`:
+- 0: consecutive slices of `train.micro_batch_size` rows, padded to the step's longest sequence;
+- > 0: a token budget: the rows sorted by length (prompt + completion) and packed so that rows x the
+  longest row of each micro-batch stays within the budget.
+Either way a micro-batch is scored padding-free on the left (model.py, Policy.forward): each row's
+tokens start at position 0 and only the longest row sets the width, so a micro-batch costs
+rows x its longest row, whatever the mix of prompt and completion lengths.
+Every rank runs as many micro-batches as the busiest one (FSDP2's collectives must match); the spare
+ones repeat one real row and carry no loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pspo.training import distributed
+
+
+@dataclass
+class UpdateBatch:
+    """What every advantage method (methods.py) hands the optimizer step (update.py), on the rank's device.
+
+    The update reads nothing else: it does not know which method made the batch."""
+    input_ids: torch.Tensor               # (N, P+T) long, left-padded prompt (+ prefix), then the completion
+    attention_mask: torch.Tensor          # (N, P+T)
+    mask: torch.Tensor                    # (N, T) completion tokens: sizes the micro-batches
+    loss_mask: torch.Tensor               # (N, T) the tokens the loss aggregates over (SPO: M, within mask)
+    advantages: torch.Tensor              # (N, T) token advantages Â_it, times the PPS IS weight of the completion
+    old_logp: torch.Tensor | None = None  # (N, T) logπ_old; None with one iteration (ρ ≡ 1)
+    ref_logp: torch.Tensor | None = None  # (N, T) logπ_ref; the k3 term with algo.beta > 0, else only logged
+
+
+@dataclass
+class MicroBatch:
+    rows: torch.Tensor        # (n,) row indices into the step's (N, P+T) batch
+    start: int                # first column kept: P - the longest prompt among the rows
+    width: int                # completion columns kept: the longest completion among the rows
+    length: int = 0           # the longest row's prompt + completion tokens: the width it is scored at
+    spare: bool = False       # run only to keep the ranks' collectives matched: its loss is zeroed
+
+    def cut(self, x: torch.Tensor, P: int) -> torch.Tensor:
+        """The rows' (n, P+T) inputs cut to [start, P + width)."""
+        return x[self.rows, self.start:P + self.width]
+
+
+def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_batch_size: int,
+                       micro_batch_tokens: int) -> list[MicroBatch]:
+    """Micro-batches of the step's rows. attention_mask (N, P+T) left-padded prompts then
+    completions; mask (N, T) completion tokens.
+
+    micro_batch_tokens = 0: consecutive slices of micro_batch_size rows, cut to full width (P + T).
+    Otherwise: rows sorted by prompt + completion length (longest first) and packed greedily
+    while n_rows x the first (longest) row's length <= micro_batch_tokens (a row longer than the
+    budget goes alone), each cut to its rows' longest prompt and longest completion. Every rank
+    gets as many micro-batches as the busiest rank (ranks may hold different numbers of rows, as
+    SPO-tree's edges do; at least one each); the extra ones repeat one real row and are marked
+    spare (policy_update zeroes their loss). Collective.
+    """
+    N, T = mask.shape
+    P = attention_mask.shape[1] - T
+    prompt_len = attention_mask[:, :P].sum(1).tolist()
+    completion_len = [max(1, int(c)) for c in mask.sum(1).tolist()]
+    if micro_batch_tokens <= 0:
+        batches = [_micro_batch(list(range(i, min(i + micro_batch_size, N))), prompt_len, completion_len, P)
+                   for i in range(0, N, micro_batch_size)]
+        batches = [MicroBatch(b.rows, 0, T, b.length) for b in batches]
+    else:
+        batches = _pack(prompt_len, completion_len, P, micro_batch_tokens)
+    most = int(distributed.all_reduce_max(torch.tensor(float(len(batches)), device=mask.device)))
+    last = batches[-1]
+    spare = MicroBatch(last.rows[:1], last.start, last.width, last.length, spare=True)
+    return batches + [spare] * (most - len(batches))
+
+
+def _pack(prompt_len: list[int], completion_len: list[int], P: int,
+          micro_batch_tokens: int) -> list[MicroBatch]:
+    """Token-budget micro-batches of plan_micro_batches (micro_batch_tokens > 0)."""
+    total = [p + c for p, c in zip(prompt_len, completion_len)]
+    order = sorted(range(len(total)), key=lambda i: total[i], reverse=True)
+    batches, rows = [], []
+    for i in order:
+        if rows and (len(rows) + 1) * total[rows[0]] > micro_batch_tokens:     # rows[0]: the longest
+            batches.append(_micro_batch(rows, prompt_len, completion_len, P))
+            rows = []
+        rows.append(i)
+    if rows:
+        batches.append(_micro_batch(rows, prompt_len, completion_len, P))
+    return batches
+
+
+def _micro_batch(rows: list[int], prompt_len: list[int], completion_len: list[int], P: int) -> MicroBatch:
+    """The rows, cut to their longest prompt and completion, scored at their longest prompt + completion."""
+    return MicroBatch(torch.tensor(rows), P - max(prompt_len[i] for i in rows),
+                      max(completion_len[i] for i in rows),
+                      max(prompt_len[i] + completion_len[i] for i in rows))

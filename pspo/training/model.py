@@ -1,0 +1,180 @@
+"""The policy and the frozen reference: loading, and per-token log-probs of completions.
+
+`Policy` wraps a transformers causal LM. Its forward returns log π(o_t | q, o_<t) for the
+completion tokens, from logits divided by the sampling temperature, in float32, one
+(tokens x vocab) block at a time (token_logprobs.py; docs/methods.md §1, "Log-probabilities at the
+sampling temperature"). Generation also goes through
+`Policy.__call__` (generate=True): under FSDP2 the wrapper is the root module, and only work done
+inside the root's forward sees its gathered parameters (embeddings, final norm, lm_head).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from pspo.training.config import first_line
+from pspo.training.token_logprobs import token_logprobs
+
+
+hf_logging.disable_progress_bar()          # per-file "Loading weights" bars would drown the training bar
+
+
+class ModelError(ValueError):
+    """The model path cannot be loaded; the message is one line."""
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Left-padding tokenizer (generation pads prompts on the left); pad falls back to eos."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left",
+                                                  trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
+        raise ModelError(f"model.name_or_path: cannot load a tokenizer from {path!r} "
+                         f"({first_line(e)})") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_config(path: str, trust_remote_code: bool = False):
+    """The model's transformers config (config.json) alone: cheap, no weights."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - missing, malformed or rejected by transformers' validation
+        raise ModelError(f"model.name_or_path: cannot load a model config from {path!r} "
+                         f"({first_line(e)})") from None
+
+
+def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
+    """float32 master weights; bf16 is applied by autocast at compute time (model.bf16)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - missing, corrupt (SafetensorError), foreign or rejected
+        raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} "
+                         f"({first_line(e)})") from None
+
+
+
+
+class Policy(torch.nn.Module):
+    """A causal LM that scores completions (forward) and generates (forward(generate=True))."""
+
+    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = 2048, bf16: bool = False):
+        super().__init__()
+        self.lm, self.chunk_tokens, self.bf16 = lm, chunk_tokens, bf16
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int = 0,
+                temperature: float = 1.0, generate: bool = False, packed_width: int = 0, **generate_kwargs):
+        """input_ids/attention_mask (N, P+T): left-padded prompt then completion.
+
+        Returns (logp (N, T), entropy (N, T)) for the last T = num_completion_tokens positions.
+
+        Scoring runs padding-free on the left: each row's real tokens are moved to the start
+        (right-padded to the longest row) and attention is plain causal, with no padding mask.
+        Causality keeps the pads at a row's end out of every real token's context, so the
+        log-probs are those of the left-padded rows, while the attention kernel skips the
+        masked triangle (flash attention on a GPU; a padding mask would force the
+        memory-efficient kernel over the full square) and no (N, s, s) mask is built.
+        packed_width: the longest row's real tokens when the caller knows it (micro_batches.py),
+        which spares reading it back from the device.
+        """
+        if generate:
+            with self._autocast():
+                return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+        T = num_completion_tokens
+        N, L = input_ids.shape
+        lengths = attention_mask.sum(1)                                    # (N,) prompt + completion tokens
+        width = packed_width or int(lengths.max())
+        width = max(1, width - 1)                    # the last token predicts nothing
+        cols = torch.arange(width, device=input_ids.device)
+        pads = attention_mask.long().argmax(1)                             # (N,) left padding of each row
+        packed = input_ids.gather(1, (pads[:, None] + cols[None]).clamp(max=L - 1))          # (N, width)
+        prompts = lengths - attention_mask[:, L - T:].sum(1)               # (N,) prompt tokens
+        # hidden at position s predicts token s+1: completion token t of row i is predicted at p_i - 1 + t
+        steps = torch.arange(T, device=input_ids.device)
+        at = (prompts[:, None] - 1 + steps[None]).clamp(0, width - 1)                       # (N, T)
+        with self._autocast():
+            hidden = self.lm.base_model(input_ids=packed, position_ids=cols.expand(N, width),
+                                        use_cache=False).last_hidden_state                  # (N, width, H)
+            hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))        # (N, T, H)
+            # Under bf16 autocast the head multiplies bf16 operands into float32 logits.
+            weight = self.lm.get_output_embeddings().weight                   # (V, H)
+            logp, entropy = token_logprobs(hidden, weight, input_ids[:, L - T:], temperature,
+                                           self.chunk_tokens)
+        return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
+
+    def _autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.lm.device.type, dtype=torch.bfloat16)
+
+
+def check_plain_head(lm: torch.nn.Module) -> None:
+    """Refuse, in one line, a model whose logits are not hidden @ lm_head.weight^T.
+
+    Policy.forward computes log-probs from the head's weight alone (token_logprobs.py, chunked),
+    so a head bias, logit soft-capping (Gemma 2) or a logit scale (Cohere, Granite) would make
+    the trainer's π differ from the model's, and from the engine's.
+    """
+    head = lm.get_output_embeddings()
+    name = type(lm).__name__
+    if not isinstance(head, torch.nn.Linear):
+        raise ModelError(f"model.name_or_path: {name} has no plain linear output head "
+                         f"({type(head).__name__}); pspo computes log-probs as hidden @ lm_head.weight")
+    if head.bias is not None:
+        raise ModelError(f"model.name_or_path: {name}'s lm_head has a bias; "
+                         "pspo's log-probs use the weight only")
+    config = lm.config
+    for key, neutral in (("final_logit_softcapping", None), ("logit_scale", None), ("logits_scaling", 1.0)):
+        value = getattr(config, key, neutral)
+        if value is not None and value != neutral:
+            raise ModelError(f"model.name_or_path: {name} sets {key}={value} (its logits are "
+                             "transformed after lm_head); pspo supports plain lm_head logits only")
+
+
+def disable_dropout(lm: torch.nn.Module) -> None:
+    """Dropout off everywhere, as RL fine-tuning codes do: the update runs in train mode (for
+    checkpointing) while π_old, π_ref and generation run in eval mode, and dropout would make the
+    two disagree (ρ != 1 on the first iteration). Covers nn.Dropout modules and the attention
+    dropout rate transformers passes to its attention kernels."""
+    for module in lm.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
+        if isinstance(getattr(lm.config, key, None), float):
+            setattr(lm.config, key, 0.0)
+
+
+def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """data.max_prompt_tokens + rollout.max_new_tokens must fit the model's positions."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_prompt_tokens + max_new_tokens > limit:
+        raise ModelError(f"data.max_prompt_tokens ({max_prompt_tokens}) + rollout.max_new_tokens "
+                         f"({max_new_tokens}) = {max_prompt_tokens + max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings ({limit}); lower one of them")
+
+
+def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bool,
+                 gradient_checkpointing: bool, trainable: bool = True) -> Policy:
+    """The trainable policy, or (trainable=False) a frozen reference. Both start in eval mode.
+
+    The training loop switches the policy to train mode for the update only: transformers
+    recomputes checkpointed layers only when `self.training`, and a checkpointed layer in train
+    mode drops the KV cache, so generation and scoring must run in eval mode.
+    """
+    lm = load_causal_lm(path, trust_remote_code)
+    check_plain_head(lm)
+    disable_dropout(lm)
+    if gradient_checkpointing and trainable:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = Policy(lm, chunk_tokens, bf16).eval()
+    if not trainable:
+        policy.requires_grad_(False)
+    return policy

@@ -1,0 +1,562 @@
+"""Will it fit? A per-GPU memory plan of a training run, from the model's config.json alone.
+
+    python train.py --config X --plan [--gpus=8] [--gpu_gib=80]     # table; no GPU, no download
+
+train.py's start-up prints the same plan in one line and stops (exit 2) when it cannot fit.
+Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master weights
+(model.py) and bf16 autocast when model.bf16:
+- parameters, gradients (fp32) and AdamW's m and v (2 x fp32), each sharded 1/N, and the frozen
+  reference model when algo.beta > 0 or REINFORCE++'s kl_coef > 0 (built like the policy: fp32, sharded 1/N);
+- FSDP2's unsharded parameters in flight (N > 1): the root (embeddings, final norm, an untied
+  head) stays gathered from forward to backward, with its unsharded gradient; two decoder layers
+  (the current one and the prefetched next) and one layer's unsharded gradient;
+- activations of one micro-batch (train.micro_batch_size sequences) at the longest sequence,
+  data.max_prompt_tokens + rollout.max_new_tokens (`saved_bytes`, `activation_peak`);
+- the largest log-prob block (token_logprobs.py): forward holds two (chunk x vocab) float32 blocks
+  (the logits and their exp); backward one, its bf16 copy under model.bf16, and the head's
+  (vocab x hidden) float32 gradient (under bf16 also W's bf16 copy and one float32 product);
+- vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
+  weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
+  rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
+- transformers (rollout.engine hf), one GPU: decode.py's static-cache loop keeps, in both phases, its
+  KV cache (2 x layers x KV heads x head_dim x 2 B in bf16 or 4 B in float32, per position) at the
+  largest shape the run asks for: rows bucketed (decode.bucket) up to rollout.batch_size, positions a
+  multiple of data.max_prompt_tokens + rollout.max_new_tokens (`static_cache_shape`, over the step's
+  generate calls and the evaluation's), and with model.bf16 its bf16 weight copies (2 B x parameters);
+  generation adds the sampler's working set of the rows in flight (`step_shape`: G per prompt,
+  and SPO's continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for
+  SPO-chain, in chunks of rollout.batch_size rows);
+- transformers over N > 1 GPUs (`generate` on the sharded policy, dynamic cache): the KV cache and
+  sampler working set of the rows in flight in the step's largest generate call, autocast's bf16
+  weight copies and the gathered FSDP2 parameters, during generation;
+- the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
+  larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
+  block up (512 B below 1 MiB, 2 MiB multiples above), keeps freed blocks cached for reuse, and
+  the blocks of one step vary in size (micro-batches of other lengths, the log-prob blocks), so
+  segments hold holes no later request fits; a block cached in the update is still reserved in the
+  next generation (only a waking vLLM empties the cache). Measured on one H100: the 1.5B GRPO
+  recipe (1 GPU, 512 new tokens, transformers `generate` before the static-cache loop) reserved 43.0
+  GiB at its peak where the plan then counted 36.3 GiB of tensors (38.3 with the constant): 1.19 x;
+  bench/micro_batches.py's 1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing)
+  reserved 35.1 GiB for 28.8 allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens,
+  35.7 for 30.3 (1.18 x; the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what
+  is allocated, so 0.2 of them covers every reserved peak seen (at most 1.19 x the plan);
+- PSPO*'s process reward model (reward.prm != 0, docs/related.md §C): its bf16 weights, a whole copy
+  per GPU, and one scoring forward of prm.batch_tokens tokens in the generation phase (no grad: about
+  the hidden states, q, k, v and the MLP's intermediate of those tokens alive at once, (6H + 2I) x 2 B
+  per token);
+- OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces.
+The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
+were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
+block, vLLM unless it sleeps). The activation and log-prob peaks do not coincide: their sum
+makes the update an upper bound.
+
+Attention assumed: PyTorch sdpa. The update scores rows padding-free with plain causal attention
+(model.py), where a GPU runs the flash kernel; the count is that of the memory-efficient kernel
+with a padding mask, an upper bound: it saves q, k, v (KV heads repeated), the output, the
+log-sum-exp and the mask as a bias; no (heads x s x s) probabilities. tests/test_plan.py checks the
+count against what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from pspo.training.config import Config, ConfigError, load_config
+from pspo.training.config import first_line
+from pspo.offline.builtin import resolve_model_path
+from pspo.training.model import load_model_config
+from pspo.engines.decode import bucket
+
+GiB = 2**30
+OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
+# PyTorch's caching allocator: reserved / the plan's tensors - 1 (the docstring: at most 0.19 seen)
+ALLOCATOR_SLACK = 0.2
+# the sampler's working set per generated row, about 8 float32 (vocab,) blocks (logits/T, log_softmax,
+# Gumbel noise and its int64 hashes): a rough figure
+SAMPLER_BLOCKS = 8
+DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
+USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
+         f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")
+
+
+class PlanError(ConfigError):
+    """The run cannot fit, or no architecture to plan from; one line (train.py: exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the plan needs from config.json; parameter counts from a model built on the meta device."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    params: int          # all parameters, tied embeddings counted once
+    layer_params: int    # one decoder layer (an FSDP2 unit)
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, final norm and an untied head: the root FSDP2 unit."""
+        return self.params - self.layers * self.layer_params
+
+
+def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
+    """A transformers config -> Arch (a decoder-only transformer: RMSNorm, gated MLP, GQA)."""
+    fields = {}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(getattr(config, key, None), int):
+            raise PlanError(f"model.name_or_path: its config.json has no integer {key}, cannot plan memory")
+        fields[key] = getattr(config, key)
+    try:
+        with torch.device("meta"):                                      # shapes only, no memory
+            lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, ImportError) as e:
+        raise PlanError(f"model.name_or_path: cannot build {config.model_type!r} from its config.json "
+                        f"({str(e).strip().splitlines()[0][:200]})") from None
+    layer_names = set(getattr(lm, "_no_split_modules", None) or [])
+    layer = next((m for m in lm.modules() if type(m).__name__ in layer_names), None)
+    if layer is None:
+        raise PlanError(f"model.name_or_path: cannot find the decoder layers ({sorted(layer_names)}) "
+                        f"of {config.model_type!r}")
+    heads = fields["num_attention_heads"]
+    return Arch(fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"], heads,
+                getattr(config, "num_key_value_heads", None) or heads,
+                getattr(config, "head_dim", None) or fields["hidden_size"] // heads, fields["vocab_size"],
+                sum(p.numel() for p in lm.parameters()),
+                sum(p.numel() for p in layer.parameters()))
+
+
+def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = False) -> tuple[Arch, str]:
+    """(Arch, where its config.json came from), offline. Looked for in order: a local folder;
+    builtin:tiny (built if missing); a hub id in the local Hugging Face cache; the stand-in
+    `model_config.json` next to the YAML config_file."""
+    path = resolve_model_path(name_or_path)
+    standin = os.path.join(os.path.dirname(os.path.abspath(config_file)), "model_config.json")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise PlanError(f"model.name_or_path: {path} has no config.json")
+        candidates = [(path, path)]
+    else:
+        candidates = [(path, f"{path} (local Hugging Face cache)")]
+        # The stand-in describes the model its recipe folder is named for (configs/qwen2.5-math-1.5b/
+        # <-> Qwen/Qwen2.5-Math-1.5B): another hub id must not borrow it and get a wrong plan.
+        recipe_model = os.path.basename(os.path.dirname(os.path.abspath(config_file))).lower()
+        if (os.path.isfile(standin) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path)
+                and name_or_path.rsplit("/", 1)[1].lower() == recipe_model):
+            candidates.append((standin, f"{os.path.relpath(standin)} (stand-in for {name_or_path})"))
+    for source, label in candidates:
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=True,
+                                                trust_remote_code=trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - not cached (OSError), or a config.json transformers rejects
+            if source != standin and not os.path.isdir(source):
+                continue                                        # not in the cache: try the stand-in
+            first = first_line(e, 200)
+            raise PlanError(f"model.name_or_path: cannot read {source}'s config.json ({first})") from None
+        return arch_from_config(config, trust_remote_code), label
+    fallback = ""
+    if not os.path.isfile(standin):
+        fallback = f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
+    raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the "
+                    f"local Hugging Face cache{fallback}")
+
+
+@dataclass(frozen=True)
+class PRMArch:
+    """What the plan needs of the process reward model (docs/related.md §C)."""
+    params: int
+    hidden: int
+    intermediate: int
+
+
+def load_prm_arch(cfg: Config, local_only: bool) -> tuple[PRMArch | None, str]:
+    """(PRMArch, "") of prm.model's config.json, or (None, why) when reward.prm is 0 or it cannot be read
+    (local_only: the `--plan` command, no download)."""
+    if cfg.reward.prm == 0:
+        return None, ""
+    remote = cfg.prm.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(cfg.prm.model), local_files_only=local_only,
+                                            trust_remote_code=remote)
+        with torch.device("meta"):                                      # shapes only, no memory
+            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
+    except Exception as e:  # noqa: BLE001 - not a local folder nor cached, or not a classifier
+        why = first_line(e, 120)
+        return None, f"prm.model {cfg.prm.model!r}: not counted, its config.json cannot be read ({why})"
+    hidden = getattr(config, "hidden_size", 0)
+    return PRMArch(sum(p.numel() for p in model.parameters()), hidden,
+                   getattr(config, "intermediate_size", 0) or 4 * hidden), ""
+
+
+def layer_saved_bytes(a: Arch, tokens: int, seq: int, bf16: bool) -> int:
+    """Bytes one decoder layer saves for backward, for `tokens` tokens in sequences of length `seq`.
+
+    Per token, H hidden, I intermediate, q = heads x head_dim; residual stream and RMSNorm in fp32:
+      bf16: both norms' input and normalized 4 x 4H; the bf16 casts of their outputs for the q, k,
+            v, gate, up projections 5 x 2H; attention q, k, v (KV heads repeated to all heads: the
+            mask rules out sdpa's GQA path) and output 4 x 2q; gate, SiLU, up, product 4 x 2I
+      fp32: both norms' input, normalized and output 6 x 4H; attention 4 x 4q; MLP 4 x 4I
+      both: the mask as a bias, seq x 2 (bf16) or 4 bytes; log-sum-exp 4 x heads; rsqrt 2 x 4
+    """
+    H, I, q = a.hidden, a.intermediate, a.heads * a.head_dim
+    per_token = 26 * H + 8 * q + 8 * I + 2 * seq if bf16 else 24 * H + 16 * q + 16 * I + 4 * seq
+    return tokens * (per_token + 4 * a.heads + 8)
+
+
+def saved_bytes(a: Arch, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
+    """What the forward of one micro-batch leaves saved for backward.
+
+    Without checkpointing: every layer's tensors, plus the bf16 copy of its weights autocast made.
+    With it: each layer's fp32 input (4H per token) only. Both: the final norm (8H per token),
+    RoPE cos/sin (8 x head_dim), the boolean mask (seq bytes) and the loss's copy of the
+    completion's hidden states (4H per completion token).
+    """
+    tokens = micro * seq
+    head = tokens * (8 * a.hidden + 8 * a.head_dim + seq) + micro * completion * 4 * a.hidden
+    if checkpointing:
+        return a.layers * tokens * 4 * a.hidden + head
+    copies = 2 * a.layer_params if bf16 else 0
+    return a.layers * (layer_saved_bytes(a, tokens, seq, bf16) + copies) + head
+
+
+def activation_peak(a: Arch, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
+    """saved_bytes, plus with checkpointing the larger of: autocast's bf16 copies of all weights
+    (its cast cache lives until the forward ends) and one layer's recompute in backward (its saved
+    tensors and weight copies, and the fp32 gradient in and out, 8H per token)."""
+    saved = saved_bytes(a, micro, seq, completion, bf16, checkpointing)
+    if not checkpointing:
+        return saved
+    copies = 2 * a.layer_params if bf16 else 0
+    tokens = micro * seq
+    recompute = layer_saved_bytes(a, tokens, seq, bf16) + copies + tokens * 8 * a.hidden
+    return saved + max(a.layers * copies, recompute)
+
+
+def logprob_chunk_bytes(a: Arch, chunk_tokens: int, bf16: bool = False) -> int:
+    """Peak of the log-prob head (token_logprobs.py), forward or backward, whichever is larger.
+
+    float32: forward 2 x (chunk x V) fp32; backward 1 block + the head's fp32 gradient (V x H).
+    bf16: forward adds W's bf16 copy (2VH); backward the block, its bf16 copy (2 bytes), the fp32
+    gradient, W's bf16 copy and one fp32 (V x H) product before it is added in (4 + 2 + 4 VH)."""
+    block, head = chunk_tokens * a.vocab, a.vocab * a.hidden
+    if not bf16:
+        return max(2 * block * 4, block * 4 + 4 * head)
+    return max(2 * block * 4 + 2 * head, block * (4 + 2) + 10 * head)
+
+
+def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
+    """vLLM's KV cache per token: K and V x layers x KV heads x head_dim x dtype bytes."""
+    return 2 * a.layers * a.kv_heads * a.head_dim * dtype_bytes
+
+
+def static_cache_bytes(a: Arch, rows: int, length: int, bf16: bool) -> int:
+    """The static-cache loop's KV cache (decode.py): 2 (K, V) x layers x KV heads x head_dim x bytes
+    (2 under bf16 autocast, else 4) x rows x positions."""
+    return kv_bytes_per_token(a, 2 if bf16 else 4) * rows * length
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One engine.generate call of a training step on one GPU, at its largest."""
+    inputs: int       # prompts, or partial completions to continue
+    n: int            # samples of each input
+    longest: int      # tokens of the longest row the transformers engine holds: padded input + budget
+
+    @property
+    def sequences(self) -> int:
+        return self.inputs * self.n
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one training step of the configured method holds on one GPU."""
+    calls: list[GenerateCall]       # its generate calls, in order
+    update_rows: int                # the rows its optimizer step trains at most
+
+
+def step_shape(cfg: Config, prompts: int) -> StepShape:
+    """The generate calls and update rows of one step on a GPU holding `prompts` prompts: the one place
+    the plan reads algo.advantage (docs/related.md §B for SPO).
+
+    P_max = data.max_prompt_tokens, T = rollout.max_new_tokens.
+    - per-completion methods (GRPO, REINFORCE++): G completions of each prompt, P_max + T tokens.
+    - spo_chain: then spo.num_mc (N) continuations of each distinct cut state. Cuts are every K-th
+      token with p_t < 0.9 (K = spo.cutpoint_interval), so at most ceil(T / K) per completion and
+      G·ceil(T/K) states per prompt: G·(1 + ceil(T/K)·N) sequences per prompt in all. The
+      transformers engine pads a chunk of states to its longest prompt + prefix (up to P_max + T - 1)
+      and runs every row to the chunk's largest budget (up to T, the state before the first token):
+      a row holds up to P_max + 2T - 1 tokens.
+    - spo_tree: b0 completions of M0 tokens, b1 continuations of each to M0 + M1 tokens, b2 of those
+      to T: up to b0·b1·b2 sequences per prompt in the last call, b0·(1 + b1 + b1·b2) in all.
+    The update trains the step's G completions of each prompt; SPO-tree trains replayed edges instead,
+    at most train.micro_batch_size rows (as many as it draws).
+    """
+    r, s, P_max, T = cfg.rollout, cfg.spo, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    first = GenerateCall(prompts, r.num_generations, P_max + T)
+    if cfg.algo.advantage == "spo_tree":
+        b0, b1, b2 = s.branch_factors
+        m0, m1 = s.segments
+        calls = [GenerateCall(prompts, b0, P_max + m0), GenerateCall(prompts * b0, b1, P_max + m0 + m1),
+                 GenerateCall(prompts * b0 * b1, b2, P_max + T)]
+        return StepShape(calls, cfg.train.micro_batch_size)
+    if cfg.algo.advantage == "spo_chain":
+        cuts = -(-T // s.cutpoint_interval)                                 # ceil(T / K) per completion
+        states = GenerateCall(prompts * r.num_generations * cuts, s.num_mc, P_max + 2 * T - 1)
+        return StepShape([first, states], first.sequences)
+    return StepShape([first], first.sequences)
+
+
+def rows_in_flight(call: GenerateCall, batch_size: int) -> int:
+    """Rows the transformers engine generates at once: HFEngine.generate runs chunks of
+    max(1, rollout.batch_size // n) inputs, n rows each (so at least n rows, even above batch_size)."""
+    return min(call.inputs, max(1, batch_size // call.n)) * call.n
+
+
+def static_cache_shape(cfg: Config, calls: list[GenerateCall]) -> tuple[int, int]:
+    """(rows, positions) of the static-cache loop's KV buffer at its largest: it grows to the most rows
+    and the most positions any call asks for. A call runs at bucket(rows in flight, rollout.batch_size)
+    rows and a multiple of data.max_prompt_tokens + rollout.max_new_tokens positions; the evaluation
+    (greedy, and eval.num_samples samples) makes calls of eval.batch_size prompts too."""
+    r, block = cfg.rollout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    calls = list(calls)
+    if cfg.data.eval:
+        calls += [GenerateCall(cfg.eval.batch_size, n, block) for n in (1, cfg.eval.num_samples) if n > 0]
+    rows = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
+    length = max(block * -(-c.longest // block) for c in calls)
+    return rows, length
+
+
+@dataclass
+class Plan:
+    gpus: int
+    gpu_bytes: int
+    # (key, description, bytes per GPU, phase: both | generation | update)
+    rows: list[tuple[str, str, int, str]]
+    notes: list[str]
+    blocker: str = ""                       # a reason it cannot start whatever the sum says
+
+    def phase_bytes(self, phase: str) -> int:
+        return sum(b for _, _, b, ph in self.rows if ph in ("both", phase))
+
+    @property
+    def peak(self) -> int:
+        return max(self.phase_bytes("generation"), self.phase_bytes("update"))
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_bytes and not self.blocker
+
+    def verdict(self) -> str:
+        phase = "update" if self.phase_bytes("update") >= self.phase_bytes("generation") else "generation"
+        margin = abs(self.gpu_bytes - self.peak) / GiB
+        head = f"peak {self.peak / GiB:.1f} GiB ({phase}) of {self.gpu_bytes / GiB:.1f} GiB: "
+        if self.blocker:
+            return head + f"does not fit, {self.blocker}"
+        if self.fits:
+            return head + f"fits, {margin:.1f} GiB to spare"
+        return head + f"does not fit, {margin:.1f} GiB over"
+
+
+def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
+              prm: PRMArch | None = None) -> Plan:
+    """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved); prm: the
+    process reward model's shape when reward.prm != 0."""
+    m, r, N = cfg.model, cfg.rollout, gpus
+    seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
+    shape = step_shape(cfg, cfg.train.prompts_per_step // N)
+    calls, update_rows = shape.calls, shape.update_rows
+    micro = min(cfg.train.micro_batch_size, update_rows)
+    # a token budget: at most that many tokens at once, counted as full-length rows
+    if cfg.train.micro_batch_tokens:
+        micro = min(update_rows, max(1, cfg.train.micro_batch_tokens // seq))
+    P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
+    ckpt = m.gradient_checkpointing
+    other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB
+    chunk = min(m.logprob_chunk_tokens, micro * T)
+    rows = [("params", f"parameters (fp32, 1/{N})", 4 * P // N, "both"),
+            ("grads", f"gradients (fp32, 1/{N})", 4 * P // N, "update"),
+            ("adam", f"AdamW m, v (2 x fp32, 1/{N})", 8 * P // N, "both")]
+    if cfg.algo.needs_reference:
+        rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0 or REINFORCE++ kl_coef > 0)",
+                     4 * P // N, "both"))
+    if N > 1:
+        rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad",
+                     4 * (2 * a.root_params + 3 * L), "update"))
+    rows.append(("acts", f"activations, {micro} x {seq} tokens, checkpointing {'on' if ckpt else 'off'} "
+                 f"({'off' if ckpt else 'on'}: {other:.1f})", activation_peak(a, micro, seq, T, m.bf16, ckpt),
+                 "update"))
+    rows.append(("logp", f"log-prob head ({chunk} x {a.vocab} blocks + head grad)",
+                 logprob_chunk_bytes(a, chunk, m.bf16), "update"))
+    notes, blocker = [], ""
+    if engine == "vllm":
+        share, weights = int(r.gpu_memory_utilization * gpu_bytes), P * dtype
+        kv = share - weights
+        held = max(kv, 0) // (kv_bytes_per_token(a, dtype) * seq)
+        rows.append(("vllm", f"vLLM {r.gpu_memory_utilization:g} x GPU: weights {weights / GiB:.2f} + KV "
+                     f"{kv / GiB:.2f}, {'asleep' if r.sleep else 'awake'} in update", share,
+                     "generation" if r.sleep else "both"))
+        largest = max(c.sequences for c in calls)                          # submitted in one call
+        notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, dtype)} B/token, holds {held} sequences of "
+                     f"{seq} tokens; a step generates {sum(c.sequences for c in calls)} per GPU, up to "
+                     f"{largest} in one call" + ("" if held >= largest else " (in waves)"))
+        if held < 1:
+            blocker = "vLLM's share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
+    elif N == 1:                             # decode.py's static-cache loop on the policy (rollout.py)
+        cache_rows, length = static_cache_shape(cfg, calls)
+        text = f"static KV cache, {cache_rows} x {length} positions ({2 if m.bf16 else 4} B), kept"
+        rows.append(("kvcache", text, static_cache_bytes(a, cache_rows, length, m.bf16), "both"))
+        if m.bf16:
+            rows.append(("copies", "the decoder's bf16 weight copies, kept", 2 * P, "both"))
+        # the sampler's working set (SAMPLER_BLOCKS), at the largest call's bucketed rows
+        batch = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
+        rows.append(("generate", f"sampler working set, {batch} rows x vocab",
+                     batch * SAMPLER_BLOCKS * a.vocab * 4, "generation"))
+    else:                                    # transformers generate on the sharded policy (rollout.py)
+        # per call: the KV cache of its rows in flight at their longest (fp32 K after RoPE) and the
+        # sampler's working set (SAMPLER_BLOCKS); the largest call counts
+        per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
+        in_flight = [(rows_in_flight(c, r.batch_size), c.longest) for c in calls]
+        cost, batch, longest = max((n * (length * per_token + SAMPLER_BLOCKS * a.vocab * 4), n, length)
+                                   for n, length in in_flight)
+        # plus autocast's bf16 weight copies and the gathered FSDP2 params
+        work = (2 * P if m.bf16 else 0) + 4 * (a.root_params + 2 * L)
+        rows.append(("generate", f"generate: KV of {batch} x {longest} tokens, bf16 weight copies, logits, "
+                     f"gathered params", cost + work, "generation"))
+    if prm is not None:                      # PSPO*'s PRM: bf16 on every GPU, one forward at a time
+        rows.append(("prm", f"process reward model ({prm.params / 1e6:.1f}M, bf16, whole on each GPU)",
+                     2 * prm.params, "both"))
+        rows.append(("prm_acts", f"PRM forward, {cfg.prm.batch_tokens} tokens", cfg.prm.batch_tokens * 2 *
+                     (6 * prm.hidden + 2 * prm.intermediate), "generation"))
+    tensors = max(sum(b for key, _, b, ph in rows if key != "vllm" and ph in ("both", phase))
+                  for phase in ("generation", "update"))                 # what PyTorch's allocator hands out
+    slack = f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)"
+    rows.append(("allocator", slack, int(ALLOCATOR_SLACK * tensors), "both"))
+    rows.append(("overhead", "CUDA context, NCCL, cuBLAS (constant)", int(OVERHEAD_GIB * GiB), "both"))
+    return Plan(N, gpu_bytes, rows, notes, blocker)
+
+
+def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
+                         prm: PRMArch | None = None) -> int:
+    """The largest train.micro_batch_tokens whose plan fits: k full-length sequences (the plan
+    counts a token budget as budget // (prompt + completion) rows at full length), k up to the rows
+    one GPU trains in a step; 0 when not even one fits. The GPU recipes set their budget to this on
+    one 80 GB GPU (tests/test_plan.py), and `--plan` prints it for the GPUs asked about."""
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    rows = step_shape(cfg, cfg.train.prompts_per_step // gpus).update_rows
+    best = 0
+    for k in range(1, rows + 1):
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=k * seq))
+        if not make_plan(trial, a, gpus, gpu_bytes, engine, prm).fits:
+            break
+        best = k * seq
+    return best
+
+
+def format_plan(plan: Plan, title: str) -> str:
+    """The table `--plan` prints."""
+    lines = [title, f"{'component':<76} {'GiB':>6}  phase"]
+    lines += [f"{text:<76} {b / GiB:6.2f}  {phase}" for _, text, b, phase in plan.rows]
+    lines += [f"{'total: ' + phase:<76} {plan.phase_bytes(phase) / GiB:6.2f}"
+              for phase in ("generation", "update")]
+    return "\n".join(lines + plan.notes + ["verdict: " + plan.verdict()])
+
+
+def one_line(plan: Plan) -> str:
+    """The start-up line: every component, then the verdict."""
+    parts = " + ".join(f"{key} {b / GiB:.1f}" for key, _, b, _ in plan.rows)
+    return (f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB): {parts} GiB; "
+            f"{plan.verdict()}")
+
+
+def check_fits(plan: Plan, cfg: Config) -> None:
+    """Raise PlanError (one line, with what to change) when the run cannot fit."""
+    if plan.fits:
+        return
+    vllm = any(key == "vllm" for key, *_ in plan.rows)
+    knobs = ["a smaller train.micro_batch_size" if cfg.train.micro_batch_size > 1 else "",
+             "" if cfg.model.gradient_checkpointing else "model.gradient_checkpointing=true",
+             "rollout.sleep=true" if vllm and not cfg.rollout.sleep else "",
+             "more GPUs"]
+    raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} "
+                    "(train.py --config ... --plan); the plan is an upper bound: train.memory_check=false "
+                    "starts anyway")
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.device, engine: str) -> str:
+    """train.py's start-up: the plan in one line; on CUDA, PlanError when it cannot fit. engine: the
+    resolved rollout.engine ("vllm" or "hf", rollout.engine_name).
+
+    On CPU it is printed against the host's memory for information only: the plan models GPU
+    kernels and vLLM's GPU share, and host memory is shared with everything else (and swap).
+    """
+    try:
+        model_config = load_model_config(model_path, cfg.model.trust_remote_code)
+        a = arch_from_config(model_config, cfg.model.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - an architecture the plan cannot read: train anyway, say why
+        return f"memory plan: unavailable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+    on_gpu = device.type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
+    plan = make_plan(cfg, a, world_size, total, engine, load_prm_arch(cfg, False)[0])
+    if on_gpu and cfg.train.memory_check:
+        check_fits(plan, cfg)
+        return one_line(plan)
+    if on_gpu:
+        return one_line(plan) + " (train.memory_check=false: not enforced)"
+    return one_line(plan) + " (CPU run: not enforced)"
+
+
+def plan_cli(argv: list[str]) -> str:
+    """`train.py --config X --plan [--gpus=N] [--gpu_gib=G] [overrides]` -> the table."""
+    gpus, gpu_gib, rest = DEFAULT_GPUS, DEFAULT_GPU_GIB, []
+    joined: list[str] = []                          # "--gpus 4" -> "--gpus=4"
+    for arg in argv:
+        if joined and joined[-1] in ("--gpus", "--gpu_gib") and not arg.startswith("--"):
+            joined[-1] += f"={arg}"
+        else:
+            joined.append(arg)
+    for arg in joined:
+        key, _, value = arg.partition("=")
+        try:
+            if key == "--gpus":
+                gpus = int(value)
+            elif key == "--gpu_gib":
+                gpu_gib = float(value)
+            elif arg != "--plan":
+                rest.append(arg)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}; {USAGE}") from None
+    if len(rest) < 2 or rest[0] != "--config" or gpus < 1 or not gpu_gib > 0:
+        raise ConfigError(USAGE)
+    cfg = load_config(rest[1], rest[2:], gpus)
+    a, source = load_arch(cfg.model.name_or_path, rest[1], cfg.model.trust_remote_code)
+    engine = "vllm" if cfg.rollout.engine == "auto" else cfg.rollout.engine          # auto on a GPU
+    prm, missing = load_prm_arch(cfg, local_only=True)
+    plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
+    plan.notes += [missing] if missing else []
+    title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"
+             f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, "
+             f"hidden {a.hidden}, MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x "
+             f"{a.head_dim}, vocab {a.vocab}\n"
+             f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
+             f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant "
+             f"{OVERHEAD_GIB:g} GiB; "
+             f"update peak is an upper bound")
+    budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    this_run = cfg.train.micro_batch_tokens or f"fixed {cfg.train.micro_batch_size}"
+    advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} "
+              f"sequences of {seq} tokens; this run: {this_run})" if budget else
+              "no token budget fits: not even one full-length sequence")
+    return format_plan(plan, title) + "\n" + advice
