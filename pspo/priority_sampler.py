@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")
-IS_NORMS = ("batch_max", "mean", "none")   # w / max over the batch | w / mean over the batch | w as is
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: a statistic of |A| | p̂(1-p̂)
+IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
 
 
 class PrioritySampler:

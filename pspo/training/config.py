@@ -20,6 +20,12 @@ from typing import Any
 
 import yaml
 
+from pspo.advantages import WHITENINGS
+from pspo.is_correction import IS_CORRECTIONS
+from pspo.loss import AGGREGATIONS
+from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.related.process_reward import PRM_SHAPINGS, PRM_SPLITS
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override; the message is one line naming the key."""
@@ -55,17 +61,11 @@ R1_SYSTEM_PROMPT = (
 )
 SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
 
-# The names each setting accepts. This file is their one home: it imports no algorithm module, and
-# the modules that implement them raise on a name they do not know.
+# The names each setting accepts. A name the math implements is the math module's (imported above:
+# those modules import nothing of the project, and raise on a name they do not know); the others
+# live here, since the modules that pick by them (methods, sampler) import this one.
 ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
-AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")          # loss.sequence_weights, docs/methods.md §1
-WHITENINGS = ("bessel", "population")                     # advantages.whiten: PaddleNLP | OpenRLHF
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampler, docs/methods.md §3b
-IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
-IS_CORRECTIONS = ("none", "token", "sequence")            # is_correction.py, docs/methods.md §7
-PRM_SPLITS = ("reference", "lines")                       # process_reward.split_steps, docs/related.md §C
-PRM_SHAPINGS = ("wrs", "weibull", "none")                 # process_reward.shaped_reward, docs/related.md §C
 
 
 @dataclass
