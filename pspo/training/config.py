@@ -7,8 +7,9 @@ A YAML file may start with `base: other.yaml` (relative to itself) to inherit fr
 
 The sections: model, data, rollout, reward, prm (PSPO*'s process reward, docs/related.md §C), algo,
 ers, pps, optim, train, eval, and spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
-checks in `validate_spo`). `ConfigError`, `check` and `first_line` are also how the components
-that turn a library's exception into one line (model loading, the PRM, the memory plan) report it.
+checks in `validate_spo`). `ConfigError`, `check`, `first_line` and `error_line` are also how the
+components that turn a library's exception into one line (model loading, the PRM, the memory plan,
+data loading, checkpoints, vLLM) report it.
 """
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def parse_ints(text: str) -> tuple[int, ...]:
 def first_line(e: BaseException, limit: int = 300) -> str:
     """The first line of e's message, at most `limit` characters; e's type name if it has none."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """"TypeName: " + first_line(e, limit), or the type name alone if e has no message."""
+    name = type(e).__name__
+    return f"{name}: {first_line(e, limit)}" if str(e).strip() else name
 
 
 # The R1 prompt of the open-rs / Open-R1 recipes: reason in <think> </think>, answer in \boxed{}.
@@ -384,7 +391,7 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, dict[str, Any
         try:
             raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"{path}: not valid YAML ({first_line(e)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     merged: dict[str, dict[str, Any]] = {}
