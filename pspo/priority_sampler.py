@@ -45,6 +45,14 @@ PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: 
 IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
 
 
+def check_resumed_prompts(saved: int, num_prompts: int) -> None:
+    """ValueError unless a checkpoint's sampler state (any of the three samplers') covers `saved` =
+    num_prompts prompts, as many as the dataset has."""
+    if saved != num_prompts:
+        raise ValueError(f"checkpoint sampler has {saved} prompts, the dataset has {num_prompts}: resume with "
+                         "the same data.train")
+
+
 class PrioritySampler:
     def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None,
@@ -287,9 +295,7 @@ class PrioritySampler:
         if "priorities" not in state:
             raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; "
                              "resume with the same mode")
-        if len(state["priorities"]) != self.num_prompts:
-            raise ValueError(f"checkpoint sampler has {len(state['priorities'])} prompts, the dataset has "
-                             f"{self.num_prompts}: resume with the same data.train")
+        check_resumed_prompts(len(state["priorities"]), self.num_prompts)
         self.tree.zero_()
         self.tree[self.size:self.size + self.num_prompts] = state["priorities"]
         self._rebuild()

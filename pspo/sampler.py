@@ -13,7 +13,7 @@ from torch import Tensor
 
 from pspo.advantages import group_advantages
 from pspo.training.config import Config, ConfigError
-from pspo.priority_sampler import PrioritySampler
+from pspo.priority_sampler import PrioritySampler, check_resumed_prompts
 from pspo.reference_sampler import ReferenceSampler
 
 
@@ -110,7 +110,5 @@ class UniformSampler:
                 "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_prompts"] != self.num_prompts:
-            raise ValueError(f"checkpoint sampler has {state['num_prompts']} prompts, the dataset has "
-                             f"{self.num_prompts}: resume with the same data.train")
+        check_resumed_prompts(state["num_prompts"], self.num_prompts)
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]
