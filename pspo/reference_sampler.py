@@ -36,7 +36,7 @@ PRIORITY_EPS, PROB_EPS, WEIGHT_EPS = 1e-6, 1e-8, 1e-8        # the reference cod
 
 
 class ReferenceSampler:
-    def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, seed: int = 0,
+    def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, seed: int = 0,
                  leaf_of: Tensor | None = None):
         if num_prompts < 1:
             raise ValueError("ReferenceSampler: the dataset has no prompts")
