@@ -49,8 +49,9 @@ BOXED_INT = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
 def cache_folder(kind: str, params: dict, cache_dir: str | None = None) -> str:
-    """Where a model built in code is cached: `<cache_dir>/<kind>-<first 10 hex digits of sha256(params as sorted JSON)>`; cache_dir defaults
-    to $PSPO_CACHE, else ~/.cache/pspo. The folder may not exist yet."""
+    """Where a model built in code is cached: `<cache_dir>/<kind>-<first 10 hex digits of
+    sha256(params as sorted JSON)>`; cache_dir defaults to $PSPO_CACHE, else ~/.cache/pspo. The
+    folder may not exist yet."""
     root = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
     key = json.dumps(params, sort_keys=True)
     return os.path.join(root, f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")

@@ -1,4 +1,5 @@
-"""The offline knights-and-knaves model: pspo/offline/tiny.py's recipe on K&K puzzles (`builtin:tiny-knights`).
+"""The offline knights-and-knaves model: pspo/offline/tiny.py's recipe on K&K puzzles
+(`builtin:tiny-knights`).
 
 Like `builtin:tiny`, it is built in code once and cached under $PSPO_CACHE (default ~/.cache/pspo)
 in a folder named by a hash of its build parameters, then loaded through `from_pretrained` as any
@@ -42,7 +43,8 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from pspo.tasks.data import Example, format_prompt
-from pspo.tasks.knights import ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights, warmup_examples
+from pspo.tasks.knights import (ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights,
+                                warmup_examples)
 from pspo.tasks.knights_reward import _knights_gold, knights_people, knights_reward
 from pspo.offline.tiny import (_build_model, build_once, cache_folder, greedy_completions, right_padded,
                                save_model_folder, train_qwen2_bpe)
