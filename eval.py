@@ -88,9 +88,10 @@ def main(argv: list[str]) -> dict:
     results = {}
     for name, suite in suites.items():
         results[name] = {"n": len(suite.examples), "skipped": suite.skipped, **evaluate(
-            engine, suite.ids, suite.texts, suite.examples, cfg.rollout.max_new_tokens, e.num_samples,
-            e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size, cfg.reward.timeout_s,
-            cfg.train.progress, pool)}
+            engine, suite.ids, suite.texts, suite.examples, max_new_tokens=cfg.rollout.max_new_tokens,
+            num_samples=e.num_samples, temperature=e.temperature, top_p=e.top_p, seed=cfg.train.seed,
+            dist_=dist_, batch_size=e.batch_size, timeout_s=cfg.reward.timeout_s,
+            progress=cfg.train.progress, pool=pool)}
     pool.close()
     counts = ("n", "skipped")                     # rows evaluated, rows left out (bad gold + too long)
     if len(results) > 1:                          # unweighted mean over benchmarks, as papers report

@@ -245,9 +245,11 @@ def evaluation(engine, evals: PromptSet, cfg: Config, dist_: Dist,
                reward_pool: RewardPool) -> dict[str, float]:
     """Greedy accuracy (and mean@k with eval.num_samples) on the eval set, as logged metrics."""
     e = cfg.eval
-    result = evaluate(engine, evals.ids, evals.texts, evals.examples, cfg.rollout.max_new_tokens,
-                      e.num_samples, e.temperature, e.top_p, cfg.train.seed, dist_, e.batch_size,
-                      cfg.reward.timeout_s, cfg.train.progress, reward_pool)
+    result = evaluate(engine, evals.ids, evals.texts, evals.examples,
+                      max_new_tokens=cfg.rollout.max_new_tokens, num_samples=e.num_samples,
+                      temperature=e.temperature, top_p=e.top_p, seed=cfg.train.seed, dist_=dist_,
+                      batch_size=e.batch_size, timeout_s=cfg.reward.timeout_s, progress=cfg.train.progress,
+                      pool=reward_pool)
     return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
 
 

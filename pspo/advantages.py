@@ -22,6 +22,7 @@ ReduceSum = Callable[[Tensor], Tensor]    # sums a tensor over every rank (distr
 
 
 WHITEN_EPS = 1e-8                                                # added to the variance, as PaddleNLP
+WHITENINGS = ("bessel", "population")                           # algo.whiten: ÷(n-1) PaddleNLP | ÷n OpenRLHF
 
 
 def zero_variance(rewards: Tensor) -> Tensor:
@@ -69,8 +70,8 @@ def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum
     values, mask (N, T) -> (N, T). variance: "bessel" divides by count - 1 (PaddleNLP's masked_var),
     "population" by count (OpenRLHF). A batch of one valid token has no spread: its advantage is 0.
     """
-    if variance not in ("bessel", "population"):
-        raise ValueError(f"algo.whiten: expected one of bessel, population, got {variance!r}")
+    if variance not in WHITENINGS:
+        raise ValueError(f"algo.whiten: expected one of {', '.join(WHITENINGS)}, got {variance!r}")
     keep = mask.bool()
     # float64: Σx² - n·mean² is exact enough
     x = values.to(torch.float64).masked_fill(~keep, 0.0)                 # (N, T)

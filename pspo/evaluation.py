@@ -27,13 +27,18 @@ from pspo.engines.sampling import sequence_seeds
 EVAL_STEP_KEY = -1     # sampling-seed namespace of evaluation, apart from every training step
 
 
-def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: list[Example],
+def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: list[Example], *,
              max_new_tokens: int, num_samples: int, temperature: float, top_p: float, seed: int,
              dist_: Dist, batch_size: int, timeout_s: float = 5.0, progress: bool = True,
              pool: RewardPool | None = None) -> dict[str, float]:
     """Returns {"greedy_accuracy", and with num_samples = k > 0: f"mean@{k}", f"pass@{k}";
-    on K&K puzzles also f"greedy_{n}ppl" for each number of people n present}. Completions are
-    scored in `pool`'s worker processes if one is given (pspo/tasks/reward_pool.py), else here."""
+    on K&K puzzles also f"greedy_{n}ppl" for each number of people n present}.
+
+    The prompts' token ids, chat texts and examples (one each per prompt); max_new_tokens per
+    completion (rollout's); num_samples k, temperature, top_p and batch_size (prompts per generate
+    call) from the eval section; seed: the run's, for the sampled completions; timeout_s: the
+    reward's per-call limit. Completions are scored in `pool`'s worker processes if one is given
+    (pspo/tasks/reward_pool.py), else here."""
     mine = list(range(dist_.rank, len(prompt_ids), dist_.world_size))
     per_rank = math.ceil(len(prompt_ids) / dist_.world_size)
     real = len(mine)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+IS_CORRECTIONS = ("none", "token", "sequence")            # rollout.is_correction: no weight | w_it | w_i
+
 
 def log_ratios(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str) -> Tensor:
     """log of the untruncated weight: Δ_it (token) or Σ_t Δ_it broadcast over the row (sequence).

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")          # algo.aggregation: the w_i above
+
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 estimator of KL(π_θ || π_ref) per token, docs/methods.md §1: exp(d) - d - 1, d = ref - logp.
@@ -62,7 +64,7 @@ def sequence_weights(mask: Tensor, aggregation: str, num_seqs: int, num_tokens: 
         return torch.full_like(lengths, 1.0 / max(num_tokens, 1))         # 1/Σ_j T_j
     if aggregation == "dr_grpo":
         return torch.full_like(lengths, 1.0 / (num_seqs * max_len))       # 1/(N_seq·L_max)
-    raise ValueError(f"algo.aggregation: expected one of grpo, token_mean, dr_grpo, got {aggregation!r}")
+    raise ValueError(f"algo.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,

@@ -41,12 +41,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")
-IS_NORMS = ("batch_max", "mean", "none")   # w / max over the batch | w / mean over the batch | w as is
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: a statistic of |A| | p̂(1-p̂)
+IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
+
+
+def check_resumed_prompts(saved: int, num_prompts: int) -> None:
+    """ValueError unless a checkpoint's sampler state (any of the three samplers') covers `saved` =
+    num_prompts prompts, as many as the dataset has."""
+    if saved != num_prompts:
+        raise ValueError(f"checkpoint sampler has {saved} prompts, the dataset has {num_prompts}: "
+                         "resume with the same data.train")
 
 
 class PrioritySampler:
-    def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
+    """PPS over `num_prompts` prompts; the options are the pps section's (config.py), by keyword.
+
+    alpha α, beta β (at the first draw) and beta_end (at draw total_steps; None keeps β), eps ε_p;
+    priority (PRIORITIES) and its posterior_decay λ; is_norm (IS_NORMS); uniform_mix u; skip with
+    skip_rho ρ and skip_min s_min; seed of the draws.
+    """
+
+    def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None,
                  total_steps: int = 1, is_norm: str = "batch_max", uniform_mix: float = 0.0,
                  posterior_decay: float = 1.0, skip: bool = False, skip_rho: float = 0.5,
@@ -287,9 +302,7 @@ class PrioritySampler:
         if "priorities" not in state:
             raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; "
                              "resume with the same mode")
-        if len(state["priorities"]) != self.num_prompts:
-            raise ValueError(f"checkpoint sampler has {len(state['priorities'])} prompts, the dataset has "
-                             f"{self.num_prompts}: resume with the same data.train")
+        check_resumed_prompts(len(state["priorities"]), self.num_prompts)
         self.tree.zero_()
         self.tree[self.size:self.size + self.num_prompts] = state["priorities"]
         self._rebuild()

@@ -30,11 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pspo.priority_sampler import check_resumed_prompts
+
 PRIORITY_EPS, PROB_EPS, WEIGHT_EPS = 1e-6, 1e-8, 1e-8        # the reference code's constants
 
 
 class ReferenceSampler:
-    def __init__(self, num_prompts: int, alpha: float = 0.6, beta: float = 0.4, seed: int = 0,
+    def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, seed: int = 0,
                  leaf_of: Tensor | None = None):
         if num_prompts < 1:
             raise ValueError("ReferenceSampler: the dataset has no prompts")
@@ -104,9 +106,7 @@ class ReferenceSampler:
         if "reference_priorities" not in state:
             raise ValueError("pps.mode: the checkpoint was trained with pps.mode=paper; "
                              "resume with the same mode")
-        if len(state["reference_priorities"]) != self.num_prompts:
-            raise ValueError(f"checkpoint sampler has {len(state['reference_priorities'])} prompts, "
-                             f"the dataset has {self.num_prompts}: resume with the same data.train")
+        check_resumed_prompts(len(state["reference_priorities"]), self.num_prompts)
         self.tree = state["reference_priorities"].clone()
         self.order, self.position, self.epoch = state["order"].clone(), state["position"], state["epoch"]
         self.generator.set_state(state["rng"])

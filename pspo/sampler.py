@@ -13,7 +13,7 @@ from torch import Tensor
 
 from pspo.advantages import group_advantages
 from pspo.training.config import Config, ConfigError
-from pspo.priority_sampler import PrioritySampler
+from pspo.priority_sampler import PrioritySampler, check_resumed_prompts
 from pspo.reference_sampler import ReferenceSampler
 
 
@@ -31,10 +31,12 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
     if p.mode == "reference":
         first_row: dict[str, int] = {}
         leaf_of = torch.tensor([first_row.setdefault(problem, i) for i, problem in enumerate(problems)])
-        return ReferenceSampler(N, p.alpha, p.beta, seed, leaf_of)
-    return PrioritySampler(N, p.alpha, p.beta, p.eps, p.priority, seed,
-                           None if p.beta_end == -1 else p.beta_end, cfg.train.max_steps, p.is_norm,
-                           p.uniform_mix, p.posterior_decay, p.skip, p.skip_rho, p.skip_min)
+        return ReferenceSampler(N, alpha=p.alpha, beta=p.beta, seed=seed, leaf_of=leaf_of)
+    return PrioritySampler(N, alpha=p.alpha, beta=p.beta, eps=p.eps, seed=seed,
+                           beta_end=None if p.beta_end == -1 else p.beta_end,   # pps.beta_end -1: constant β
+                           total_steps=cfg.train.max_steps, priority=p.priority,
+                           posterior_decay=p.posterior_decay, is_norm=p.is_norm, uniform_mix=p.uniform_mix,
+                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min)
 
 
 def sampler_mode(cfg: Config) -> str:
@@ -110,7 +112,5 @@ class UniformSampler:
                 "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_prompts"] != self.num_prompts:
-            raise ValueError(f"checkpoint sampler has {state['num_prompts']} prompts, the dataset has "
-                             f"{self.num_prompts}: resume with the same data.train")
+        check_resumed_prompts(state["num_prompts"], self.num_prompts)
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state["seed"]

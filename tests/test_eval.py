@@ -53,8 +53,8 @@ def test_eval_cli_writes_json(tmp_path, tiny_model_path):
     examples = load_examples(str(data), problem_field="question", answer_field="final")
     texts = [format_prompt(tokenizer, ex.problem, "") for ex in examples]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    again = evaluate(engine, ids, texts, examples, 12, 3, 0.6, 0.95, 0, Dist(0, 1, torch.device("cpu")), 256,
-                     progress=False)
+    again = evaluate(engine, ids, texts, examples, max_new_tokens=12, num_samples=3, temperature=0.6, top_p=0.95,
+                     seed=0, dist_=Dist(0, 1, torch.device("cpu")), batch_size=256, progress=False)
     assert again == {k: result[k] for k in again}
 
 

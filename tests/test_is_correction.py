@@ -11,9 +11,9 @@ from pspo.training.config import ConfigError, load_config
 from pspo.is_correction import correction_weights, log_ratios, mismatch_sums
 from pspo.methods import _weigh
 from pspo.engines.tokens import Rollout
+from pspo.training.micro_batches import UpdateBatch
 
 # Two completions, T = 3; the second has 2 tokens (padding at t = 2, where the engine reports 0
-from pspo.training.micro_batches import UpdateBatch
 # and the trainer a pad token's log-prob). Δ = log π_old − log π_engine:
 #   row 0: −1.0 − (−1.5) = 0.5,  −2.0 − (−2.0) = 0,  −0.1 − (−1.2) = 1.1
 #   row 1: −0.7 − (−0.4) = −0.3, −3.0 − (−2.9) = −0.1, (padding: −5 − 0 = −5, ignored)

@@ -302,8 +302,9 @@ class _OracleForTwo:
 def test_evaluate_reports_greedy_accuracy_per_number_of_people():
     examples = builtin_knights("test")[:21]                          # 3 of each size 2..8
     ids = [[i] for i in range(len(examples))]
-    result = evaluate(_OracleForTwo(examples), ids, [""] * 21, examples, 8, 2, 1.0, 1.0, 0,
-                      Dist(0, 1, torch.device("cpu")), batch_size=4, progress=False)
+    result = evaluate(_OracleForTwo(examples), ids, [""] * 21, examples, max_new_tokens=8, num_samples=2,
+                      temperature=1.0, top_p=1.0, seed=0, dist_=Dist(0, 1, torch.device("cpu")), batch_size=4,
+                      progress=False)
     # 3 of 21 right (the 2-person ones): 1/7 overall, 1 for 2 people, 0 elsewhere
     assert result == pytest.approx({"greedy_accuracy": 1 / 7, "mean@2": 1 / 7, "pass@2": 1 / 7, "greedy_2ppl": 1.0,
                                     **{f"greedy_{n}ppl": 0.0 for n in range(3, 9)}})

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from pspo.training.config import AGGREGATIONS
-from pspo.loss import clipped_surrogate, k3_kl, policy_loss, sequence_weights
+from pspo.loss import AGGREGATIONS, clipped_surrogate, k3_kl, policy_loss, sequence_weights
 from pspo.training.token_logprobs import token_logprobs
 
 

@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from pspo.training import distributed
+from pspo.training.config import error_line
 from pspo.training.model import ModelError
+from pspo.engines.sampling import sequence_seeds
 from pspo.engines.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
 
 # Set before vLLM is first imported (its logging is configured at import): build the engine in
-from pspo.engines.sampling import sequence_seeds
 # this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step
 # warnings from drowning the progress bar (the sync check reports what matters).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -46,9 +47,7 @@ def vllm_available() -> bool:
     except ImportError:
         return False
     except Exception as e:  # noqa: BLE001 - e.g. a torchvision built for another torch
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ModelError(f"rollout.engine: vllm is installed but does not import "
-                         f"({type(e).__name__}: {first})") from e
+        raise ModelError(f"rollout.engine: vllm is installed but does not import ({error_line(e)})") from e
     return True
 
 

@@ -150,7 +150,8 @@ def _truncate(config: dict, num_layers: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    """python -m pspo.offline.standin CONFIG.json OUT_DIR [--full] [--layers N]: build a random-weight model."""
+    """python -m pspo.offline.standin CONFIG.json OUT_DIR [--full] [--layers N]: build a random-weight
+    model."""
     import argparse
     ap = argparse.ArgumentParser(description="a random-weight model from a config.json, "
                                              "with the stand-in tokenizer")

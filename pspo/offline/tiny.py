@@ -49,8 +49,9 @@ BOXED_INT = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
 def cache_folder(kind: str, params: dict, cache_dir: str | None = None) -> str:
-    """Where a model built in code is cached: `<cache_dir>/<kind>-<first 10 hex digits of sha256(params as sorted JSON)>`; cache_dir defaults
-    to $PSPO_CACHE, else ~/.cache/pspo. The folder may not exist yet."""
+    """Where a model built in code is cached: `<cache_dir>/<kind>-<first 10 hex digits of
+    sha256(params as sorted JSON)>`; cache_dir defaults to $PSPO_CACHE, else ~/.cache/pspo. The
+    folder may not exist yet."""
     root = cache_dir or os.environ.get("PSPO_CACHE") or os.path.expanduser("~/.cache/pspo")
     key = json.dumps(params, sort_keys=True)
     return os.path.join(root, f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:10]}")
@@ -118,14 +119,20 @@ def _encode_warmup(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) 
                         add_special_tokens=False)
     targets = tokenizer([tiny_completion(ex.answer) for ex in examples], add_special_tokens=False)
     rows = [(p, t + [tokenizer.eos_token_id]) for p, t in zip(prompts["input_ids"], targets["input_ids"])]
-    width = max(len(p) + len(t) for p, t in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)          # (E, T)
-    labels = torch.full((len(rows), width), -100)                         # (E, T)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)           # (E, T)
-    for i, (p, t) in enumerate(rows):    # right padding: positions 0.. as in a left-padded generate
-        ids[i, :len(p) + len(t)] = torch.tensor(p + t)
-        labels[i, len(p):len(p) + len(t)] = torch.tensor(t)
-        attention[i, :len(p) + len(t)] = 1
+    return right_padded(rows, tokenizer.pad_token_id)
+
+
+def right_padded(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(prompt ids, completion ids) rows -> ids, labels, attention mask, (B, T) each: right-padded
+    (positions 0.. as in a left-padded generate), the labels the completion ids and -100 elsewhere."""
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), pad_id)                 # (B, T)
+    labels = torch.full((len(rows), width), -100)                # (B, T)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)  # (B, T)
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        attention[i, :len(p) + len(c)] = 1
     return ids, labels, attention
 
 

@@ -1,4 +1,5 @@
-"""The offline knights-and-knaves model: pspo/offline/tiny.py's recipe on K&K puzzles (`builtin:tiny-knights`).
+"""The offline knights-and-knaves model: pspo/offline/tiny.py's recipe on K&K puzzles
+(`builtin:tiny-knights`).
 
 Like `builtin:tiny`, it is built in code once and cached under $PSPO_CACHE (default ~/.cache/pspo)
 in a folder named by a hash of its build parameters, then loaded through `from_pretrained` as any
@@ -42,9 +43,11 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from pspo.tasks.data import Example, format_prompt
-from pspo.tasks.knights import ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights, warmup_examples
+from pspo.tasks.knights import (ISLAND, KNIGHTS_INSTRUCTION, NAMES, QUESTION, SIZES, builtin_knights,
+                                warmup_examples)
 from pspo.tasks.knights_reward import _knights_gold, knights_people, knights_reward
-from pspo.offline.tiny import _build_model, build_once, cache_folder, greedy_completions, save_model_folder, train_qwen2_bpe
+from pspo.offline.tiny import (_build_model, build_once, cache_folder, greedy_completions, right_padded,
+                               save_model_folder, train_qwen2_bpe)
 
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
 # supervised steps (964 s on one thread beside a pip install); accuracy by size in bench/RESULTS.md §8
@@ -92,19 +95,6 @@ def _rows(tokenizer: PreTrainedTokenizerFast,
     return rows
 
 
-def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded prompt + completion rows; the labels are the completion ids, -100 elsewhere."""
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.full((len(rows), width), pad_id)                 # (B, T)
-    labels = torch.full((len(rows), width), -100)                # (B, T)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)  # (B, T)
-    for i, (p, c) in enumerate(rows):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-        attention[i, :len(p) + len(c)] = 1
-    return ids, labels, attention
-
-
 def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example], seed: int,
             log) -> None:
     """WARMUP_STEPS of AdamW on the completion's cross-entropy, batches of BATCH puzzles of one size
@@ -119,8 +109,8 @@ def _warmup(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, example
     start = time.perf_counter()
     for step in range(1, WARMUP_STEPS + 1):
         size = rng.choices(sizes, [SIZE_WEIGHTS[n] for n in sizes])[0]
-        ids, labels, attention = _batch([rng.choice(rows[size]) for _ in range(BATCH)],
-                                        tokenizer.pad_token_id)
+        ids, labels, attention = right_padded([rng.choice(rows[size]) for _ in range(BATCH)],
+                                              tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -32,7 +32,7 @@ from pspo.tasks import knights
 from pspo.training.distributed import print0
 from pspo.tasks.example import DataError, Example
 from pspo.tasks.golds import gold_text
-from pspo.training.config import SYSTEM_PROMPTS
+from pspo.training.config import SYSTEM_PROMPTS, error_line
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_SPLITS = ("train", "test")
@@ -138,13 +138,13 @@ def _load_rows(name: str, split: str, config: str | None = None):
         try:   # datasets puts a plain data file in a split called "train", whatever it holds
             return datasets.load_dataset(builder, data_files=os.path.abspath(name), split="train")
         except Exception as e:  # noqa: BLE001 - datasets raises many types for a malformed file
-            raise DataError(f"{name}: cannot read it as {builder} ({_first_line(_root_cause(e))})") from None
+            raise DataError(f"{name}: cannot read it as {builder} ({error_line(_root_cause(e))})") from None
     if os.path.isfile(name):
         raise DataError(f"{name}: expected a {', '.join(LOCAL_BUILDERS)} file or a hub dataset name")
     try:   # a hub name, or a local folder of data files; HF_DATASETS_OFFLINE / HF_HUB_OFFLINE apply
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - missing dataset, unknown split, no network, ...
-        raise DataError(f"{name}: cannot load split {split!r} ({_first_line(e)})") from None
+        raise DataError(f"{name}: cannot load split {split!r} ({error_line(e)})") from None
 
 
 def check_utf8(path: str) -> None:
@@ -176,11 +176,6 @@ def _root_cause(e: BaseException) -> BaseException:
     while e.__cause__ is not None:
         e = e.__cause__
     return e
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
 def resolve_system_prompt(value: str) -> str:

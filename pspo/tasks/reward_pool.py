@@ -11,9 +11,12 @@ what was left of it. Signals reach only the main thread, so scoring raises Runti
 rather than run without a limit. A signal cannot interrupt one long C call (a regex); the input
 caps of pspo/rewards.py keep those short. `score_calls` runs a batch so in this process.
 
-A pool. `concurrent.futures.ProcessPoolExecutor` and `multiprocessing.Pool` have no per-call time
-limit that survives a call stuck in C code or a dead worker (a stuck call blocks its worker, and
-a dead one breaks the whole executor), so the pool is written here:
+A pool. `concurrent.futures.ProcessPoolExecutor` and `multiprocessing.Pool` cannot stop one call:
+`result(timeout)` / `get(timeout)` only stop waiting, a call stuck in C code keeps its worker busy
+until it returns, and neither kills one worker and goes on. A worker that dies breaks a
+ProcessPoolExecutor (every pending call fails with BrokenProcessPool, and it takes no more);
+multiprocessing.Pool starts a new worker but never answers the call the dead one held (only a
+timeout on `get` notices). So the pool is written here:
 
 `RewardPool(workers)` keeps `workers` long-lived processes, each a fresh interpreter started with
 `python -c` (never a fork of a trainer holding torch threads, CUDA or vLLM; and not

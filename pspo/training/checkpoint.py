@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from pspo.training import distributed
-from pspo.training.config import Config, ConfigError
+from pspo.training.config import Config, ConfigError, error_line
 from pspo.training.distributed import Dist
 
 _NAME = re.compile(r"checkpoint-(\d+)$")
@@ -133,8 +133,7 @@ def _load(path: str, name: str, **kwargs):
     try:
         return torch.load(file, weights_only=True, **kwargs)
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or foreign files raise many types
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"train.resume: cannot read {file} ({type(e).__name__}: {first}); "
+        raise CheckpointError(f"train.resume: cannot read {file} ({error_line(e, 200)}); "
                               "resume from another checkpoint") from None
 
 

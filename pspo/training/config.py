@@ -7,8 +7,9 @@ A YAML file may start with `base: other.yaml` (relative to itself) to inherit fr
 
 The sections: model, data, rollout, reward, prm (PSPO*'s process reward, docs/related.md §C), algo,
 ers, pps, optim, train, eval, and spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
-checks in `validate_spo`). `ConfigError`, `check` and `first_line` are also how the components
-that turn a library's exception into one line (model loading, the PRM, the memory plan) report it.
+checks in `validate_spo`). `ConfigError`, `check`, `first_line` and `error_line` are also how the
+components that turn a library's exception into one line (model loading, the PRM, the memory plan,
+data loading, checkpoints, vLLM) report it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+from pspo.advantages import WHITENINGS
+from pspo.is_correction import IS_CORRECTIONS
+from pspo.loss import AGGREGATIONS
+from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.related.process_reward import PRM_SHAPINGS, PRM_SPLITS
 
 
 class ConfigError(ValueError):
@@ -44,6 +51,12 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """"TypeName: " + first_line(e, limit), or the type name alone if e has no message."""
+    name = type(e).__name__
+    return f"{name}: {first_line(e, limit)}" if str(e).strip() else name
+
+
 # The R1 prompt of the open-rs / Open-R1 recipes: reason in <think> </think>, answer in \boxed{}.
 # Departure from the recipes' text: they also ask for <answer> </answer> tags (and print a literal
 # "\boxed{{}}"); our format reward (docs/methods.md §5) wants <think>..</think> then \boxed{...}.
@@ -55,17 +68,11 @@ R1_SYSTEM_PROMPT = (
 )
 SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any other value is the text itself
 
-# The names each setting accepts. This file is their one home: it imports no algorithm module, and
-# the modules that implement them raise on a name they do not know.
+# The names each setting accepts. A name the math implements is the math module's (imported above:
+# those modules import nothing of the project, and raise on a name they do not know); the others
+# live here, since the modules that pick by them (methods, sampler) import this one.
 ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
-AGGREGATIONS = ("grpo", "token_mean", "dr_grpo")          # loss.sequence_weights, docs/methods.md §1
-WHITENINGS = ("bessel", "population")                     # advantages.whiten: PaddleNLP | OpenRLHF
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # priority_sampler, docs/methods.md §3b
-IS_NORMS = ("batch_max", "mean", "none")                  # w / max over the batch | w / mean | w as is
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
-IS_CORRECTIONS = ("none", "token", "sequence")            # is_correction.py, docs/methods.md §7
-PRM_SPLITS = ("reference", "lines")                       # process_reward.split_steps, docs/related.md §C
-PRM_SHAPINGS = ("wrs", "weibull", "none")                 # process_reward.shaped_reward, docs/related.md §C
 
 
 @dataclass
@@ -384,7 +391,7 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, dict[str, Any
         try:
             raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"{path}: not valid YAML ({first_line(e)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     merged: dict[str, dict[str, Any]] = {}

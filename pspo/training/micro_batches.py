@@ -30,7 +30,7 @@ class UpdateBatch:
     attention_mask: torch.Tensor          # (N, P+T)
     mask: torch.Tensor                    # (N, T) completion tokens: sizes the micro-batches
     loss_mask: torch.Tensor               # (N, T) the tokens the loss aggregates over (SPO: M, within mask)
-    advantages: torch.Tensor              # (N, T) token advantages Â_it, times the PPS IS weight of the completion
+    advantages: torch.Tensor              # (N, T) token advantages Â_it, times the completion's PPS IS weight
     old_logp: torch.Tensor | None = None  # (N, T) logπ_old; None with one iteration (ρ ≡ 1)
     ref_logp: torch.Tensor | None = None  # (N, T) logπ_ref; the k3 term with algo.beta > 0, else only logged
 

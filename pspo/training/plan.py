@@ -67,8 +67,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from pspo.training.config import Config, ConfigError, load_config
-from pspo.training.config import first_line
+from pspo.training.config import Config, ConfigError, error_line, first_line, load_config
 from pspo.offline.builtin import resolve_model_path
 from pspo.training.model import load_model_config
 from pspo.engines.decode import bucket
@@ -120,7 +119,7 @@ def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
             lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, ImportError) as e:
         raise PlanError(f"model.name_or_path: cannot build {config.model_type!r} from its config.json "
-                        f"({str(e).strip().splitlines()[0][:200]})") from None
+                        f"({first_line(e, 200)})") from None
     layer_names = set(getattr(lm, "_no_split_modules", None) or [])
     layer = next((m for m in lm.modules() if type(m).__name__ in layer_names), None)
     if layer is None:
@@ -505,7 +504,7 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
         model_config = load_model_config(model_path, cfg.model.trust_remote_code)
         a = arch_from_config(model_config, cfg.model.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - an architecture the plan cannot read: train anyway, say why
-        return f"memory plan: unavailable ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+        return f"memory plan: unavailable ({error_line(e, 200)})"
     on_gpu = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
     plan = make_plan(cfg, a, world_size, total, engine, load_prm_arch(cfg, False)[0])
