@@ -34,6 +34,7 @@ from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, load_prm, prm_metrics
+from pspo.rewards import Score
 from pspo.rollout import CountingEngine, build_engine, engine_name
 from pspo.sampler import UniformSampler, build_sampler, importance_weights, sampler_metrics, sampler_mode
 from pspo.tasks.data import DataError, PromptSet
@@ -47,7 +48,7 @@ from pspo.training.micro_batches import TokenRows, token_rows
 from pspo.training.model import ModelError, check_context, load_model_config, load_tokenizer
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
-from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, Score, every, gather_scores, load_models,
+from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, every, gather_scores, load_models,
                                non_finite_error, open_folder, prompt_sets, resume, reward_scorer, summary,
                                timings)
 from pspo.update import policy_update

@@ -14,7 +14,8 @@ with this rank's statistics (`Advantages`):
                            replayed edges
 
 The math lives in advantages.py and related/spo_segments.py (pure tensor functions); SPO's extra
-generation in related/spo.py. The loop (train.py) makes the shared calls, once each, in this order:
+generation in related/spo.py (imported when an SPO method is chosen). The loop (train.py) makes the
+shared calls, once each, in this order:
 1. `engine.release()` (rollout.py) as soon as the step generates nothing more: before the method,
    or after it for a method that generates (`Method.generates`: SPO-chain's Monte Carlo
    continuations, SPO-tree's branches);
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -55,10 +57,12 @@ from pspo.ema_stats import EMAStats
 from pspo.is_correction import correction_weights, mismatch_sums
 from pspo.training.logprobs import score_policy
 from pspo.training.metrics import AdvantageSums, MethodStats, RolloutSums
-from pspo.rewards import RewardResult
+from pspo.rewards import RewardResult, Score
 from pspo.engines.tokens import Rollout
 from pspo.training.micro_batches import TokenRows, UpdateBatch
-from pspo.related.spo import Score, SPOTree, chain_advantages_of
+
+if TYPE_CHECKING:                 # SPO's machinery is imported by the SPO methods alone, when they run
+    from pspo.related.spo import SPOTree
 
 
 @dataclass(kw_only=True)
@@ -175,6 +179,7 @@ def spo_chain(s: StepRollouts, ctx: Context) -> Advantages:
     """SPO-chain, docs/related.md §B chain: segments cut where p_t < 0.9 (every K-th such token, p_t from
     π_old, read first), Monte Carlo values V at the cuts, A(segment) = V(end) - V(start) on the tokens
     of M, whitened."""
+    from pspo.related.spo import chain_advantages_of
     device = ctx.dist.device
     prompts = [ctx.train_ids[i] for i in s.rows]
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
@@ -215,6 +220,7 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
     if name == "spo_chain":
         return Method(name, spo_chain, T, reads_old=True, generates=True)
     if name == "spo_tree":
+        from pspo.related.spo import SPOTree
         tree = SPOTree(cfg, train_ids, pad_id, dist_, lockstep)
         return Method(name, spo_tree, cfg.spo.segments[0], MethodState(tree=tree), generates=True)
     raise ValueError(f"algo.advantage: no method named {name!r}")   # config.py validates the name first

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from pspo.engines import vllm_engine
-from pspo.engines.hf_engine import HFEngine
 from pspo.engines.tokens import Rollout
 from pspo.training.metrics import GenerationCounts
 
@@ -98,11 +97,13 @@ def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_pro
     auto picks vLLM on a GPU where it is installed. The vLLM engine is built from `model_path`, which must
     hold the policy's current weights (the base model, or the checkpoint being resumed); it runs
     in bf16 on GPU when `bf16` (model.bf16), else in float32. The transformers engine sizes its
-    static cache from max_prompt_len + rollout.max_new_tokens.
+    static cache from max_prompt_len + rollout.max_new_tokens. Only the chosen engine's module is
+    imported (the transformers engine's brings its decoder).
     """
     if engine_name(r.engine) == "vllm":
         return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
                                       r.gpu_memory_utilization, r.sleep, world_size, bf16)
+    from pspo.engines.hf_engine import HFEngine
     device = next(policy.parameters()).device
     return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1,
                     compile=compile_enabled(r.compile, device), max_len=max_prompt_len + r.max_new_tokens)

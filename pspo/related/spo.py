@@ -25,7 +25,6 @@ checkpointed with the rest of the replicated trainer state.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from pspo.training import distributed
 from pspo.advantages import whiten
 from pspo.training.config import Config
 from pspo.training.distributed import Dist
-from pspo.rewards import RewardResult
+from pspo.rewards import RewardResult, Score
 from pspo.related.spo_segments import (add_children, chain_advantages, mc_values, probability_mask, select_cuts,
                                        tree_advantages, tree_edges, tree_values, unique_prefixes)
 from pspo.training.logprobs import score_policy
@@ -43,8 +42,6 @@ from pspo.training.metrics import ChainSums, RolloutSums, TreeSums
 from pspo.engines.tokens import Rollout
 from pspo.training.micro_batches import TokenRows, token_rows
 from pspo.engines.sampling import child_seeds, prefix_seeds
-
-Score = Callable[[list[int], list[str]], RewardResult]   # (dataset rows, completion texts) -> their rewards
 
 
 def _continue(engine, prompt_ids: list[list[int]], prefixes: list[list[int]], n: int, temperature: float,

@@ -9,11 +9,10 @@ plan, the PRM, the data, the sampler, the checkpoint to resume and the engine) r
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
-from pspo.rewards import RewardResult, score_completions
+from pspo.rewards import RewardResult, Score, score_completions
 from pspo.tasks.data import PromptSet, load_examples, prompt_set
 from pspo.tasks.reward_pool import RewardPool
 from pspo.training import checkpoint, distributed
@@ -24,8 +23,6 @@ from pspo.training.model import Policy, build_policy
 from pspo.training.optim import adopt_optim_config
 
 MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
-
-Score = Callable[[list[int], list[str]], RewardResult]   # (train rows, completion texts) -> their rewards
 
 
 class NonFiniteError(RuntimeError):
