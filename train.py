@@ -79,8 +79,8 @@ def main(argv: list[str]) -> None:
         with clock("reward_s"):
             scored = run.score(rows, rollout.texts)                             # this rank's, (N,) each
             rewards, accuracy = gather_scores(scored, G)                        # (B, G) each, every rank's
-        with clock("bookkeeping_s"):                                            # PPS: priorities, IS weights
-            is_weights = importance_weights(run.sampler, cfg, indices, is_weights, rewards, accuracy)  # (B, G)
+        with clock("bookkeeping_s"):                                # PPS: priorities, IS weights (B, G)
+            is_weights = importance_weights(run.sampler, cfg, indices, is_weights, rewards, accuracy)
         with clock("advantages_s"):
             step = StepRollouts(step=run.step, indices=indices, rows=rows, seeds=seeds, rollout=rollout,
                                 scored=scored, rewards=rewards, is_weights=is_weights,
@@ -192,11 +192,11 @@ class Run:
             self.save()
             raise stale
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if update.skipped_steps else 0
-        counts, update, metrics = step_metrics(advantages.stats, update, self.engine.take(), cfg, device)
+        counts, summed, metrics = step_metrics(advantages.stats, update, self.engine.take(), cfg, device)
         self.generated_tokens += counts.rollout_tokens + counts.mc_tokens
         metrics.update(advantages.metrics, **engine_gap, **sampler_metrics(self.sampler, cfg), **sync,
                        **gpu_memory(device), **prm_metrics(self.prm, device, clock.elapsed()))
-        metrics.update(timings(clock, update.update_tokens), generated_tokens=self.generated_tokens,
+        metrics.update(timings(clock, summed.update_tokens), generated_tokens=self.generated_tokens,
                        lr=self.scheduler.get_last_lr()[0])
         last = self.step == cfg.train.max_steps
         if self.evals.examples and (last or every(self.step, cfg.train.eval_steps)):

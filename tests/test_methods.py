@@ -26,10 +26,11 @@ def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Te
     scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(4)}, {"accuracy": 0})
     train_ids, rows = [[1, 2], [3]], [0, 0, 1, 1]
     inputs = token_rows([train_ids[i] for i in rows], rollout.completion_ids, MASK, 0, CPU.device)
-    step = StepRollouts(step=0, indices=torch.tensor([0, 1]), rows=rows, seeds=torch.arange(4), rollout=rollout,
-                        scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
-    ctx = Context(cfg=cfg, policy=None, ref=None, engine=None, train_ids=train_ids, problems=["p0", "p1"], dist=CPU,
-                  mine=slice(0, 2), lockstep=False, score=None, distinct_problems=2, state=MethodState())
+    step = StepRollouts(step=0, indices=torch.tensor([0, 1]), rows=rows, seeds=torch.arange(4),
+                        rollout=rollout, scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
+    ctx = Context(cfg=cfg, policy=None, ref=None, engine=None, train_ids=train_ids, problems=["p0", "p1"],
+                  dist=CPU, mine=slice(0, 2), lockstep=False, score=None, distinct_problems=2,
+                  state=MethodState())
     return cfg, step, ctx
 
 

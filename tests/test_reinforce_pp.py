@@ -237,8 +237,8 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     rows = [i for i in range(4) for _ in range(3)]
     inputs = token_rows([ids[i] for i in rows], rollout.completion_ids, rollout.mask, tokenizer.pad_token_id,
                         cpu.device)
-    step = StepRollouts(step=0, indices=torch.arange(4), rows=rows, seeds=seeds, rollout=rollout, scored=scored,
-                        rewards=rewards, is_weights=torch.ones(4, 3), inputs=inputs)
+    step = StepRollouts(step=0, indices=torch.arange(4), rows=rows, seeds=seeds, rollout=rollout,
+                        scored=scored, rewards=rewards, is_weights=torch.ones(4, 3), inputs=inputs)
     step.old_logp, step.ref_logp = score_first(method, step, ctx)      # the loop's calls around the method
     out = method.advantages(step, ctx)
     batch, _ = update_batch(out, step, ctx)
@@ -246,8 +246,8 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     # 12 sequences in micro-batches of 4: 3 eval-mode scoring calls per scoring pass, then 3 per iteration
     assert calls == [False] * scoring + [True] * 3 * cfg.algo.num_iterations
     if cfg.algo.advantage != "grpo":                                      # token-level advantage stats
-        n = out.stats.advantages.adv_count
-        assert n == rollout.mask.sum() and out.stats.advantages.adv_sq / n == pytest.approx((n - 1) / n, rel=1e-4)
+        n, sq = out.stats.advantages.adv_count, out.stats.advantages.adv_sq
+        assert n == rollout.mask.sum() and sq / n == pytest.approx((n - 1) / n, rel=1e-4)
 
 
 # ---------------------------------------------------------------- the real loop

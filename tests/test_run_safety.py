@@ -134,7 +134,7 @@ def finished_run(tmp_path_factory, tiny_model_path):
 
 
 def folder(path):
-    """Every file under `path` (relative path -> bytes) and every folder: what a refused run must not touch."""
+    """Every file under `path` (relative path -> bytes) and every folder: what a refused run leaves alone."""
     files, dirs = {}, set()
     for root, subdirs, names in os.walk(path):
         dirs |= {os.path.relpath(os.path.join(root, d), path) for d in subdirs}
@@ -154,9 +154,11 @@ SAME = "; resume with the same setting"
      "error: algo.advantage: the checkpoint was trained with algo.advantage=grpo, this run has "
      "algo.advantage=reinforce_pp" + SAME),
     (["--train.resume=auto", "--pps.enabled=true"],
-     "error: pps.enabled: the checkpoint was trained with pps.enabled=false, this run has pps.enabled=true" + SAME),
+     "error: pps.enabled: the checkpoint was trained with pps.enabled=false, this run has "
+     "pps.enabled=true" + SAME),
     (["--train.resume=auto", "--ers.enabled=true"],
-     "error: ers.enabled: the checkpoint was trained with ers.enabled=false, this run has ers.enabled=true" + SAME),
+     "error: ers.enabled: the checkpoint was trained with ers.enabled=false, this run has "
+     "ers.enabled=true" + SAME),
     (["--train.resume=auto", "--data.max_train_examples=6"],
      "error: checkpoint sampler has 8 prompts, the dataset has 6: resume with the same data.train"),
     # a checkpoint that is not one

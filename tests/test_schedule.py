@@ -31,8 +31,8 @@ def test_step_metrics_from_rank_sums_hand_worked():
     from pspo.training.metrics import (AdvantageSums, GenerationCounts, MethodStats, RolloutSums, UpdateSums,
                                        step_metrics)
     cfg = load_config(None, ["--algo.num_iterations=2"])
-    method = MethodStats(RolloutSums(completions=4, groups=2, completion_tokens=5, reward=3, reward_sq=3, accuracy=3,
-                                     format=4, zero_std_groups=1, truncated=1, reward_failures=0),
+    method = MethodStats(RolloutSums(completions=4, groups=2, completion_tokens=5, reward=3, reward_sq=3,
+                                     accuracy=3, format=4, zero_std_groups=1, truncated=1, reward_failures=0),
                          AdvantageSums(adv_abs=2, adv_sq=2, adv_count=4))
     update = UpdateSums(skipped_steps=1, update_positions=40, update_tokens=30, grad_norm=3, pg_loss=.6, kl=1,
                         clipped_tokens=2, tokens=10, entropy=5)

@@ -35,8 +35,8 @@ from pspo.advantages import whiten
 from pspo.training.config import Config
 from pspo.training.distributed import Dist
 from pspo.rewards import RewardResult, Score
-from pspo.related.spo_segments import (add_children, chain_advantages, mc_values, probability_mask, select_cuts,
-                                       tree_advantages, tree_edges, tree_values, unique_prefixes)
+from pspo.related.spo_segments import (add_children, chain_advantages, mc_values, probability_mask,
+                                       select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes)
 from pspo.training.logprobs import score_policy
 from pspo.training.metrics import ChainSums, RolloutSums, TreeSums
 from pspo.engines.tokens import Rollout
