@@ -6,9 +6,10 @@
 
 Each step (docs/methods.md): sample B prompts (uniform epochs, or PPS §3) -> G completions each ->
 rewards (§5) -> PPS priorities and importance weights -> the advantage method's token advantages
-(methods.py: GRPO / Dr. GRPO §1, ERS §2, REINFORCE++ and SPO in docs/related.md) -> num_iterations x
-(micro-batched clipped-surrogate loss with gradient accumulation, grad-norm clip, AdamW step) -> log
--> periodic eval -> periodic save. PSPO (§4) = ERS + PPS.
+(methods.py: GRPO / Dr. GRPO §1, ERS §2, REINFORCE++ and SPO in docs/related.md), with π_old / π_ref
+scored and the IS weights applied around it -> num_iterations x (micro-batched clipped-surrogate loss
+with gradient accumulation, grad-norm clip, AdamW step) -> engine sync -> log -> periodic eval ->
+periodic save. PSPO (§4) = ERS + PPS.
 
 How this departs from TRL's GRPOTrainer, on purpose:
 - The loss is normalized over the whole optimizer step (every micro-batch and rank), so the
@@ -18,41 +19,39 @@ How this departs from TRL's GRPOTrainer, on purpose:
 """
 from __future__ import annotations
 
-import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from pspo.training import checkpoint
-
-from pspo.training import distributed
-from pspo.training.checkpoint import CheckpointError
-from pspo.training.config import Config, ConfigError, load_config, save_config
-from pspo.tasks.data import DataError, PromptSet, load_examples, prompt_set
-from pspo.training.distributed import Dist, print0
-from pspo.evaluation import evaluate
-from pspo.methods import Context, StepRollouts, method_for
-from pspo.training.metrics import MetricsLogger, StepClock, gpu_memory, step_record
-from pspo.offline.builtin import resolve_model_path
-from pspo.training.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
-from pspo.training.optim import adopt_optim_config, build_optimizer
-from pspo.training.plan import plan_cli, startup_check
-from pspo.related.prm import load_prm, prm_metrics
-from pspo.tasks.reward_pool import RewardPool, resolve_workers
-from pspo.rewards import RewardResult, score_completions
-from pspo.rollout import CountingEngine, build_engine, engine_name
-from pspo.engines.hf_engine import HFEngine
-from pspo.sampler import build_sampler, importance_weights, sampler_metrics, sampler_mode
 from pspo.engines.sampling import sequence_seeds
-from pspo.update import policy_update
 from pspo.engines.vllm_engine import SyncError, stale_engine, sync_engine
-
-MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
-
-
-class NonFiniteError(RuntimeError):
-    """Several updates in a row were non-finite: the run stops (weights untouched, saved)."""
+from pspo.evaluation import evaluate
+from pspo.methods import Advantages, Context, Method, StepRollouts, method_for, score_first, update_batch
+from pspo.offline.builtin import resolve_model_path
+from pspo.priority_sampler import PrioritySampler
+from pspo.reference_sampler import ReferenceSampler
+from pspo.related.prm import PRM, load_prm, prm_metrics
+from pspo.rewards import Score
+from pspo.rollout import CountingEngine, build_engine, engine_name
+from pspo.sampler import UniformSampler, build_sampler, importance_weights, sampler_metrics, sampler_mode
+from pspo.tasks.data import DataError, PromptSet
+from pspo.tasks.reward_pool import RewardPool, resolve_workers
+from pspo.training import checkpoint, distributed
+from pspo.training.checkpoint import CheckpointError
+from pspo.training.config import Config, ConfigError, load_config
+from pspo.training.distributed import Dist, print0
+from pspo.training.metrics import MetricsLogger, StepClock, UpdateSums, gpu_memory, step_metrics
+from pspo.training.micro_batches import TokenRows, token_rows
+from pspo.training.model import ModelError, check_context, load_model_config, load_tokenizer
+from pspo.training.optim import build_optimizer
+from pspo.training.plan import plan_cli, startup_check
+from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, every, gather_scores, load_models,
+                               non_finite_error, open_folder, prompt_sets, resume, reward_scorer, summary,
+                               timings)
+from pspo.update import policy_update
 
 
 def main(argv: list[str]) -> None:
@@ -64,237 +63,214 @@ def main(argv: list[str]) -> None:
         raise ConfigError("usage: train.py --config FILE.yaml [--section.key=value ...]")
     cfg = load_config(argv[1], argv[2:], dist_.world_size)
     torch.manual_seed(cfg.train.seed)
-    out, m, r = cfg.train.output_dir, cfg.model, cfg.rollout
+    run = setup(cfg, dist_)                       # every check that can refuse the run, then its folder
+    r, method, B, G = cfg.rollout, run.method, cfg.train.prompts_per_step, cfg.rollout.num_generations
+    run.start()                                   # step 0: the test accuracy before training
+    while run.step < cfg.train.max_steps:
+        clock = StepClock()
+        with clock("bookkeeping_s"):
+            indices, is_weights = run.sampler.sample(B)                         # (B,), (B,) same on all ranks
+        local = indices[run.mine].tolist()                                      # this rank's prompts
+        rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
+        seeds = sequence_seeds(cfg.train.seed, run.step, torch.arange(B)[run.mine], G)   # (N,)
+        with clock("gen_s"):
+            rollout = run.engine.generate([run.train.ids[i] for i in local], G, temperature=r.temperature,
+                                          top_p=r.top_p, max_new_tokens=method.max_new_tokens, seeds=seeds)
+        with clock("reward_s"):
+            scored = run.score(rows, rollout.texts)                             # this rank's, (N,) each
+            rewards, accuracy = gather_scores(scored, G)                        # (B, G) each, every rank's
+        with clock("bookkeeping_s"):                                # PPS: priorities, IS weights (B, G)
+            is_weights = importance_weights(run.sampler, cfg, indices, is_weights, rewards, accuracy)
+        with clock("advantages_s"):
+            step = StepRollouts(step=run.step, indices=indices, rows=rows, seeds=seeds, rollout=rollout,
+                                scored=scored, rewards=rewards, is_weights=is_weights,
+                                inputs=run.token_rows(rows, rollout))           # (N, P+T)
+            if not method.generates:
+                run.engine.release()                                            # nothing more to generate
+            step.old_logp, step.ref_logp = score_first(method, step, run.context)   # what its advantages read
+            adv = method.advantages(step, run.context)                          # (N, T) token A, loss mask M
+            if method.generates:
+                run.engine.release()                                            # SPO: after its continuations
+            batch, engine_gap = update_batch(adv, step, run.context)            # π_old, π_ref; A·w_PPS·w_TIS
+        with clock("update_s"):
+            update = policy_update(run.policy, run.optimizer, run.scheduler, batch, cfg, dist_)
+        run.step += 1
+        with clock("sync_s"):
+            sync = run.sync_engine(local)                                       # vLLM: the new weights
+        if run.end_step(clock, advantages=adv, update=update, sync=sync, engine_gap=engine_gap):
+            break                                                               # a stop signal: saved
+    run.close()
+
+
+@dataclass(kw_only=True)
+class Run:
+    """A training run: what `setup` built, and the loop's progress."""
+    cfg: Config
+    dist: Dist
+    tokenizer: PreTrainedTokenizerBase
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None         # the frozen reference (algo.needs_reference)
+    prm: PRM | None                     # PSPO*'s process reward model (reward.prm != 0, docs/related.md §C)
+    train: PromptSet
+    evals: PromptSet
+    reward_pool: RewardPool
+    score: Score                        # (train rows, texts) -> their rewards
+    sampler: UniformSampler | PrioritySampler | ReferenceSampler
+    method: Method
+    context: Context                    # what the method and the calls around it read
+    engine: CountingEngine              # training's generation, counted (evaluation and sync: not)
+    separate_engine: bool               # the engine holds its own weights (vLLM): synced after each step
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    logger: MetricsLogger
+    step: int                           # optimizer steps done (resumed: the checkpoint's)
+    generated_tokens: float             # every token training generation returned, all ranks
+    first_eval: dict[str, float] = field(default_factory=dict)
+    last_eval: dict[str, float] = field(default_factory=dict)
+    skipped_in_a_row: int = 0           # non-finite updates in a row
+    preemption: distributed.PreemptionSignal | None = None
+    bar: tqdm | None = None
+
+    @property
+    def mine(self) -> slice:
+        """This rank's rows of the step's (B, ...) batch."""
+        return self.context.mine
+
+    def token_rows(self, rows: list[int], rollout) -> TokenRows:
+        """The step's completions after their train rows' prompts, as the model reads them."""
+        return token_rows([self.train.ids[i] for i in rows], rollout.completion_ids, rollout.mask,
+                          self.tokenizer.pad_token_id, self.dist.device)
+
+    def start(self) -> None:
+        """Step 0 of a fresh run: the test accuracy before training, logged; then stop signals are
+        caught (SIGTERM / SIGUSR1) and the progress bar shown."""
+        if self.evals.examples and self.step == 0:
+            self.first_eval = self.last_eval = self.evaluate()
+            self.logger.log(0, self.first_eval)
+            print0(f"step 0: test accuracy {self.first_eval['eval_accuracy']:.3f} "
+                   f"(greedy, {len(self.evals.examples)} problems)")
+        self.preemption = distributed.PreemptionSignal()
+        self.bar = tqdm(total=self.cfg.train.max_steps, initial=self.step,
+                        disable=not (self.dist.is_main and self.cfg.train.progress))
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy (and mean@k with eval.num_samples) on the eval set, as logged metrics."""
+        e = self.cfg.eval
+        result = evaluate(self.engine.engine, self.evals.ids, self.evals.texts, self.evals.examples,
+                          max_new_tokens=self.cfg.rollout.max_new_tokens, num_samples=e.num_samples,
+                          temperature=e.temperature, top_p=e.top_p, seed=self.cfg.train.seed, dist_=self.dist,
+                          batch_size=e.batch_size, timeout_s=self.cfg.reward.timeout_s,
+                          progress=self.cfg.train.progress, pool=self.reward_pool)
+        return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
+
+    def sync_engine(self, local: list[int]) -> dict[str, float]:
+        """After the optimizer step: a separate engine wakes and loads the new weights, checked every
+        rollout.sync_check_steps on the first four of this rank's prompts `local` (train rows); its
+        metrics. The transformers engine is the policy itself: nothing to sync."""
+        if not self.separate_engine:
+            return {}
+        check_ids = [self.train.ids[i] for i in local[:4]]
+        return sync_engine(self.engine.engine, self.policy, check_ids, self.step, self.cfg.rollout,
+                           self.cfg.train.seed, self.dist.device)
+
+    def save(self) -> None:
+        state = checkpoint.trainer_state(self.step, self.scheduler, self.sampler, self.method.state,
+                                         self.generated_tokens, self.cfg, sampler_mode(self.cfg))
+        path = checkpoint.save_checkpoint(self.cfg.train.output_dir, self.step, self.policy, self.tokenizer,
+                                          self.optimizer, state, self.dist, self.cfg.train.keep_checkpoints)
+        print0(f"saved {path}")
+
+    def end_step(self, clock: StepClock, *, advantages: Advantages, update: UpdateSums,
+                 sync: dict[str, float], engine_gap: dict[str, float]) -> bool:
+        """The step's bookkeeping: a stale engine saves and stops the run; the non-finite updates in a
+        row are counted; the step's metrics are assembled (summed over ranks), evaluated when due
+        (timed apart from the step), logged and shown; the run is saved when due, stopped (saved) by
+        too many non-finite updates, and True is returned when a stop signal came (saved)."""
+        cfg, device = self.cfg, self.dist.device
+        stale = stale_engine(sync, self.step, cfg.rollout)                      # the engine's weights lag
+        if stale is not None:
+            self.save()
+            raise stale
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if update.skipped_steps else 0
+        counts, summed, metrics = step_metrics(advantages.stats, update, self.engine.take(), cfg, device)
+        self.generated_tokens += counts.rollout_tokens + counts.mc_tokens
+        metrics.update(advantages.metrics, **engine_gap, **sampler_metrics(self.sampler, cfg), **sync,
+                       **gpu_memory(device), **prm_metrics(self.prm, device, clock.elapsed()))
+        metrics.update(timings(clock, summed.update_tokens), generated_tokens=self.generated_tokens,
+                       lr=self.scheduler.get_last_lr()[0])
+        last = self.step == cfg.train.max_steps
+        if self.evals.examples and (last or every(self.step, cfg.train.eval_steps)):
+            with clock("eval_s"):
+                self.last_eval = self.evaluate()
+            metrics.update(self.last_eval, eval_s=clock.times["eval_s"])
+        self.logger.log(self.step, metrics)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                             step_s=f"{metrics['step_time_s']:.2f}")
+        saved = last or every(self.step, cfg.train.save_steps)
+        if saved or self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+            self.save()
+        if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+            raise non_finite_error(self.step)
+        if not self.preemption.requested(device):                               # the scheduler's warning
+            return False
+        if not saved:
+            self.save()
+        print0(f"{self.preemption.name or 'a stop signal'} received: stopped after step {self.step} "
+               "with a checkpoint; continue with --train.resume=auto")
+        return True
+
+    def close(self) -> None:
+        self.bar.close()
+        self.logger.close()
+        self.reward_pool.close()                       # on an error too, when collected (reward_pool.py)
+        print0(summary(self.cfg, self.step, self.first_eval, self.last_eval, len(self.evals.examples)))
+
+
+def setup(cfg: Config, dist_: Dist) -> Run:
+    """The run's parts, in an order where every check that can refuse the run (the model and its
+    context, the memory plan, the PRM, the data, the sampler, the checkpoint to resume, the engine)
+    comes before anything is written to its folder (training/run.py: open_folder)."""
+    m, r, out = cfg.model, cfg.rollout, cfg.train.output_dir
     if dist_.is_main:
-        os.makedirs(out, exist_ok=True)
-        save_config(cfg, os.path.join(out, "config.yaml"))
-        resolve_model_path(m.name_or_path)                            # builds a builtin model once
+        resolve_model_path(m.name_or_path)                                  # builds a builtin model once
     distributed.barrier()
     base_path = resolve_model_path(m.name_or_path)
     resume_from = checkpoint.resolve_resume(cfg.train.resume, out)
     reward_pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts now
-
-    # ---- set-up: tokenizer, policy (+ frozen reference), data, method, optimizer, state, engine ----
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
     check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
                   r.max_new_tokens)
-    # PlanError (exit 2) if it cannot fit
-    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine_name(r.engine)))
-    prm = load_prm(cfg, dist_.device)             # reward.prm != 0: PSPO*'s frozen process reward model (§C)
-    policy = build_policy(resume_from or base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16,
-                          m.gradient_checkpointing).to(dist_.device)
-    policy = distributed.shard(policy, dist_.world_size, m.bf16)
-    ref = None
-    if cfg.algo.needs_reference:                  # the k3 loss term (β > 0) or REINFORCE++'s KL reward
-        ref = build_policy(base_path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False,
-                           trainable=False)
-        ref = distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
+    engine = engine_name(r.engine)
+    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine))   # PlanError: cannot fit
+    prm = load_prm(cfg, dist_.device)
+    policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path)
     train, evals = prompt_sets(cfg, tokenizer)
-    # uniform, PPS or §3a's
-    sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)
+    sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
-    lockstep = dist_.world_size > 1 and engine_name(r.engine) == "hf"
+    lockstep = dist_.world_size > 1 and engine == "hf"
     method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep)   # the one choice of method
     optimizer, scheduler = build_optimizer(policy, cfg)
-    step, generated_tokens = 0, 0.0           # generated: every token training generation returned, all ranks
+    step, generated_tokens = 0, 0.0
     if resume_from:
-        state = checkpoint.load_trainer_state(resume_from, dist_.rank)
-        checkpoint.load_optimizer(resume_from, policy, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        adopt_optim_config(optimizer, scheduler, cfg)
-        checkpoint.restore_trainer_state(state, sampler, method.state, cfg, sampler_mode(cfg))
-        step, generated_tokens = state["step"], state.get("generated_tokens", 0.0)
-        print0(f"resumed from {resume_from} at step {step}")
-    max_prompt_len = max(len(p) for p in train.ids + evals.ids)
-    engine = build_engine(r, policy, resume_from or base_path, tokenizer, max_prompt_len, cfg.train.seed,
-                          dist_.world_size, m.bf16)
-    separate_engine = not isinstance(engine, HFEngine)                     # holds its own weights: sync
-    counter = CountingEngine(engine)              # training's generation, counted (evaluation and sync: not)
-    logger = MetricsLogger(out, dist_.is_main, resume_step=step)
-    weights = reward_weights(cfg)
-
-    def score(examples: list[int], texts: list[str]) -> RewardResult:   # completions of these train rows
-        prompts, golds = [train.texts[i] for i in examples], [train.examples[i].answer for i in examples]
-        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, reward_pool, prm)
-
-    def run_eval() -> dict[str, float]:
-        return evaluation(engine, evals, cfg, dist_, reward_pool)
-
-    def save() -> None:
-        state = checkpoint.trainer_state(step, scheduler, sampler, method.state, generated_tokens, cfg,
-                                         sampler_mode(cfg))
-        path = checkpoint.save_checkpoint(out, step, policy, tokenizer, optimizer, state, dist_,
-                                          cfg.train.keep_checkpoints)
-        print0(f"saved {path}")
-
-    first_eval = run_eval() if evals.examples and step == 0 else {}
-    if first_eval:
-        logger.log(0, first_eval)
-        print0(f"step 0: test accuracy {first_eval['eval_accuracy']:.3f} "
-               f"(greedy, {len(evals.examples)} problems)")
-
-    # ---- the loop ----
-    B, G = cfg.train.prompts_per_step, r.num_generations
-    B_local = B // dist_.world_size
-    mine = slice(dist_.rank * B_local, (dist_.rank + 1) * B_local)            # this rank's rows of the batch
+        step, generated_tokens = resume(resume_from, cfg, dist_, policy, optimizer, scheduler, sampler,
+                                             method.state, sampler_mode(cfg))
+    generation = build_engine(r, policy, resume_from or base_path, tokenizer,
+                              max_prompt_len=max(len(p) for p in train.ids + evals.ids), seed=cfg.train.seed,
+                              world_size=dist_.world_size, bf16=m.bf16)
+    counter = CountingEngine(generation)
+    score = reward_scorer(cfg, train, reward_pool, prm)
+    B_local = cfg.train.prompts_per_step // dist_.world_size
     problems = [ex.problem for ex in train.examples]
-    # vLLM frees its GPU memory (rollout.sleep)
-    release = engine.sleep if separate_engine else (lambda: None)
-    ctx = Context(cfg, policy, ref, counter, train.ids, problems, tokenizer.pad_token_id, dist_, mine,
-                  lockstep, score, release, len(set(problems)), method.state)
-    last_eval, skipped_in_a_row = first_eval, 0                               # non-finite updates in a row
-    preemption = distributed.PreemptionSignal()                               # SIGTERM / SIGUSR1
-    bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not (dist_.is_main and cfg.train.progress))
-    while step < cfg.train.max_steps:
-        clock = StepClock()
-        with clock("bookkeeping_s"):
-            indices, is_weights = sampler.sample(B)                             # (B,), (B,) same on all ranks
-        local = indices[mine].tolist()                                          # this rank's prompts
-        rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
-        seeds = sequence_seeds(cfg.train.seed, step, torch.arange(B)[mine], G)  # (N,)
-        with clock("gen_s"):
-            rollout = counter.generate([train.ids[i] for i in local], G, r.temperature, r.top_p,
-                                       method.max_new_tokens, seeds)
-        with clock("reward_s"):
-            scored = score(rows, rollout.texts)
-            rewards, accuracy = gather_scores(scored, B_local, G)               # (B, G) each, every rank's
-        with clock("bookkeeping_s"):                                            # PPS: priorities, IS weights
-            is_weights = importance_weights(sampler, cfg, indices, is_weights, rewards, accuracy)   # (B, G)
-        # the engine sleeps once done
-        with clock("advantages_s"):
-            step_rollouts = StepRollouts(step, indices, rows, seeds, rollout, scored, rewards, is_weights)
-            result = method.advantages(step_rollouts, ctx)                      # token advantages, loss mask
-        with clock("update_s"):
-            update = policy_update(policy, optimizer, scheduler, result.batch, cfg, dist_)
-        step += 1
-        with clock("sync_s"):
-            sync = sync_engine(engine, policy, [train.ids[i] for i in local[:4]], step, r, cfg.train.seed,
-                               dist_.device) if separate_engine else {}
-        stale = stale_engine(sync, step, r)                                     # the engine's weights lag
-        if stale is not None:
-            save()
-            raise stale
-        skipped_in_a_row = skipped_in_a_row + 1 if update["skipped_steps"] else 0
-        sums, metrics = step_record({**result.sums, **update}, counter.take(), cfg, dist_.device)
-        generated_tokens += sums["rollout_tokens"] + sums["mc_tokens"]
-        metrics.update(result.metrics, **sampler_metrics(sampler, cfg), **sync, **gpu_memory(dist_.device),
-                       **prm_metrics(prm, dist_.device, clock.elapsed()))
-        metrics.update(timings(clock, result.times, sums), generated_tokens=generated_tokens,
-                       lr=scheduler.get_last_lr()[0])
-        if evals.examples and (step == cfg.train.max_steps or every(step, cfg.train.eval_steps)):
-            with clock("eval_s"):
-                last_eval = run_eval()
-            metrics.update(last_eval, eval_s=clock.times["eval_s"])
-        logger.log(step, metrics)
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",
-                        step_s=f"{metrics['step_time_s']:.2f}")
-        saved = step == cfg.train.max_steps or every(step, cfg.train.save_steps)
-        if saved or skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-            save()
-        if skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-            raise non_finite_error(step)
-        if preemption.requested(dist_.device):                                  # the scheduler's warning
-            if not saved:
-                save()
-            print0(f"{preemption.name or 'a stop signal'} received: stopped after step {step} "
-                   "with a checkpoint; continue with --train.resume=auto")
-            break
-
-    bar.close()
-    logger.close()
-    reward_pool.close()                                # on an error too, when collected (reward_pool.py)
-    print0(summary(cfg, step, first_eval, last_eval, len(evals.examples)))
-
-
-# ---- helpers of the loop ----
-
-def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
-    """The train and eval prompts, formatted and tokenized; rows without a usable gold and prompts
-    over data.max_prompt_tokens are left out and reported."""
-    d = cfg.data
-    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
-                         d.max_train_examples or None, people=d.people)
-    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                       d.bad_gold)
-    if not d.eval:
-        return train, PromptSet([], [], [])
-    rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                             d.bad_gold)
-
-
-def reward_weights(cfg: Config) -> dict[str, float]:
-    """Accuracy and format are always scored (logged even at weight 0; on K&K golds they are the K&K
-    exact match and tag check, rewards.py); cosine, knights and the process reward only when weighted."""
-    weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
-    optional = ("cosine", "knights", "prm")
-    weights.update({k: getattr(cfg.reward, k) for k in optional if getattr(cfg.reward, k)})
-    return weights
-
-
-def gather_scores(scored: RewardResult, B_local: int, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rewards and accuracies (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
-    state sees the whole batch on every rank. Collective."""
-    rewards = distributed.all_gather_rows(scored.rewards.view(B_local, G))
-    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(B_local, G))
-    return rewards, accuracy
-
-
-def evaluation(engine, evals: PromptSet, cfg: Config, dist_: Dist,
-               reward_pool: RewardPool) -> dict[str, float]:
-    """Greedy accuracy (and mean@k with eval.num_samples) on the eval set, as logged metrics."""
-    e = cfg.eval
-    result = evaluate(engine, evals.ids, evals.texts, evals.examples,
-                      max_new_tokens=cfg.rollout.max_new_tokens, num_samples=e.num_samples,
-                      temperature=e.temperature, top_p=e.top_p, seed=cfg.train.seed, dist_=dist_,
-                      batch_size=e.batch_size, timeout_s=cfg.reward.timeout_s, progress=cfg.train.progress,
-                      pool=reward_pool)
-    return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
-
-
-def every(step: int, interval: int) -> bool:
-    """A periodic event (eval, save) is due at this step; interval 0 = never."""
-    return bool(interval) and step % interval == 0
-
-
-def timings(clock: StepClock, method_times: dict[str, float], sums: dict[str, float]) -> dict[str, float]:
-    """The step's phase times (this rank's; rank 0 logs). What a method reports of its own time as
-    another phase's moves there from advantages_s: SPO-tree's leaf scoring to reward_s, the GRPO
-    advantages and ERS statistics to bookkeeping_s (with the sampler's work). advantages_s keeps
-    the rest: π_old / π_ref scoring and SPO's continuations. Evaluation is excluded."""
-    for key, seconds in method_times.items():
-        clock.add(key, seconds)
-        clock.add("advantages_s", -seconds)
-    times = dict(clock.times)
-    times["update_tokens_per_s"] = sums["update_tokens"] / max(times["update_s"], 1e-9)   # all ranks' tokens
-    times["step_time_s"] = clock.elapsed()
-    return times
-
-
-def non_finite_error(step: int) -> NonFiniteError:
-    return NonFiniteError(f"optim.lr: {MAX_SKIPPED_IN_A_ROW} updates in a row had a non-finite loss or "
-                          f"gradient norm (steps {step - MAX_SKIPPED_IN_A_ROW + 1}-{step}); they were "
-                          "skipped and the weights are as before them (saved). Lower optim.lr or check the "
-                          "model and data, then resume with --train.resume=auto")
-
-
-def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval: int) -> str:
-    """The run's last lines: test accuracy before -> after (when it finished), and where the metrics are."""
-    lines = []
-    finished = step == cfg.train.max_steps                                          # not preempted
-    if finished and first_eval and last_eval:
-        k = f"eval_mean@{cfg.eval.num_samples}"                     # sampled accuracy (eval.num_samples > 0)
-        line = (f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> "
-                f"{last_eval['eval_accuracy']:.3f} after (greedy, {num_eval} problems)")
-        if k in last_eval:
-            line += f"; {k[5:]} at T {cfg.eval.temperature}: {first_eval[k]:.3f} -> {last_eval[k]:.3f}"
-        lines.append(line)
-    elif finished and last_eval:
-        lines.append(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
-    out = cfg.train.output_dir
-    lines.append(f"metrics: {os.path.join(out, 'metrics.jsonl')}   TensorBoard: tensorboard --logdir {out}")
-    return "\n".join(lines)
+    context = Context(cfg=cfg, policy=policy, ref=ref, engine=counter, train_ids=train.ids, problems=problems,
+                      dist=dist_, mine=slice(dist_.rank * B_local, (dist_.rank + 1) * B_local),
+                      lockstep=lockstep, score=score, distinct_problems=len(set(problems)),
+                      state=method.state)
+    logger = open_folder(cfg, dist_, step)                 # the first write: nothing can refuse it now
+    return Run(cfg=cfg, dist=dist_, tokenizer=tokenizer, policy=policy, ref=ref, prm=prm, train=train,
+               evals=evals, reward_pool=reward_pool, score=score, sampler=sampler, method=method,
+               context=context, engine=counter, separate_engine=engine == "vllm", optimizer=optimizer,
+               scheduler=scheduler, logger=logger, step=step, generated_tokens=generated_tokens)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pspo.training.distributed import Dist  # noqa: E402
 from pspo.training.model import build_policy  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
 from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
+from pspo.training.metrics import UpdateSums  # noqa: E402
 from pspo.training.micro_batches import UpdateBatch  # noqa: E402
 from pspo.update import policy_update  # noqa: E402
 
@@ -166,7 +167,7 @@ def main(argv: list[str]) -> None:
     batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
     times: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, tuple[float, float]] = {}
-    sums: dict[str, dict] = {}
+    sums: dict[str, UpdateSums] = {}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0,    # the weights stay as built
                                   fused=True if device.type == "cuda" else None)
     for _ in range(args.reps):
@@ -195,10 +196,10 @@ def main(argv: list[str]) -> None:
         t = modes[mode].train
         plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens)
         median = statistics.median(times[mode])
-        row = (f"| {mode} | {len(plan)} | {1 - s['update_tokens'] / s['update_positions']:.2f} | {median:.2f} | "
-               f"{s['update_tokens'] / median:,.0f} |")
+        row = (f"| {mode} | {len(plan)} | {1 - s.update_tokens / s.update_positions:.2f} | {median:.2f} | "
+               f"{s.update_tokens / median:,.0f} |")
         if gpu:
-            row += (f" {mfu(params, s['update_tokens'], median, args.peak_tflops):.1%} | {peaks[mode][0]:.1f} | "
+            row += (f" {mfu(params, s.update_tokens, median, args.peak_tflops):.1%} | {peaks[mode][0]:.1f} | "
                     f"{peaks[mode][1]:.1f} |")
         print(row)
     if len(modes) == 2:

@@ -1,9 +1,9 @@
-"""The advantage methods: one function per method, chosen in one place (`method_for`).
+"""The advantage methods: one function per method, chosen in one place (`method_for`), and the calls
+they all share around them.
 
-Each method turns the step's scored rollouts (`StepRollouts`) into what the optimizer step consumes
-(`UpdateBatch`: token advantages (N, T) times the PPS importance weight and the engine-mismatch
-weight, the loss mask, and π_old / π_ref where the method or the loss needs them) plus this rank's
-statistics:
+A method computes advantages and nothing else: from the step's scored rollouts (`StepRollouts`) and
+its state, the token advantages A (N, T) and the loss mask M (N, T) of the rows the update trains,
+with this rank's statistics (`Advantages`):
 
     grpo                   GRPO / Dr. GRPO, per completion; ERS-smoothed             docs/methods.md §1, §2
                            with ers.enabled
@@ -13,38 +13,59 @@ statistics:
     spo_tree               SPO-tree: trees grown from the step's completions,        docs/related.md §B
                            replayed edges
 
-The math lives in advantages.py and segments.py (pure tensor functions); SPO's extra generation in
-spo.py. Adding a method: one function here, one line in `method_for`, one name in config.ADVANTAGES,
-one preset, its tests. Two other places read algo.advantage, each for its own concern:
-config.validate_method (the settings a method takes) and plan.step_shape (what it generates, for the
-memory plan). PPS (docs/methods.md §3) is the sampler's, not a method's: its weights arrive
-in `StepRollouts.is_weights` and multiply whatever advantages a method returns. So does the
-truncated IS weight of rollout.is_correction (docs/methods.md §7), which corrects for an engine whose
-log-probs differ from the trainer's π_old: both are multiplied in one place, `_weigh`.
+The math lives in advantages.py and related/spo_segments.py (pure tensor functions); SPO's extra
+generation in related/spo.py (imported when an SPO method is chosen). The loop (train.py) makes the
+shared calls, once each, in this order:
+1. `engine.release()` (rollout.py) as soon as the step generates nothing more: before the method,
+   or after it for a method that generates (`Method.generates`: SPO-chain's Monte Carlo
+   continuations, SPO-tree's branches);
+2. `score_first`: the π_old / π_ref of the step's completions that the method's advantages read
+   (`Method.reads_old`, `Method.reads_ref`): REINFORCE++'s KL reward reads both (with algo.kl_coef > 0,
+   docs/related.md §A), SPO-chain's cuts read π_old (p_t, §B chain 2);
+3. the method;
+4. `update_batch`: the π_old / π_ref the update or the IS correction still needs, scored, and `weigh`,
+   the one place A becomes A·w_PPS·w_TIS: the sampler's importance weight (docs/methods.md §3; PPS is
+   the sampler's, not a method's) and the truncated IS weight of rollout.is_correction (§7), which
+   corrects for an engine whose log-probs differ from the trainer's π_old. π_old stays in the batch
+   with algo.num_iterations > 1 or when the method read it; otherwise it served the correction alone
+   and leaves, so that ρ ≡ 1 exactly with one iteration (docs/methods.md §1).
+SPO-tree trains edges drawn from its replay buffer instead of the step's completions (`Advantages.rows`).
+Each edge carries its π_old from when it was generated: the trainer scores the new edges inside the
+method, between its generate calls (related/spo.py), so it reads nothing first. `update_batch` scores
+π_ref on the edges and applies no IS weight: config.py refuses PPS and rollout.is_correction with it
+(the edges train in later steps, and they keep no engine log-probs).
+
+Adding a method (RLOO, say): its function here, one line in `method_for`, its name in
+config.ADVANTAGES, a preset, its hand-worked test. Two other places read algo.advantage, each for its
+own concern: config.validate_method (the settings a method takes) and plan.step_shape (what it
+generates, for the memory plan).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from pspo.advantages import group_advantages, reinforce_pp_advantages, smoothed_advantages, zero_variance
 from pspo.training import distributed
-from pspo.training.config import Config
+from pspo.training.config import Config, RolloutConfig
 from pspo.training.distributed import Dist
 from pspo.ema_stats import EMAStats
 from pspo.is_correction import correction_weights, mismatch_sums
 from pspo.training.logprobs import score_policy
-from pspo.rewards import RewardResult
-from pspo.engines.tokens import Rollout, batch_inputs
-from pspo.training.micro_batches import UpdateBatch
-from pspo.related.spo import Score, SPOTree, chain_advantages_of
+from pspo.training.metrics import AdvantageSums, MethodStats, RolloutSums
+from pspo.rewards import RewardResult, Score
+from pspo.engines.tokens import Rollout
+from pspo.training.micro_batches import TokenRows, UpdateBatch
+
+if TYPE_CHECKING:                 # SPO's machinery is imported by the SPO methods alone, when they run
+    from pspo.related.spo import SPOTree
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepRollouts:
     """One step's completions, scored: what every method starts from."""
     step: int                 # the step being trained (0-based)
@@ -55,6 +76,9 @@ class StepRollouts:
     scored: RewardResult      # their rewards and reward components, (N,) each
     rewards: Tensor           # (B, G) every rank's rewards
     is_weights: Tensor        # (B, G) the sampler's importance weights (ones without PPS)
+    inputs: TokenRows         # the N prompts + completions as the model reads them, on the rank's device
+    old_logp: Tensor | None = None   # (N, T) log π_old of the completions, where the method reads it
+    ref_logp: Tensor | None = None   # (N, T) log π_ref, likewise (both set by score_first)
 
 
 @dataclass
@@ -77,51 +101,54 @@ class MethodState:
             self.tree.load_state_dict(state["spo_tree"])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
-    """What the methods need from the run beside the step: models, engine, data, ranks and state."""
+    """What the methods and the shared calls around them read from the run, beside the step."""
     cfg: Config
-    policy: torch.nn.Module
+    policy: torch.nn.Module       # π_old (score_first, update_batch; SPO-tree's new edges)
     ref: torch.nn.Module | None   # the frozen reference, when algo.needs_reference
     engine: object                # the counting engine: SPO's continuations count as generated tokens
     train_ids: list[list[int]]    # prompt token ids of every training row
     problems: list[str]           # problem text of every training row (ERS's key)
-    pad_id: int
     dist: Dist
     mine: slice                   # this rank's rows of the (B, ...) batch
     lockstep: bool                # FSDP ranks generating with the policy itself: same forward passes
     score: Score                  # (dataset rows, texts) -> their RewardResult
-    release_engine: Callable[[], None]   # the step generates nothing more: a separate engine frees its memory
     distinct_problems: int        # distinct problems of the train set (ERS's seen_frac)
     state: MethodState            # the chosen method's (Method.state)
 
 
 @dataclass
-class MethodOutput:
-    batch: UpdateBatch                                         # on the rank's device
-    sums: dict[str, float]                                     # this rank's statistics, summed over ranks
+class Advantages:
+    """What a method returns: the token advantages and the loss mask of the rows the update trains."""
+    advantages: Tensor                    # (N, T) A, before the IS weights
+    loss_mask: Tensor                     # (N, T) M, the tokens the loss aggregates over (within the mask)
+    stats: MethodStats                    # this rank's sums, summed over ranks when logged
     metrics: dict[str, float] = field(default_factory=dict)   # replicated diagnostics, logged as they are
-    # seconds spent on other phases' work (reward_s ...)
-    times: dict[str, float] = field(default_factory=dict)
+    rows: TokenRows | None = None         # SPO-tree: the edges it trains; None: the step's completions
+    old_logp: Tensor | None = None        # (N, T) π_old of `rows`, from when they were generated
 
 
 @dataclass
 class Method:
-    """The chosen method: its function, the step's generation budget, and its replicated state."""
+    """The chosen method: its function, the step's generation budget, its replicated state, and how
+    the shared calls fit around it (module docstring)."""
     name: str
-    advantages: Callable[[StepRollouts, Context], MethodOutput]
+    advantages: Callable[[StepRollouts, Context], Advantages]
     max_new_tokens: int                # tokens per completion of the step's rollout (SPO-tree: M0)
     state: MethodState = field(default_factory=MethodState)
+    reads_old: bool = False            # its advantages read π_old of the step's completions
+    reads_ref: bool = False            # its advantages read π_ref of the step's completions
+    generates: bool = False            # it generates: the engine is released after it
 
 
 # ---- the methods ----
 
-def grpo(s: StepRollouts, ctx: Context) -> MethodOutput:
+def grpo(s: StepRollouts, ctx: Context) -> Advantages:
     """GRPO (Dr. GRPO with algo.scale_rewards false), docs/methods.md §1; with ERS, §2: the group's (μ, s)
     replaced by the prompt's smoothed (m_q, sqrt(v_q)) after this step's update. One value per
     completion, broadcast over its tokens."""
     a = ctx.cfg.algo
-    start = time.perf_counter()
     advantages = group_advantages(s.rewards, a.scale_rewards, a.adv_eps)          # (B, G) §1
     metrics = {}
     if ctx.state.ers is not None:                                                  # §2
@@ -130,147 +157,142 @@ def grpo(s: StepRollouts, ctx: Context) -> MethodOutput:
         advantages = smoothed_advantages(s.rewards, ers_mean, ers_std, a.scale_rewards, a.adv_eps)
         stats = ctx.state.ers.batch_stats(problems, s.rewards, ers_mean, ctx.distinct_problems)
         metrics = {f"ers_{k}": v for k, v in stats.items()}
-    bookkeeping_s = time.perf_counter() - start                                    # the advantages and ERS
     mine = advantages[ctx.mine]                                                    # (B_local, G)
-    need_old = a.num_iterations > 1
-    batch = _rollout_batch(s, ctx, s.rollout.mask, need_old)
-    metrics |= _weigh(s, ctx, batch, mine.reshape(-1, 1).expand_as(batch.mask), keep_old=need_old)
-    sums = {**_rollout_sums(s, ctx), "adv_abs": mine.abs().sum(), "adv_sq": (mine ** 2).sum(),
-            "adv_count": mine.numel()}
-    return MethodOutput(batch, sums, metrics, {"bookkeeping_s": bookkeeping_s})
+    mask = s.inputs.mask                                                           # (N, T)
+    sums = AdvantageSums(float(mine.abs().sum()), float((mine ** 2).sum()), float(mine.numel()))
+    return Advantages(mine.reshape(-1, 1).expand_as(mask), mask, MethodStats(_rollout_sums(s, ctx), sums),
+                      metrics)
 
 
-def reinforce_pp(s: StepRollouts, ctx: Context) -> MethodOutput:
+def reinforce_pp(s: StepRollouts, ctx: Context) -> Advantages:
     """REINFORCE++, docs/related.md §A: r_t = -kl_coef·(logπ_old - logπ_ref)_t + [t = last]·clip(R),
     G_t = Σ_{t'≥t} r_t', whitened over every valid token of every rank."""
     return _reinforce(s, ctx, group_size=None)
 
 
-def reinforce_pp_baseline(s: StepRollouts, ctx: Context) -> MethodOutput:
+def reinforce_pp_baseline(s: StepRollouts, ctx: Context) -> Advantages:
     """REINFORCE++-baseline, docs/related.md §A: R_i - the mean of its group, then as reinforce_pp."""
     return _reinforce(s, ctx, group_size=ctx.cfg.rollout.num_generations)
 
 
-def spo_chain(s: StepRollouts, ctx: Context) -> MethodOutput:
-    """SPO-chain, docs/related.md §B chain: segments cut where p_t < 0.9 (every K-th such token), Monte
-    Carlo values V at the cuts, A(segment) = V(end) - V(start) on the tokens of M, whitened."""
-    cfg, device = ctx.cfg, ctx.dist.device
+def spo_chain(s: StepRollouts, ctx: Context) -> Advantages:
+    """SPO-chain, docs/related.md §B chain: segments cut where p_t < 0.9 (every K-th such token, p_t from
+    π_old, read first), Monte Carlo values V at the cuts, A(segment) = V(end) - V(start) on the tokens
+    of M, whitened."""
+    from pspo.related.spo import chain_advantages_of
+    device = ctx.dist.device
     prompts = [ctx.train_ids[i] for i in s.rows]
-    input_ids, attention_mask, mask = _step_inputs(s, ctx)
-    old_logp, _ = score_policy(ctx.policy, None, input_ids, attention_mask, mask, cfg, need_old=True,
-                               need_ref=False)                                     # the cuts come from π_old
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, old_logp, prompts,
-                                                        s.rows, ctx.score, cfg, s.step, device, ctx.lockstep)
-    ctx.release_engine()
-    _, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, need_old=False,
-                               need_ref=cfg.algo.needs_reference)
+    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, s.old_logp, prompts,
+                                                        s.rows, ctx.score, ctx.cfg, s.step, device,
+                                                        ctx.lockstep)
     advantages, loss_mask = advantages.to(device), loss_mask.to(device)           # (N, T) A, M
-    zeros = torch.zeros_like(mask)                                                 # _weigh sets A
-    batch = UpdateBatch(input_ids, attention_mask, mask, loss_mask, zeros, old_logp, ref_logp)
-    metrics = _weigh(s, ctx, batch, advantages, keep_old=True)
-    sums = {**_rollout_sums(s, ctx), **counts, **_token_adv_sums(advantages, loss_mask)}
-    return MethodOutput(batch, sums, metrics)
+    stats = MethodStats(_rollout_sums(s, ctx), _token_adv_sums(advantages, loss_mask), counts)
+    return Advantages(advantages, loss_mask, stats)
 
 
-def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
+def spo_tree(s: StepRollouts, ctx: Context) -> Advantages:
     """SPO-tree, docs/related.md §B tree: the step's completions (at most M0 tokens) are the trees'
     first level; the trees grow, their leaves are scored, every node's A = V(node) - V(parent), and
     the edges drawn from the replay buffer are trained (their π_old from when they were generated).
-    PPS and rollout.is_correction are refused with this method (config.py): the edges are trained in
-    later steps, and they keep no engine log-probs, so there is no IS weight to apply."""
-    cfg, tree = ctx.cfg, ctx.state.tree
+    The statistics of the step's completions are those of its trees' leaves."""
     local = s.indices[ctx.mine].tolist()
-    grown = tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step, ctx.score)
-    ctx.release_engine()
-    b = grown.batch
-    _, b.ref_logp = score_policy(ctx.policy, ctx.ref, b.input_ids, b.attention_mask, b.mask, cfg,
-                                 need_old=False, need_ref=cfg.algo.needs_reference)
-    sums = {**grown.sums, **_token_adv_sums(b.advantages, b.loss_mask)}
-    return MethodOutput(b, sums, times={"reward_s": grown.reward_s})
+    grown = ctx.state.tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step,
+                                ctx.score)
+    stats = MethodStats(grown.leaves, _token_adv_sums(grown.advantages, grown.loss_mask), grown.counts)
+    return Advantages(grown.advantages, grown.loss_mask, stats, rows=grown.rows, old_logp=grown.old_logp)
 
 
 # ---- the one place a method is chosen ----
 
 def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool) -> Method:
-    """The method named by algo.advantage, with its generation budget and replicated state."""
-    name = cfg.algo.advantage
-    ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None      # config.py allows ERS with grpo only
+    """The method named by algo.advantage, with its generation budget, its replicated state, and what
+    it reads first or generates."""
+    name, T = cfg.algo.advantage, cfg.rollout.max_new_tokens
     if name == "grpo":
-        return Method(name, grpo, cfg.rollout.max_new_tokens, MethodState(ers=ers))
+        ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None      # config.py allows ERS with grpo only
+        return Method(name, grpo, T, MethodState(ers=ers))
+    kl = cfg.algo.kl_coef > 0                                            # REINFORCE++'s KL reward
     if name == "reinforce_pp":
-        return Method(name, reinforce_pp, cfg.rollout.max_new_tokens)
+        return Method(name, reinforce_pp, T, reads_old=kl, reads_ref=kl)
     if name == "reinforce_pp_baseline":
-        return Method(name, reinforce_pp_baseline, cfg.rollout.max_new_tokens)
+        return Method(name, reinforce_pp_baseline, T, reads_old=kl, reads_ref=kl)
     if name == "spo_chain":
-        return Method(name, spo_chain, cfg.rollout.max_new_tokens)
+        return Method(name, spo_chain, T, reads_old=True, generates=True)
     if name == "spo_tree":
+        from pspo.related.spo import SPOTree
         tree = SPOTree(cfg, train_ids, pad_id, dist_, lockstep)
-        return Method(name, spo_tree, cfg.spo.segments[0], MethodState(tree=tree))
+        return Method(name, spo_tree, cfg.spo.segments[0], MethodState(tree=tree), generates=True)
     raise ValueError(f"algo.advantage: no method named {name!r}")   # config.py validates the name first
+
+
+# ---- the calls every method shares (module docstring) ----
+
+def score_first(method: Method, s: StepRollouts, ctx: Context) -> tuple[Tensor | None, Tensor | None]:
+    """(π_old, π_ref) log-probs (N, T) of the step's completions that the method's advantages read,
+    each None where it does not. Collective when it scores."""
+    return score_policy(ctx.policy, ctx.ref, s.inputs, ctx.cfg, need_old=method.reads_old,
+                        need_ref=method.reads_ref)
+
+
+def update_batch(adv: Advantages, s: StepRollouts, ctx: Context) -> tuple[UpdateBatch, dict[str, float]]:
+    """The batch the optimizer step trains on: the method's advantages and loss mask on its rows (the
+    step's completions, or SPO-tree's edges), π_ref scored where the loss needs it (algo.beta > 0),
+    π_old where the update (num_iterations > 1) or the correction (rollout.is_correction) needs it and
+    the method did not read it first, and A·w_PPS·w_TIS (`weigh`). Returns it with the engine/trainer
+    mismatch metrics (`weigh`). Collective when it scores."""
+    cfg = ctx.cfg
+    need_ref = cfg.algo.needs_reference
+    if adv.rows is not None:                      # SPO-tree's edges: their own π_old, no IS weight
+        rows = adv.rows
+        _, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg, need_old=False, need_ref=need_ref)
+        return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, adv.advantages,
+                           adv.old_logp, ref_logp), {}
+    rows, r = s.inputs, cfg.rollout
+    keep_old = s.old_logp is not None or cfg.algo.num_iterations > 1
+    score_old = s.old_logp is None and (keep_old or r.is_correction != "none")
+    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg, need_old=score_old,
+                                      need_ref=need_ref and s.ref_logp is None)
+    old_logp = s.old_logp if s.old_logp is not None else old_logp
+    ref_logp = s.ref_logp if s.ref_logp is not None else ref_logp
+    pps = s.is_weights[ctx.mine].reshape(-1, 1)                                    # (N, 1) w_PPS
+    advantages, metrics = weigh(adv.advantages, pps, old_logp, s.rollout.logprobs, rows.mask, r)
+    return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, advantages,
+                       old_logp if keep_old else None, ref_logp), metrics
+
+
+def weigh(advantages: Tensor, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
+          r: RolloutConfig) -> tuple[Tensor, dict[str, float]]:
+    """The one place a method's token advantages A (N, T) are weighted: A · w_PPS (the sampler's weight of
+    the completion, (N, 1), docs/methods.md §3) · w_TIS (rollout.is_correction, §7: min(π_old/π_engine,
+    C) per token or per sequence, from the engine's log-probs (N, T) of the step's rollout). Both
+    multiply the policy-gradient term only: the loss adds its KL term unweighted. Returns the weighted
+    A on the mask's device and the engine/trainer mismatch metrics over every rank, whenever π_old was
+    scored ({} otherwise). Collective when π_old was scored."""
+    device = mask.device
+    weights = pps_weights.to(device)                                               # (N, 1) w_PPS
+    metrics = {}
+    if old_logp is not None:
+        engine_logp = engine_logp.to(device)                                       # (N, T) log π_engine
+        metrics = _mismatch_metrics(old_logp, engine_logp, mask, r.is_correction, r.is_cap)
+        if r.is_correction != "none":
+            tis = correction_weights(old_logp, engine_logp, mask, r.is_correction, r.is_cap)
+            weights = weights * tis                                                # (N, T) w_PPS · w_TIS
+    return advantages.to(device) * weights, metrics                               # (N, T)
 
 
 # ---- shared pieces ----
 
-def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> MethodOutput:
-    """REINFORCE++(-baseline): π_old and π_ref scored first (the KL reward needs both), then §A."""
+def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> Advantages:
+    """REINFORCE++(-baseline), §A, from π_old and π_ref read first (the KL reward, when kl_coef > 0)."""
     a = ctx.cfg.algo
+    mask = s.inputs.mask                                                           # (N, T)
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    need_old = a.num_iterations > 1 or a.kl_coef > 0
-    batch = _rollout_batch(s, ctx, s.rollout.mask, need_old)
-    advantages = reinforce_pp_advantages(rewards.to(batch.mask.device), batch.mask, batch.old_logp,
-                                         batch.ref_logp, a.kl_coef, a.clip_score, group_size, a.whiten,
+    advantages = reinforce_pp_advantages(rewards.to(mask.device), mask, s.old_logp, s.ref_logp, a.kl_coef,
+                                         a.clip_score, group_size, a.whiten,
                                          reduce_sum=distributed.all_reduce_sum)   # (N, T)
-    metrics = _weigh(s, ctx, batch, advantages, keep_old=need_old)
-    sums = {**_rollout_sums(s, ctx), **_token_adv_sums(advantages, batch.loss_mask)}
-    return MethodOutput(batch, sums, metrics)
-
-
-def _rollout_batch(s: StepRollouts, ctx: Context, loss_mask: Tensor, need_old: bool) -> UpdateBatch:
-    """The step's completions as an UpdateBatch on the rank's device, advantages zero (`_weigh` sets
-    them); π_old scored if `need_old` or rollout.is_correction needs it, π_ref if the run has a
-    reference."""
-    cfg, device = ctx.cfg, ctx.dist.device
-    ctx.release_engine()                                                           # nothing more to generate
-    input_ids, attention_mask, mask = _step_inputs(s, ctx)
-    score_old = need_old or cfg.rollout.is_correction != "none"
-    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, input_ids, attention_mask, mask, cfg, score_old,
-                                      need_ref=cfg.algo.needs_reference)
-    zeros = torch.zeros_like(mask)
-    return UpdateBatch(input_ids, attention_mask, mask, loss_mask.to(device), zeros, old_logp, ref_logp)
-
-
-def _step_inputs(s: StepRollouts, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's prompts + completions on its device, left-padded: input ids and attention mask
-    (N, P + T), and the completion mask (N, T)."""
-    device = ctx.dist.device
-    input_ids, attention_mask = batch_inputs([ctx.train_ids[i] for i in s.rows], s.rollout.completion_ids,
-                                             s.rollout.mask, ctx.pad_id)
-    return input_ids.to(device), attention_mask.to(device), s.rollout.mask.to(device)
-
-
-def _weigh(s: StepRollouts, ctx: Context, batch: UpdateBatch, advantages: Tensor,
-           keep_old: bool) -> dict[str, float]:
-    """The one place a method's token advantages A (N, T) become the batch's: A · w_PPS (the sampler's
-    weight of the completion, docs/methods.md §3) · w_TIS (rollout.is_correction, §7: min(π_old/π_engine,
-    C) per token or per sequence, from the engine's log-probs of the step's rollout). Both multiply the
-    policy-gradient term only: the loss adds its KL term unweighted. Returns the engine/trainer mismatch
-    metrics over every rank, whenever π_old was scored. keep_old false: π_old served the correction
-    alone and leaves the batch, so that ρ ≡ 1 stays exact with one iteration (docs/methods.md §1).
-    Collective when π_old was scored."""
-    r, device = ctx.cfg.rollout, batch.mask.device
-    weights = s.is_weights[ctx.mine].reshape(-1, 1).to(device)                     # (N, 1) w_PPS
-    metrics = {}
-    if batch.old_logp is not None:
-        engine_logp = s.rollout.logprobs.to(device)                                # (N, T) log π_engine
-        metrics = _mismatch_metrics(batch.old_logp, engine_logp, batch.mask, r.is_correction, r.is_cap)
-        if r.is_correction != "none":
-            tis = correction_weights(batch.old_logp, engine_logp, batch.mask, r.is_correction, r.is_cap)
-            weights = weights * tis                                                # (N, T) w_PPS · w_TIS
-    batch.advantages = advantages.to(device) * weights                            # (N, T)
-    if not keep_old:
-        batch.old_logp = None
-    return metrics
+    stats = MethodStats(_rollout_sums(s, ctx), _token_adv_sums(advantages, mask))
+    return Advantages(advantages, mask, stats)
 
 
 def _mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str,
@@ -289,18 +311,20 @@ def _mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode:
     return metrics
 
 
-def _rollout_sums(s: StepRollouts, ctx: Context) -> dict[str, float]:
-    """This rank's statistics of its completions (the step_metrics means are taken over ranks)."""
+def _rollout_sums(s: StepRollouts, ctx: Context) -> RolloutSums:
+    """This rank's statistics of its completions (the logged means are taken over ranks)."""
     rewards, rollout, scored = s.rewards[ctx.mine], s.rollout, s.scored           # (B_local, G)
-    return {"completions": rewards.numel(), "groups": rewards.shape[0],
-            "completion_tokens": rollout.mask.sum(),
-            "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-            "accuracy": scored.components["accuracy"].sum(), "format": scored.components["format"].sum(),
-            "zero_std_groups": zero_variance(rewards).sum(), "truncated": rollout.truncated.sum(),
-            "reward_failures": sum(scored.failures.values())}
+    return RolloutSums(completions=float(rewards.numel()), groups=float(rewards.shape[0]),
+                       completion_tokens=float(rollout.mask.sum()), reward=float(rewards.sum()),
+                       reward_sq=float((rewards ** 2).sum()),
+                       accuracy=float(scored.components["accuracy"].sum()),
+                       format=float(scored.components["format"].sum()),
+                       zero_std_groups=float(zero_variance(rewards).sum()),
+                       truncated=float(rollout.truncated.sum()),
+                       reward_failures=float(sum(scored.failures.values())))
 
 
-def _token_adv_sums(advantages: Tensor, loss_mask: Tensor) -> dict[str, float]:
-    """|A| and A² summed over the tokens of the loss, and their count (before the IS weight)."""
-    return {"adv_abs": float(advantages.abs().sum()), "adv_sq": float((advantages ** 2).sum()),
-            "adv_count": float(loss_mask.sum())}
+def _token_adv_sums(advantages: Tensor, loss_mask: Tensor) -> AdvantageSums:
+    """|A| and A² summed over the tokens of the loss, and their count (before the IS weights)."""
+    return AdvantageSums(adv_abs=float(advantages.abs().sum()), adv_sq=float((advantages ** 2).sum()),
+                         adv_count=float(loss_mask.sum()))

@@ -42,6 +42,7 @@ import functools
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -191,6 +192,9 @@ class RewardResult:
     rewards: Tensor                  # (N,) float32, Σ_name weights[name] * components[name]
     components: dict[str, Tensor]    # name -> (N,) float32 raw values, 0 where the call failed
     failures: dict[str, int]         # name -> number of calls that raised or timed out
+
+
+Score = Callable[[list[int], list[str]], RewardResult]   # (train rows, completion texts) -> their rewards
 
 
 class StepReward(Protocol):

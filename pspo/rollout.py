@@ -1,12 +1,14 @@
 """Rollout: the contract between the loop and a generation engine, and the choice of engine.
 
-The loop talks to an engine through one method, `generate(prompt_ids, n, temperature, top_p,
+The loop talks to an engine through two methods. `generate(prompt_ids, n, temperature, top_p,
 max_new_tokens, seeds, prefix_ids=None) -> Rollout` (pspo/engines/tokens.py): n completions per
 prompt in prompt-major order (prompt p, sample j -> row p·n + j), each with its tokens, its mask (up
 to and including the stop token), log softmax(z/T) of every sampled token (docs/methods.md §1),
 whether it hit its token budget, and its text. With `prefix_ids` it continues partial completions
 instead (SPO's Monte Carlo states and tree branches, docs/related.md §B), seeded per continuation
-like any completion.
+like any completion. `release()`: the step generates nothing more, so the engine may free what it
+holds for generation until the weight sync wakes it (vLLM sleeps with rollout.sleep; the transformers
+engine, which is the policy itself, holds nothing apart); the loop calls it once a step.
 
 Sampling is counter-based (engines/sampling.py): completion j draws token t from its own seed
 and t alone, so a completion does not depend on which other prompts share its batch or its rank:
@@ -23,8 +25,8 @@ import torch
 from torch import Tensor
 
 from pspo.engines import vllm_engine
-from pspo.engines.hf_engine import HFEngine
 from pspo.engines.tokens import Rollout
+from pspo.training.metrics import GenerationCounts
 
 
 class CountingEngine:
@@ -36,27 +38,33 @@ class CountingEngine:
     evaluation and the weight-sync check use the engine itself.
     """
 
-    KEYS = ("rollout_tokens", "mc_tokens", "rollout_calls", "mc_calls", "rollout_gen_s", "mc_gen_s")
-
     def __init__(self, engine):
         self.engine = engine
-        self.counts = dict.fromkeys(self.KEYS, 0.0)
+        self.counts = GenerationCounts()
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seeds: Tensor | None,
                  prefix_ids: list[list[int]] | None = None) -> Rollout:
         out = self.engine.generate(prompt_ids, n, temperature, top_p, max_new_tokens, seeds,
                                    prefix_ids=prefix_ids)
-        kind = "rollout" if prefix_ids is None else "mc"
-        self.counts[f"{kind}_tokens"] += float(out.mask.sum())
-        self.counts[f"{kind}_calls"] += 1
-        self.counts[f"{kind}_gen_s"] += out.gen_time_s
+        tokens, c = float(out.mask.sum()), self.counts
+        if prefix_ids is None:
+            c.rollout_tokens += tokens
+            c.rollout_calls += 1
+            c.rollout_gen_s += out.gen_time_s
+        else:
+            c.mc_tokens += tokens
+            c.mc_calls += 1
+            c.mc_gen_s += out.gen_time_s
         return out
 
-    def take(self) -> dict[str, float]:
+    def release(self) -> None:
+        self.engine.release()
+
+    def take(self) -> GenerationCounts:
         """This rank's counts since the last take (then zeroed): tokens and calls of each kind, and
         the seconds spent generating them."""
-        counts, self.counts = self.counts, dict.fromkeys(self.KEYS, 0.0)
+        counts, self.counts = self.counts, GenerationCounts()
         return counts
 
 
@@ -89,11 +97,13 @@ def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_pro
     auto picks vLLM on a GPU where it is installed. The vLLM engine is built from `model_path`, which must
     hold the policy's current weights (the base model, or the checkpoint being resumed); it runs
     in bf16 on GPU when `bf16` (model.bf16), else in float32. The transformers engine sizes its
-    static cache from max_prompt_len + rollout.max_new_tokens.
+    static cache from max_prompt_len + rollout.max_new_tokens. Only the chosen engine's module is
+    imported (the transformers engine's brings its decoder).
     """
     if engine_name(r.engine) == "vllm":
         return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
                                       r.gpu_memory_utilization, r.sleep, world_size, bf16)
+    from pspo.engines.hf_engine import HFEngine
     device = next(policy.parameters()).device
     return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1,
                     compile=compile_enabled(r.compile, device), max_len=max_prompt_len + r.max_new_tokens)

@@ -2,9 +2,9 @@
 token advantages, micro-batched with gradient accumulation, then the grad-norm clip and the AdamW
 step, `algo.num_iterations` times.
 
-It does not know which method made the batch: every method (methods.py) hands it an `UpdateBatch`
-of token advantages (N, T) already multiplied by the PPS importance weight, the loss mask, and π_old /
-π_ref where they were scored (logprobs.py). The loss is normalised by global counts
+It does not know which method made the batch: it trains on an `UpdateBatch` (methods.update_batch)
+of token advantages (N, T) already multiplied by the PPS and TIS importance weights, the loss mask,
+and π_old / π_ref where they were scored (logprobs.py). The loss is normalised by global counts
 (loss.sequence_weights), so the gradient does not depend on how rows are split into micro-batches
 (micro_batches.py) or ranks.
 
@@ -25,20 +25,20 @@ from pspo.training import distributed
 from pspo.training.config import Config
 from pspo.training.distributed import Dist
 from pspo.training.logprobs import forward_logprobs
+from pspo.training.metrics import UpdateSums
 from pspo.loss import policy_loss, sequence_weights
-from pspo.training.micro_batches import plan_micro_batches
-from pspo.training.micro_batches import UpdateBatch
+from pspo.training.micro_batches import UpdateBatch, plan_micro_batches
 
 
 def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
-                  dist_: Dist) -> dict[str, float]:
-    """num_iterations optimizer steps on one batch; returns summed statistics for logging.
+                  dist_: Dist) -> UpdateSums:
+    """num_iterations optimizer steps on one batch; returns this rank's summed statistics.
 
     batch.old_logp may be None only with one iteration (then π_old is the current policy: ρ ≡ 1);
     batch.ref_logp must be given when algo.beta > 0 (the k3 term), and when given its KL is logged.
     Ranks may hold different numbers of rows (SPO-tree's edges): the aggregation counts them over
     all ranks. A non-finite loss or gradient norm (on any rank) skips that optimizer step: the
-    weights and AdamW state stay as they were, and sums["skipped_steps"] counts it.
+    weights and AdamW state stay as they were, and skipped_steps counts it.
     """
     a, T = cfg.algo, batch.mask.shape[1]
     if batch.old_logp is None and a.num_iterations > 1:
@@ -54,8 +54,8 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
     plan = plan_micro_batches(attention_mask, batch.mask, cfg.train.micro_batch_size,
                               cfg.train.micro_batch_tokens)
     positions = sum(len(b.rows) * b.length for b in plan if not b.spare)   # rows x the longest row (model.py)
-    sums: dict[str, float] = {"skipped_steps": 0.0, "update_positions": float(positions * a.num_iterations),
-                              "update_tokens": float(attention_mask.sum()) * a.num_iterations}
+    skipped, grad_norms = 0.0, 0.0
+    sums: dict[str, float] = {}                                         # the loss's statistics, summed
     policy.train()
     try:
         for _ in range(a.num_iterations):
@@ -79,19 +79,22 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().double()    # as a float sum would
             grad_norm = _clip_grad_norm(policy, cfg.optim.max_grad_norm)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm / dist_.world_size
+            grad_norms += grad_norm / dist_.world_size
             for key, value in totals.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
             finite = bool(finite_loss) and math.isfinite(grad_norm)
             if distributed.all_reduce_max(torch.tensor(float(not finite), device=dist_.device)) == 0:
                 optimizer.step()
             else:                                                       # NaN/inf: keep the weights
-                sums["skipped_steps"] += 1.0 / dist_.world_size
+                skipped += 1.0 / dist_.world_size
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
     finally:
         policy.eval()
-    return sums
+    return UpdateSums(skipped_steps=skipped, update_positions=float(positions * a.num_iterations),
+                      update_tokens=float(attention_mask.sum()) * a.num_iterations, grad_norm=grad_norms,
+                      pg_loss=sums["pg_loss"], kl=sums["kl"], clipped_tokens=sums["clipped_tokens"],
+                      tokens=sums["tokens"], entropy=sums["entropy"])
 
 
 def _clip_grad_norm(policy, max_grad_norm: float) -> float:

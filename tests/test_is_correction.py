@@ -1,17 +1,20 @@
 """Truncated importance sampling against an engine's log-probs, docs/methods.md §7: the weights with
 hand-worked numbers (token and sequence modes, the cap hit and not, padding), the logged mismatch
-sums, their config checks, and the weight entering the batch's advantages in one place (methods._weigh)."""
+sums, their config checks, and the weight entering the batch's advantages in one place (methods.weigh, through
+methods.update_batch)."""
 import glob
 import os
 
 import pytest
 import torch
 
+from pspo import methods
 from pspo.training.config import ConfigError, load_config
+from pspo.training.distributed import Dist
 from pspo.is_correction import correction_weights, log_ratios, mismatch_sums
-from pspo.methods import _weigh
+from pspo.methods import Advantages, Context, MethodState, StepRollouts, update_batch, weigh
 from pspo.engines.tokens import Rollout
-from pspo.training.micro_batches import UpdateBatch
+from pspo.training.micro_batches import TokenRows
 
 # Two completions, T = 3; the second has 2 tokens (padding at t = 2, where the engine reports 0
 # and the trainer a pad token's log-prob). Δ = log π_old − log π_engine:
@@ -69,34 +72,38 @@ def test_mismatch_sums_hand_worked():
     assert set(mismatch_sums(OLD, ENGINE, MASK, "none", 2.0)) == {"gap_sum", "gap_max", "tokens"}
 
 
-class _Ctx:
-    """What _weigh reads of a methods.Context: the rollout section, this rank's rows, the device."""
+def _step(mode, monkeypatch, pps=(1.0, 0.5), old_read_first=False):
+    """One prompt of G = 2 completions (OLD/ENGINE above) with PPS weights `pps` and a method's A = [+1, −1]
+    per token, ready for update_batch; the policy's log-probs of the two completions are OLD (scoring
+    stubbed: the calls update_batch makes are recorded in `asked`)."""
+    cfg = load_config(None, [f"--rollout.is_correction={mode}", "--rollout.is_cap=2.0", "--algo.beta=0"])
+    asked = []
 
-    def __init__(self, mode, cap=2.0):
-        self.cfg = load_config(None, [f"--rollout.is_correction={mode}", f"--rollout.is_cap={cap}"])
-        self.mine = slice(0, 1)
-        self.dist = None
-
-
-def _step(mode, pps=(1.0, 0.5)):
-    """One prompt of G = 2 completions (OLD/ENGINE above), PPS weights `pps`, A = [+1, −1] per token."""
-    from pspo.methods import StepRollouts
+    def score_policy(policy, ref, rows, cfg, need_old, need_ref):
+        asked.append((need_old, need_ref))
+        return (OLD.clone() if need_old else None), None
+    monkeypatch.setattr(methods, "score_policy", score_policy)
     rollout = Rollout(torch.zeros(2, 3, dtype=torch.long), MASK, ENGINE, torch.tensor([False, False]), ["", ""], 0.0)
-    s = StepRollouts(0, torch.tensor([0]), [0, 0], torch.zeros(2), rollout, None, torch.zeros(1, 2),
-                     torch.tensor([pps]))
-    batch = UpdateBatch(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5), MASK, MASK, torch.zeros(2, 3),
-                        OLD.clone(), None)
-    return s, _Ctx(mode), batch, torch.tensor([[1.0], [-1.0]]).expand(2, 3)
+    s = StepRollouts(step=0, indices=torch.tensor([0]), rows=[0, 0], seeds=torch.zeros(2), rollout=rollout,
+                     scored=None, rewards=torch.zeros(1, 2), is_weights=torch.tensor([pps]),
+                     inputs=TokenRows(torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 5), MASK),
+                     old_logp=OLD.clone() if old_read_first else None)
+    ctx = Context(cfg=cfg, policy=None, ref=None, engine=None, train_ids=[[1, 2]], problems=["p"],
+                  dist=Dist(0, 1, torch.device("cpu")), mine=slice(0, 1), lockstep=False, score=None,
+                  distinct_problems=1, state=MethodState())
+    adv = Advantages(torch.tensor([[1.0], [-1.0]]).expand(2, 3), MASK, stats=None)
+    return s, ctx, adv, asked
 
 
-def test_weigh_multiplies_pps_and_tis_weights_into_the_advantages():
+def test_update_batch_multiplies_pps_and_tis_weights_into_the_advantages(monkeypatch):
     # token mode, C = 2: A·w_PPS·w_TIS =
     #   row 0: +1 · 1 · [1.648721, 1, 2];  row 1: −1 · .5 · [.740818, .904837, 1]
-    s, ctx, batch, adv = _step("token")
-    metrics = _weigh(s, ctx, batch, adv, keep_old=False)
+    s, ctx, adv, asked = _step("token", monkeypatch)
+    batch, metrics = update_batch(adv, s, ctx)
     expected = torch.tensor([[1.648721, 1.0, 2.0], [-0.370409, -0.452419, -0.5]])
     torch.testing.assert_close(batch.advantages, expected, atol=1e-6, rtol=0)
-    assert batch.old_logp is None                     # scored for the correction only: ρ ≡ 1 as without it
+    assert asked == [(True, False)]                   # π_old scored once, for the correction
+    assert batch.old_logp is None                     # ... only: ρ ≡ 1 as without it
     # metrics: gap 2.0 / 5 = .4, max 1.1; weights 6.294376 / 5 = 1.258875; 1 of 5 capped
     assert metrics["engine_gap_mean"] == pytest.approx(0.4, abs=1e-6)
     assert metrics["engine_gap_max"] == pytest.approx(1.1, abs=1e-6)
@@ -104,27 +111,26 @@ def test_weigh_multiplies_pps_and_tis_weights_into_the_advantages():
     assert metrics["tis_capped_frac"] == pytest.approx(0.2)
 
 
-def test_weigh_without_correction_is_the_pps_weight_alone():
-    # none: A·w_PPS = [+1, +1, +1], [−.5, −.5, −.5]; π_old kept when the method needs it; the gap still logged
-    s, ctx, batch, adv = _step("none")
-    metrics = _weigh(s, ctx, batch, adv, keep_old=True)
+def test_without_correction_the_weight_is_the_pps_weight_alone(monkeypatch):
+    # none: A·w_PPS = [+1, +1, +1], [−.5, −.5, −.5]; π_old kept when the method read it; the gap still logged
+    s, ctx, adv, asked = _step("none", monkeypatch, old_read_first=True)
+    batch, metrics = update_batch(adv, s, ctx)
     assert torch.equal(batch.advantages, torch.tensor([[1.0, 1, 1], [-0.5, -0.5, -0.5]]))
     assert batch.old_logp is not None and set(metrics) == {"engine_gap_mean", "engine_gap_max"}
-    # no π_old scored (one iteration, no correction): nothing to compare, no metrics
-    s, ctx, batch, adv = _step("none")
-    batch.old_logp = None
-    assert _weigh(s, ctx, batch, adv, keep_old=False) == {}
+    assert asked == [(False, False)]                  # nothing left to score
+    # no π_old read (one iteration, no correction): nothing scored, nothing to compare, no metrics
+    s, ctx, adv, asked = _step("none", monkeypatch)
+    batch, metrics = update_batch(adv, s, ctx)
+    assert metrics == {} and batch.old_logp is None and asked == [(False, False)]
 
 
 def test_weigh_with_the_trainers_own_logprobs_is_a_no_op():
     # the engine IS the trainer (Δ = 0): the advantages equal the uncorrected ones bit for bit
-    s, ctx, batch, adv = _step("token")
-    s.rollout.logprobs = OLD.clone()
-    _weigh(s, ctx, batch, adv, keep_old=False)
-    s0, ctx0, batch0, _ = _step("none")
-    batch0.old_logp = None
-    _weigh(s0, ctx0, batch0, adv, keep_old=False)
-    assert torch.equal(batch.advantages, batch0.advantages)
+    r = load_config(None, ["--rollout.is_correction=token"]).rollout
+    adv, pps = torch.tensor([[1.0], [-1.0]]).expand(2, 3), torch.tensor([[1.0], [0.5]])
+    corrected, _ = weigh(adv, pps, OLD, OLD.clone(), MASK, r)
+    plain, _ = weigh(adv, pps, None, ENGINE, MASK, load_config(None).rollout)
+    assert torch.equal(corrected, plain)
 
 
 @pytest.mark.parametrize("overrides, message", [

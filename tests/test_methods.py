@@ -1,14 +1,16 @@
-"""The advantage methods through their one interface (pspo/methods.py): what each hands the update,
-with hand-worked numbers, and the one dispatch on algo.advantage. Runs without a model: with one
-iteration, β = 0 and no KL reward, no log-prob needs scoring."""
+"""The advantage methods through their one interface (pspo/methods.py): what each hands the update
+after the calls the loop makes around it, with hand-worked numbers, and the one dispatch on
+algo.advantage. Runs without a model: with one iteration, β = 0 and no KL reward, no log-prob needs
+scoring."""
 import pytest
 import torch
 
 from pspo.training.config import ADVANTAGES, load_config
 from pspo.training.distributed import Dist
-from pspo.methods import Context, MethodState, StepRollouts, method_for
+from pspo.methods import Context, MethodState, StepRollouts, method_for, score_first, update_batch
 from pspo.rewards import RewardResult
 from pspo.engines.tokens import Rollout
+from pspo.training.micro_batches import token_rows
 
 CPU = Dist(0, 1, torch.device("cpu"))
 MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])        # (N, T) 4 completions: 3, 2, 1, 3 tokens
@@ -22,10 +24,22 @@ def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Te
                       torch.tensor([True, False, False, True]), ["a", "b", "c", "d"], 0.0)
     flat = rewards.reshape(-1)
     scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(4)}, {"accuracy": 0})
-    step = StepRollouts(0, torch.tensor([0, 1]), [0, 0, 1, 1], torch.arange(4), rollout, scored, rewards, is_weights)
-    ctx = Context(cfg, None, None, None, [[1, 2], [3]], ["p0", "p1"], 0, CPU, slice(0, 2), False, None,
-                  lambda: None, 2, MethodState())
+    train_ids, rows = [[1, 2], [3]], [0, 0, 1, 1]
+    inputs = token_rows([train_ids[i] for i in rows], rollout.completion_ids, MASK, 0, CPU.device)
+    step = StepRollouts(step=0, indices=torch.tensor([0, 1]), rows=rows, seeds=torch.arange(4),
+                        rollout=rollout, scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
+    ctx = Context(cfg=cfg, policy=None, ref=None, engine=None, train_ids=train_ids, problems=["p0", "p1"],
+                  dist=CPU, mine=slice(0, 2), lockstep=False, score=None, distinct_problems=2,
+                  state=MethodState())
     return cfg, step, ctx
+
+
+def step_through(method, step, ctx):
+    """The loop's calls around a method (train.py): what it reads first, the method, the update's batch.
+    Returns the method's Advantages and the batch."""
+    step.old_logp, step.ref_logp = score_first(method, step, ctx)
+    adv = method.advantages(step, ctx)
+    return adv, update_batch(adv, step, ctx)[0]
 
 
 def test_grpo_hands_a_times_w_on_every_token():
@@ -34,17 +48,18 @@ def test_grpo_hands_a_times_w_on_every_token():
     # broadcast over each completion's 3 columns; the loss mask is the completion mask.
     rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
     cfg, step, ctx = step_and_context("grpo", rewards, w)
-    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
     want = torch.tensor([0.70700, -0.70700, 0, 0])[:, None].expand(4, 3)
-    torch.testing.assert_close(out.batch.advantages, want, atol=1e-5, rtol=0)
-    assert torch.equal(out.batch.loss_mask, MASK) and out.batch.old_logp is None and out.batch.ref_logp is None
+    torch.testing.assert_close(batch.advantages, want, atol=1e-5, rtol=0)
+    assert torch.equal(batch.loss_mask, MASK) and batch.old_logp is None and batch.ref_logp is None
     # prompts [1, 2] then [3], left-padded with 0, then the completion tokens
-    assert out.batch.input_ids[0].tolist() == [1, 2, 4, 5, 6] and out.batch.input_ids[2].tolist() == [0, 3, 7, 0, 0]
-    assert out.batch.attention_mask[2].tolist() == [0, 1, 1, 0, 0]
+    assert batch.input_ids[0].tolist() == [1, 2, 4, 5, 6] and batch.input_ids[2].tolist() == [0, 3, 7, 0, 0]
+    assert batch.attention_mask[2].tolist() == [0, 1, 1, 0, 0]
     # statistics before the IS weight: Σ|A| = 1.414, ΣA² = 2·.49985 = .99970, over 4 completions; 1 flat group
-    assert out.sums["adv_abs"] == pytest.approx(1.41400, abs=1e-4) and out.sums["adv_count"] == 4
-    assert out.sums["adv_sq"] == pytest.approx(0.99970, abs=1e-4) and int(out.sums["zero_std_groups"]) == 1
-    assert out.sums["completion_tokens"] == 9 and int(out.sums["truncated"]) == 2
+    sums, rollout = out.stats.advantages, out.stats.rollout
+    assert sums.adv_abs == pytest.approx(1.41400, abs=1e-4) and sums.adv_count == 4
+    assert sums.adv_sq == pytest.approx(0.99970, abs=1e-4) and int(rollout.zero_std_groups) == 1
+    assert rollout.completion_tokens == 9 and int(rollout.truncated) == 2
 
 
 def test_dr_grpo_does_not_divide_by_the_std():
@@ -52,8 +67,8 @@ def test_dr_grpo_does_not_divide_by_the_std():
     rewards = torch.tensor([[1.0, 0], [1, 1]])
     cfg, step, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
     cfg.algo.scale_rewards = False
-    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
-    torch.testing.assert_close(out.batch.advantages[:, 0], torch.tensor([0.5, -0.5, 0, 0]), atol=1e-6, rtol=0)
+    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([0.5, -0.5, 0, 0]), atol=1e-6, rtol=0)
 
 
 def test_reinforce_pp_whitens_tokens_then_applies_w():
@@ -62,11 +77,12 @@ def test_reinforce_pp_whitens_tokens_then_applies_w():
     # A(1) = .22222/.44096 = .50395, A(0) = -.77778/.44096 = -1.76383. Prompt 1's w = .5 halves rows 2-3.
     rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
     cfg, step, ctx = step_and_context("reinforce_pp", rewards, w)
-    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
     a, b = 0.50395, -1.76383
     want = torch.tensor([[a, a, a], [b, b, 0], [a / 2, 0, 0], [a / 2, a / 2, a / 2]])
-    torch.testing.assert_close(out.batch.advantages, want, atol=1e-4, rtol=0)
-    assert out.sums["adv_count"] == 9 and out.sums["adv_sq"] == pytest.approx(8.0, abs=1e-4)   # Σ A² = n - 1
+    torch.testing.assert_close(batch.advantages, want, atol=1e-4, rtol=0)
+    sums = out.stats.advantages
+    assert sums.adv_count == 9 and sums.adv_sq == pytest.approx(8.0, abs=1e-4)   # Σ A² = n - 1
 
 
 def test_reinforce_pp_baseline_subtracts_the_group_mean():
@@ -76,10 +92,10 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean():
     # A(.5) = .44444/.39087 = 1.13706, A(-.5) = -1.42134, A(0) = -.14213
     rewards = torch.tensor([[1.0, 0], [1, 1]])
     cfg, step, ctx = step_and_context("reinforce_pp_baseline", rewards, torch.ones(2, 2))
-    out = method_for(cfg, ctx.train_ids, 0, CPU, False).advantages(step, ctx)
+    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
     p, n, z = 1.13706, -1.42134, -0.14213
     want = torch.tensor([[p, p, p], [n, n, 0], [z, 0, 0], [z, z, z]])
-    torch.testing.assert_close(out.batch.advantages, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(batch.advantages, want, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("advantage", ADVANTAGES)
@@ -93,6 +109,8 @@ def test_every_configured_name_has_its_method(advantage):
     # the step's generation budget: SPO-tree generates the trees' first level, M0 tokens
     assert method.max_new_tokens == (3 if advantage == "spo_tree" else cfg.rollout.max_new_tokens)
     assert (method.state.tree is not None) == (advantage == "spo_tree") and method.state.ers is None
+    # SPO generates in its method (the engine is released after it); SPO-chain's cuts read π_old first
+    assert method.generates == advantage.startswith("spo_") and method.reads_old == (advantage == "spo_chain")
 
 
 def test_grpo_with_ers_smooths_the_second_visit():
@@ -104,9 +122,9 @@ def test_grpo_with_ers_smooths_the_second_visit():
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
     ctx.state = method.state
     first = method.advantages(step, ctx)
-    torch.testing.assert_close(first.batch.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(first.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
     assert first.metrics["ers_visits"] == 1 and first.metrics["ers_seen_frac"] == 1.0
     step.rewards = torch.tensor([[1.0, 1], [1, 1]])
     second = method.advantages(step, ctx)
-    torch.testing.assert_close(second.batch.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(second.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
     assert second.metrics["ers_visits"] == 2

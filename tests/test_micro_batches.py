@@ -93,9 +93,9 @@ def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo
     assert moved > 1e-4                                                  # the update did something
     for a, b in zip(fixed, budget):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
-    assert budget_sums["update_tokens"] == fixed_sums["update_tokens"]
+    assert budget_sums.update_tokens == fixed_sums.update_tokens
     # the budget cuts padding: fewer positions than 4-row slices padded to the step's longest
-    assert budget_sums["update_positions"] < fixed_sums["update_positions"]
+    assert budget_sums.update_positions < fixed_sums.update_positions
 
 
 # ---------------------------------------------------------------- two FSDP2 ranks with unequal plans

@@ -12,13 +12,14 @@ import torch
 from pspo.training.config import load_config
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.distributed import Dist
-from pspo.methods import Context, StepRollouts, method_for
+from pspo.methods import Context, StepRollouts, method_for, score_first, update_batch
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
 from pspo.engines.hf_engine import HFEngine
 from pspo.engines.tokens import Rollout, batch_inputs
 from pspo.engines.sampling import sequence_seeds
+from pspo.training.micro_batches import token_rows
 from pspo.update import policy_update
 
 CPU = Dist(0, 1, torch.device("cpu"))
@@ -43,7 +44,8 @@ def _no_scoring(rows: list[int], texts: list[str]) -> RewardResult:
 
 def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights, cfg, dist_, mine=None):
     """One step as train.py runs it: the rollout with its (B, G) rewards and IS weights through the
-    method algo.advantage names (methods.method_for), then policy_update on the batch it hands over.
+    method algo.advantage names (methods.method_for) and the calls around it (score_first,
+    update_batch), then policy_update on the batch.
     `mine`: this rank's prompts among the B (all of them by default), whose completions it trains."""
     tokenizer, ids, rollout, seeds = batch
     B, G = rewards.shape
@@ -54,14 +56,17 @@ def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights,
     flat = rewards[mine].reshape(-1)                                       # (N,)
     scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros_like(flat)}, {"accuracy": 0})
     rows = [p for p in range(mine.start, mine.stop) for _ in range(G)]
-    step = StepRollouts(0, torch.arange(B), rows, seeds[local], rollout, scored, rewards, is_weights)
     pad = tokenizer.pad_token_id
+    inputs = token_rows([ids[i] for i in rows], rollout.completion_ids, rollout.mask, pad, dist_.device)
+    step = StepRollouts(step=0, indices=torch.arange(B), rows=rows, seeds=seeds[local], rollout=rollout,
+                        scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
     problems = [f"p{i}" for i in range(B)]
     method = method_for(cfg, ids, pad, dist_, False)
-    ctx = Context(cfg, policy, ref, None, ids, problems, pad, dist_, mine, False, _no_scoring, lambda: None, B,
-                  method.state)
-    result = method.advantages(step, ctx)
-    return policy_update(policy, optimizer, scheduler, result.batch, cfg, dist_)
+    ctx = Context(cfg=cfg, policy=policy, ref=ref, engine=None, train_ids=ids, problems=problems, dist=dist_,
+                  mine=mine, lockstep=False, score=_no_scoring, distinct_problems=B, state=method.state)
+    step.old_logp, step.ref_logp = score_first(method, step, ctx)
+    batch, _ = update_batch(method.advantages(step, ctx), step, ctx)
+    return policy_update(policy, optimizer, scheduler, batch, cfg, dist_)
 
 
 def run_update(path, batch, checkpointing, overrides=()):

@@ -18,12 +18,13 @@ from pspo.training.config import ConfigError, load_config
 from pspo.training.distributed import Dist
 from pspo.loss import policy_loss
 from pspo.tasks.data import builtin_arithmetic, format_prompt
-from pspo.methods import Context, StepRollouts, method_for
+from pspo.methods import Context, StepRollouts, method_for, score_first, update_batch
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
 from pspo.engines.hf_engine import HFEngine
 from pspo.engines.sampling import sequence_seeds
+from pspo.training.micro_batches import token_rows
 from pspo.update import policy_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,21 +227,27 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     scored = RewardResult(rewards.reshape(-1), {"accuracy": rewards.reshape(-1), "format": torch.zeros(12)}, {})
     cpu = Dist(0, 1, torch.device("cpu"))
     method = method_for(cfg, ids, tokenizer.pad_token_id, cpu, False)
-    ctx = Context(cfg, policy, ref, None, ids, [ex.problem for ex in examples], tokenizer.pad_token_id, cpu,
-                  slice(0, 4), False, None, lambda: None, 4, method.state)
+    ctx = Context(cfg=cfg, policy=policy, ref=ref, engine=None, train_ids=ids,
+                  problems=[ex.problem for ex in examples], dist=cpu, mine=slice(0, 4), lockstep=False,
+                  score=None, distinct_problems=4, state=method.state)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     calls = []
     policy.lm.model.layers[0].register_forward_pre_hook(lambda module, args: calls.append(module.training))
-    step = StepRollouts(0, torch.arange(4), [i for i in range(4) for _ in range(3)], seeds, rollout, scored, rewards,
-                        torch.ones(4, 3))
+    rows = [i for i in range(4) for _ in range(3)]
+    inputs = token_rows([ids[i] for i in rows], rollout.completion_ids, rollout.mask, tokenizer.pad_token_id,
+                        cpu.device)
+    step = StepRollouts(step=0, indices=torch.arange(4), rows=rows, seeds=seeds, rollout=rollout,
+                        scored=scored, rewards=rewards, is_weights=torch.ones(4, 3), inputs=inputs)
+    step.old_logp, step.ref_logp = score_first(method, step, ctx)      # the loop's calls around the method
     out = method.advantages(step, ctx)
-    policy_update(policy, optimizer, scheduler, out.batch, cfg, cpu)
+    batch, _ = update_batch(out, step, ctx)
+    policy_update(policy, optimizer, scheduler, batch, cfg, cpu)
     # 12 sequences in micro-batches of 4: 3 eval-mode scoring calls per scoring pass, then 3 per iteration
     assert calls == [False] * scoring + [True] * 3 * cfg.algo.num_iterations
     if cfg.algo.advantage != "grpo":                                      # token-level advantage stats
-        n = out.sums["adv_count"]
-        assert n == rollout.mask.sum() and out.sums["adv_sq"] / n == pytest.approx((n - 1) / n, rel=1e-4)
+        n, sq = out.stats.advantages.adv_count, out.stats.advantages.adv_sq
+        assert n == rollout.mask.sum() and sq / n == pytest.approx((n - 1) / n, rel=1e-4)
 
 
 # ---------------------------------------------------------------- the real loop

@@ -8,6 +8,7 @@ import torch
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.model import Policy, build_policy, load_tokenizer
 from pspo.rollout import CountingEngine
+from pspo.training.metrics import GenerationCounts
 from pspo.engines.hf_engine import HFEngine, _GumbelSampler
 from pspo.engines.sampling import gumbel_noise, outside_nucleus as _outside_nucleus
 from pspo.engines.tokens import batch_inputs, continuation_inputs
@@ -205,7 +206,7 @@ def test_counting_engine_counts_every_returned_token_by_kind(tiny):
                          prefix_ids=prefixes)
     c = counter.generate(ids[2:3], 1, 1.0, 1.0, 12, sequence_seeds(0, 0, torch.arange(1), 1))
     counts = counter.take()
-    assert counts["rollout_tokens"] == a.mask.sum() + c.mask.sum() and counts["mc_tokens"] == b.mask.sum() > 0
-    assert (counts["rollout_calls"], counts["mc_calls"]) == (2, 1)
-    assert counts["mc_gen_s"] == b.gen_time_s and counts["rollout_gen_s"] == a.gen_time_s + c.gen_time_s
-    assert set(counter.take().values()) == {0.0}                          # take() starts a new step
+    assert counts.rollout_tokens == a.mask.sum() + c.mask.sum() and counts.mc_tokens == b.mask.sum() > 0
+    assert (counts.rollout_calls, counts.mc_calls) == (2, 1)
+    assert counts.mc_gen_s == b.gen_time_s and counts.rollout_gen_s == a.gen_time_s + c.gen_time_s
+    assert counter.take() == GenerationCounts()                           # take() starts a new step, all 0

@@ -1,7 +1,8 @@
 """A run survives what clusters and numerics do to it: a preemption signal saves and exits 0 so
 `--train.resume=auto` continues; non-finite updates are skipped and, three in a row, stop the run
-with the weights untouched; a context the model cannot hold stops before any work, in one line;
-the ranks of a finished run leave the process group together."""
+with the weights untouched; a context the model cannot hold stops before any work, in one line; a
+refused run writes nothing to its folder; the ranks of a finished run leave the process group
+together."""
 import json
 import os
 import signal
@@ -105,6 +106,98 @@ def test_a_context_the_model_cannot_hold_is_one_line_exit_2(tmp_path, tiny_model
     assert proc.stderr.strip().splitlines() == [
         "error: data.max_prompt_tokens (1000) + rollout.max_new_tokens (100) = 1100 exceeds the model's "
         "max_position_embeddings (1024); lower one of them"]
+
+
+# train.py's start-up on a GPU of 1 MiB: the real plan of the run, checked as on CUDA (on CPU it is
+# printed, never enforced)
+SMALL_GPU = """
+import runpy, sys
+from pspo.training import plan
+def startup_check(cfg, model_path, world_size, device, engine):
+    arch = plan.arch_from_config(plan.load_model_config(model_path))
+    plan.check_fits(plan.make_plan(cfg, arch, world_size, 2 ** 20, engine, None), cfg)
+plan.startup_check = startup_check
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_path):
+    """A finished one-step GRPO run on 8 train prompts: config.yaml, metrics.jsonl, tb/, checkpoint-1."""
+    out = str(tmp_path_factory.mktemp("refused") / "run")
+    proc = subprocess.run(command(out, tiny_model_path, "--train.max_steps=1", "--data.eval=",
+                                  "--data.max_train_examples=8"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def folder(path):
+    """Every file under `path` (relative path -> bytes) and every folder: what a refused run leaves alone."""
+    files, dirs = {}, set()
+    for root, subdirs, names in os.walk(path):
+        dirs |= {os.path.relpath(os.path.join(root, d), path) for d in subdirs}
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                files[os.path.relpath(os.path.join(root, name), path)] = f.read()
+    return files, dirs
+
+
+SAME = "; resume with the same setting"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", [
+    # resumed under another method, another sampler, ERS the other way, another train set
+    (["--train.resume=auto", "--algo.advantage=reinforce_pp", "--algo.beta=0"],
+     "error: algo.advantage: the checkpoint was trained with algo.advantage=grpo, this run has "
+     "algo.advantage=reinforce_pp" + SAME),
+    (["--train.resume=auto", "--pps.enabled=true"],
+     "error: pps.enabled: the checkpoint was trained with pps.enabled=false, this run has "
+     "pps.enabled=true" + SAME),
+    (["--train.resume=auto", "--ers.enabled=true"],
+     "error: ers.enabled: the checkpoint was trained with ers.enabled=false, this run has "
+     "ers.enabled=true" + SAME),
+    (["--train.resume=auto", "--data.max_train_examples=6"],
+     "error: checkpoint sampler has 8 prompts, the dataset has 6: resume with the same data.train"),
+    # a checkpoint that is not one
+    (["--train.resume=/nonexistent/checkpoint-1"],
+     "error: train.resume: '/nonexistent/checkpoint-1' is not a checkpoint folder (no trainer_state.pt)"),
+    # a fresh run into the used folder: a model path, a context, data, a sampler, a memory plan that cannot be
+    (["--model.name_or_path=/nonexistent/model"],
+     "error: model.name_or_path: cannot load a tokenizer from '/nonexistent/model' ("),
+    (["--data.max_prompt_tokens=1000", "--rollout.max_new_tokens=100"],
+     "error: data.max_prompt_tokens (1000) + rollout.max_new_tokens (100) = 1100 exceeds the model's "
+     "max_position_embeddings (1024); lower one of them"),
+    (["--data.train=/nonexistent/train.jsonl"], "error: /nonexistent/train.jsonl: file not found"),
+    (["--pps.enabled=true", "--train.prompts_per_step=12"],
+     "error: train.prompts_per_step: PPS draws 12 prompts per step (distinct), builtin:arithmetic has 8"),
+    (["SMALL_GPU"], "error: memory plan per GPU (1 x 0.0 GiB): "),
+])
+def test_a_refused_run_writes_nothing(finished_run, tiny_model_path, overrides, message):
+    # Every check that can refuse a run comes before its first write: the folder's files stay byte for
+    # byte as the finished run left them (config.yaml included), with the refusal's one line and exit 2.
+    before = folder(finished_run)
+    cmd = command(finished_run, tiny_model_path, "--data.eval=", "--data.max_train_examples=8",
+                  *[o for o in overrides if o != "SMALL_GPU"])
+    if overrides == ["SMALL_GPU"]:
+        cmd = [sys.executable, "-c", SMALL_GPU, *cmd[2:]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith(message), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert folder(finished_run) == before
+
+
+@pytest.mark.slow
+def test_a_refused_fresh_run_creates_no_folder(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(command(str(out), "/nonexistent/model"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: model.name_or_path: cannot load a tokenizer from '/nonexistent/model'")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("clean, calls", [(True, ["barrier", "destroy"]), (False, ["destroy"])])

@@ -24,16 +24,16 @@ SMALL = ["--train.prompts_per_step=4", "--data.max_eval_examples=8", "--train.pr
 
 PROBE = """
 import sys, torch, train
-from pspo import rollout
+from pspo.engines import hf_engine
 calls, updates = [], []
-generate = rollout.HFEngine.generate
+generate = hf_engine.HFEngine.generate
 def recorded(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=None):
     out = generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=prefix_ids)
     if seeds is not None:                     # evaluation is greedy (seeds None): not training's generation
         calls.append(dict(step=len(updates) + 1, prompts=prompt_ids, n=n, max_new_tokens=max_new_tokens,
                           prefixes=prefix_ids, ids=out.completion_ids, mask=out.mask, truncated=out.truncated))
     return out
-rollout.HFEngine.generate = recorded
+hf_engine.HFEngine.generate = recorded
 update = train.policy_update
 def recorded_update(policy, optimizer, scheduler, batch, *args):
     updates.append(dict(input_ids=batch.input_ids, mask=batch.mask, token_advantages=batch.advantages,

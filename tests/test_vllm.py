@@ -158,7 +158,7 @@ def test_a_failed_start_shows_vllms_reason(tiny_model_path):
 def test_gpu_settings_reach_vllm_and_sleep_is_skipped_on_cpu(tiny_model_path):
     # rollout.gpu_memory_utilization is handed to vLLM as is; rollout.sleep is not, where vLLM has no
     # sleep mode (CPU): it refuses enable_sleep_mode there, so the engine leaves it off and its
-    # sleep() / wake_up() do nothing. vLLM's own calls the GPU path makes are still valid API here
+    # release() / wake_up() do nothing. vLLM's own calls the GPU path makes are still valid API here
     # (the CPU worker ignores them) and leave generation unchanged.
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -171,7 +171,7 @@ def test_gpu_settings_reach_vllm_and_sleep_is_skipped_on_cpu(tiny_model_path):
     assert not engine.sleep_enabled and not config.model_config.enable_sleep_mode
     seeds = sequence_seeds(3, 0, torch.arange(2), 2)
     before = engine.generate([[1, 2, 3], [4, 5]], 2, T, 1.0, 8, seeds)
-    engine.sleep()
+    engine.release()
     engine.wake_up()
     engine.llm.sleep(level=1)
     engine.llm.wake_up()

@@ -28,21 +28,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pspo.engines.sampling import draw
+from pspo.engines.tokens import bucket
 
 STATIC_ATTENTION = "pspo_static"      # the twin's config._attn_implementation
 DONE_CHECK_STEPS = 16                 # on CUDA, look whether every row is done once per this many steps
-
-
-def bucket(n: int, top: int) -> int:
-    """The smallest of top, ceil(top/2), ceil(top/4), ..., 1 that holds n; n itself when n > top.
-
-    bucket(36, 96) = 48, bucket(49, 96) = 96, bucket(5, 96) = 6, bucket(130, 96) = 130."""
-    if n > top:
-        return n
-    size = top
-    while size > 1 and -(-size // 2) >= n:
-        size = -(-size // 2)
-    return size
 
 
 def static_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,

@@ -94,6 +94,9 @@ class HFEngine:
         return Rollout(ids.cpu(), mask.float().cpu(), (logprobs * mask).cpu(), truncated.cpu(), texts,
                        gen_time)
 
+    def release(self) -> None:
+        """The step generates nothing more: nothing to free, the engine is the training model itself."""
+
     def _generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds):
         device = next(self.model.parameters()).device
         input_ids, attention = left_pad(prompt_ids, self.pad_id)

@@ -1,7 +1,8 @@
 """What an engine returns and the token bookkeeping around it: `Rollout` (one generate call's
 completions, the record behind pspo/rollout.py's contract), the stop tokens of a chat model, left
-padding, prompt + completion inputs, and the inputs of a continued (SPO) completion. It imports
-nothing from the rest of pspo, so every engine, method and the trainer may import it.
+padding and the row buckets a batch is padded to, prompt + completion inputs, and the inputs of a
+continued (SPO) completion. It imports nothing from the rest of pspo, so every engine, method, the
+trainer and the memory plan may import it.
 """
 from __future__ import annotations
 
@@ -55,6 +56,19 @@ def stop_token_ids(tokenizer, generation_eos: int | list[int] | None = None) -> 
     vocab = tokenizer.get_vocab()
     turn = [vocab[t] for t in END_OF_TURN if t in vocab]
     return sorted(set(eos + turn + [tokenizer.eos_token_id]) - {None})
+
+
+def bucket(n: int, top: int) -> int:
+    """The rows a batch of n is padded to (decode.py's static cache, the memory plan's count of it): the
+    smallest of top, ceil(top/2), ceil(top/4), ..., 1 that holds n; n itself when n > top.
+
+    bucket(36, 96) = 48, bucket(49, 96) = 96, bucket(5, 96) = 6, bucket(130, 96) = 130."""
+    if n > top:
+        return n
+    size = top
+    while size > 1 and -(-size // 2) >= n:
+        size = -(-size // 2)
+    return size
 
 
 def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -178,8 +178,9 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
         return time.perf_counter() - start
 
-    def sleep(self) -> None:
-        """Free the engine's GPU memory (weights and KV cache) for the training phase."""
+    def release(self) -> None:
+        """The step generates nothing more: with rollout.sleep, free the engine's GPU memory (weights
+        and KV cache) for the training phase, until `wake_up`."""
         if self.sleep_enabled:
             self.llm.sleep(level=1)
 

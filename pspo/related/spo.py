@@ -25,8 +25,6 @@ checkpointed with the rest of the replicated trainer state.
 """
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +34,14 @@ from pspo.training import distributed
 from pspo.advantages import whiten
 from pspo.training.config import Config
 from pspo.training.distributed import Dist
-from pspo.rewards import RewardResult
-from pspo.related.spo_segments import add_children, chain_advantages, mc_values, probability_mask, select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes
+from pspo.rewards import RewardResult, Score
+from pspo.related.spo_segments import (add_children, chain_advantages, mc_values, probability_mask,
+                                       select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes)
 from pspo.training.logprobs import score_policy
-from pspo.engines.tokens import Rollout, batch_inputs
-from pspo.training.micro_batches import UpdateBatch
+from pspo.training.metrics import ChainSums, RolloutSums, TreeSums
+from pspo.engines.tokens import Rollout
+from pspo.training.micro_batches import TokenRows, token_rows
 from pspo.engines.sampling import child_seeds, prefix_seeds
-
-Score = Callable[[list[int], list[str]], RewardResult]   # (dataset rows, completion texts) -> their rewards
 
 
 def _continue(engine, prompt_ids: list[list[int]], prefixes: list[list[int]], n: int, temperature: float,
@@ -75,9 +73,8 @@ def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Te
               cfg: Config, device: torch.device) -> Tensor:
     """The trainer's log π_old (logits / T) of completions (N, T) after `prompts`, on the CPU.
     A forward pass, micro-batched as the update's: every rank must call it together."""
-    input_ids, attention_mask = batch_inputs(prompts, completion_ids, mask, pad_id)
-    old, _ = score_policy(policy, None, input_ids.to(device), attention_mask.to(device), mask.to(device), cfg,
-                          need_old=True, need_ref=False)
+    rows = token_rows(prompts, completion_ids, mask, pad_id, device)
+    old, _ = score_policy(policy, None, rows, cfg, need_old=True, need_ref=False)
     return old.cpu()
 
 
@@ -86,7 +83,7 @@ def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Te
 def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Tensor,
                         prompt_ids: list[list[int]], examples: list[int], score: Score, cfg: Config,
                         step: int, device: torch.device,
-                        lockstep: bool) -> tuple[Tensor, Tensor, dict[str, float]]:
+                        lockstep: bool) -> tuple[Tensor, Tensor, ChainSums]:
     """SPO-chain's token advantages and loss mask for this rank's N completions, §B chain 2-7.
 
     rollout: the step's completions (N rows, prompt-major); rewards (N,) their R; old_logp (N, T)
@@ -94,7 +91,7 @@ def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Ten
     completion; score(rows, texts) scores completions of rows. The cuts are chosen from p_t =
     exp(old_logp), each distinct state (prompt + prefix) gets spo.num_mc continuations, V(cut) = their
     mean reward, then A and M (whitened over M). Returns A (N, T), M (N, T) on the CPU and this
-    rank's counts: spo_cuts (C), spo_states (U distinct states) and spo_mask_tokens (Σ M).
+    rank's counts (C cuts, U distinct states, Σ M).
     Collective: the whitening all-reduce and, under lockstep, the continuation calls.
     """
     r, s, mask = cfg.rollout, cfg.spo, rollout.mask
@@ -116,8 +113,8 @@ def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Ten
         values = mc_values(mc_rewards, s.num_mc, inverse)                 # (C,)
     advantages, loss_mask = chain_advantages(rows, cuts, values, rewards.cpu(), probs, mask,
                                              reduce_sum=distributed.all_reduce_sum)   # (N, T) each
-    counts = {"spo_cuts": float(len(cuts)), "spo_states": float(len(owners)),
-              "spo_mask_tokens": float(loss_mask.sum())}
+    counts = ChainSums(spo_cuts=float(len(cuts)), spo_states=float(len(owners)),
+                       spo_mask_tokens=float(loss_mask.sum()))
     return advantages, loss_mask, counts
 
 
@@ -162,11 +159,14 @@ class _Forest:
 
 
 @dataclass
-class TreeBatch:
-    """This rank's share of the step's drawn edges, as the update takes them."""
-    batch: UpdateBatch        # prompt + parent prefix, then the segment; A and M over the segments' tokens
-    sums: dict[str, float]    # this rank's statistics of its trees' leaves, to be summed over ranks
-    reward_s: float           # seconds spent scoring leaves
+class TreeStep:
+    """This rank's share of the step's drawn edges, with what the step's trees were."""
+    rows: TokenRows           # prompt + parent prefix, then the segment, on the rank's device
+    advantages: Tensor        # (E, T) A broadcast over each segment's tokens of M, whitened
+    loss_mask: Tensor         # (E, T) M
+    old_logp: Tensor          # (E, T) the segments' π_old, from when they were generated
+    leaves: RolloutSums       # this rank's trees' leaves: the step's completions
+    counts: TreeSums
 
 
 class SPOTree:
@@ -178,7 +178,7 @@ class SPOTree:
         self.edges: list[Edge] = []
 
     def step(self, engine, policy, examples: list[int], rollout: Rollout, seeds: Tensor, scored: RewardResult,
-             step: int, score: Score) -> TreeBatch:
+             step: int, score: Score) -> TreeStep:
         """Grow the trees of this rank's prompts (dataset rows `examples`) from their depth-0 completions
         (`rollout`: b0 per prompt, at most M0 tokens, generated with `seeds` and scored as `scored`),
         add their edges to the buffer, draw this step's. Collective."""
@@ -197,12 +197,10 @@ class SPOTree:
                             kids, self.lockstep, prompts[0], self.dist.device)
             if out is not None:  # None: nothing to grow here (no break: under lockstep other ranks may call)
                 frontier = forest.add(frontier, b[depth], out, kids, last=depth == 2)
-        t_reward = time.perf_counter()
         leaves = [j for j in range(len(forest.owner)) if forest.leaf[j]]
         leaf_scores = _leaf_scores(leaves, n, len(rollout.texts), scored, score,
                                    [examples[forest.owner[j]] for j in leaves],
                                    [forest.text[j] for j in leaves])
-        reward_s = time.perf_counter() - t_reward
         node_rewards = torch.full((len(forest.owner),), float("nan"), dtype=torch.float64)
         node_rewards[leaves] = leaf_scores.rewards.double()
         values = tree_values(forest.parent, node_rewards)                 # (nodes,) §B tree 2
@@ -212,26 +210,21 @@ class SPOTree:
         self.edges += self._gather(new, step)
         drawn, expired = self._draw(step)
         share = drawn[self.dist.rank::self.dist.world_size]
-        batch = self._batch(share or [self._dummy(forest.tokens[n], examples[0], step)])
         rewards = leaf_scores.rewards.double()                            # (leaves,)
         per_tree = [rewards[[k for k, j in enumerate(leaves) if forest.owner[j] == q]] for q in range(n)]
-        batch.sums = {
-            "completions": len(leaves), "groups": n,
-            "reward": rewards.sum(), "reward_sq": (rewards ** 2).sum(),
-            "accuracy": leaf_scores.components["accuracy"].sum(),
-            "format": leaf_scores.components["format"].sum(),
-            "zero_std_groups": sum(bool((x == x[0]).all()) for x in per_tree),
-            "truncated": sum(forest.truncated[j] for j in leaves),
-            "reward_failures": sum(leaf_scores.failures.values()),
-            "completion_tokens": sum(len(forest.tokens[j]) for j in leaves),
-            "spo_nodes": len(forest.owner) - n,
-            "spo_new_edges": len(new), "spo_edges": len(share),
-            # replicated values, the same on every rank: counted once
-            "spo_buffer": len(self.edges) if self.dist.is_main else 0,
-            "spo_expired": expired if self.dist.is_main else 0,
-        }
-        batch.reward_s = reward_s
-        return batch
+        sums = RolloutSums(
+            completions=len(leaves), groups=n, completion_tokens=sum(len(forest.tokens[j]) for j in leaves),
+            reward=float(rewards.sum()), reward_sq=float((rewards ** 2).sum()),
+            accuracy=float(leaf_scores.components["accuracy"].sum()),
+            format=float(leaf_scores.components["format"].sum()),
+            zero_std_groups=sum(bool((x == x[0]).all()) for x in per_tree),
+            truncated=sum(forest.truncated[j] for j in leaves),
+            reward_failures=sum(leaf_scores.failures.values()))
+        counts = TreeSums(spo_nodes=len(forest.owner) - n, spo_new_edges=len(new), spo_edges=len(share),
+                          # replicated values, the same on every rank: counted once
+                          spo_buffer=len(self.edges) if self.dist.is_main else 0,
+                          spo_expired=expired if self.dist.is_main else 0)
+        return self._batch(share or [self._dummy(forest.tokens[n], examples[0], step)], sums, counts)
 
     def _score_edges(self, policy, forest: _Forest, ids: list[int], advantages: Tensor, examples: list[int],
                      step: int) -> list[Edge]:
@@ -298,7 +291,7 @@ class SPOTree:
         tokens = torch.tensor(segment, dtype=torch.long)
         return Edge(example, step, torch.zeros(0, dtype=torch.long), tokens, torch.zeros(len(tokens)), 0.0)
 
-    def _batch(self, edges: list[Edge]) -> TreeBatch:
+    def _batch(self, edges: list[Edge], leaves: RolloutSums, counts: TreeSums) -> TreeStep:
         """§B tree 4 and 7: A broadcast over each segment, zeroed outside M = 1[p < 0.9] (p from
         the stored π_old), whitened over the M tokens of every rank (collective)."""
         device = self.dist.device
@@ -308,10 +301,9 @@ class SPOTree:
         raw = torch.tensor([e.advantage for e in edges], dtype=torch.float32)[:, None] * loss_mask
         advantages = whiten(raw, loss_mask, reduce_sum=distributed.all_reduce_sum)   # (N, T)
         prompts = [self.train_ids[e.example] + e.prefix.tolist() for e in edges]
-        input_ids, attention_mask = batch_inputs(prompts, completion, mask, self.pad_id)
-        batch = UpdateBatch(input_ids.to(device), attention_mask.to(device), mask.to(device),
-                            loss_mask.to(device), advantages.to(device), old_logp.to(device))
-        return TreeBatch(batch, {}, 0.0)
+        rows = token_rows(prompts, completion, mask, self.pad_id, device)
+        return TreeStep(rows, advantages.to(device), loss_mask.to(device), old_logp.to(device), leaves,
+                        counts)
 
     def state_dict(self) -> dict:
         e = self.edges

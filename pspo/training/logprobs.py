@@ -2,8 +2,9 @@
 update and under the frozen reference (docs/methods.md §1: ρ = exp(logπ_θ - logπ_old), the k3 KL
 against π_ref; docs/related.md §A: REINFORCE++'s KL reward; §B: SPO's p_t = π_old).
 
-Scored once per step, outside the optimizer step, by the methods that need them (methods.py), with
-the update's own micro-batches and in eval mode, with the logits divided by the sampling temperature
+Scored once per step, outside the optimizer step, where the step's method or its update needs them
+(methods.score_first and methods.update_batch; SPO-tree's new edges in related/spo.py), with the
+update's own micro-batches and in eval mode, with the logits divided by the sampling temperature
 as in the loss. Every rank must call these together (the micro-batch plan is collective).
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pspo.training.config import Config
-from pspo.training.micro_batches import MicroBatch, plan_micro_batches
+from pspo.training.micro_batches import MicroBatch, TokenRows, plan_micro_batches
 
 
 def forward_logprobs(model, batch: MicroBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int,
@@ -35,16 +36,17 @@ def score_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return out
 
 
-def score_policy(policy, ref, input_ids: torch.Tensor, attention_mask: torch.Tensor, mask: torch.Tensor,
-                 cfg: Config, need_old: bool,
+def score_policy(policy, ref, rows: TokenRows, cfg: Config, need_old: bool,
                  need_ref: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(π_old, π_ref) log-probs (N, T) of the completions `mask` (N, T) after the prompts of
-    input_ids / attention_mask (N, P+T), each only where asked (else None). The policy is in eval
-    mode here (the loop hands it over so; update.py returns it so)."""
+    """(π_old, π_ref) log-probs (N, T) of the completions of `rows`, each only where asked (else None).
+    The policy is in eval mode here (the loop hands it over so; update.py returns it so)."""
     if not (need_old or need_ref):
         return None, None
-    t, T, temperature = cfg.train, mask.shape[1], cfg.rollout.temperature
-    plan = plan_micro_batches(attention_mask, mask, t.micro_batch_size, t.micro_batch_tokens)
-    old = score_logprobs(policy, input_ids, attention_mask, T, temperature, plan) if need_old else None
-    ref_logp = score_logprobs(ref, input_ids, attention_mask, T, temperature, plan) if need_ref else None
+    t, T, temperature = cfg.train, rows.mask.shape[1], cfg.rollout.temperature
+    plan = plan_micro_batches(rows.attention_mask, rows.mask, t.micro_batch_size, t.micro_batch_tokens)
+    old = ref_logp = None
+    if need_old:
+        old = score_logprobs(policy, rows.input_ids, rows.attention_mask, T, temperature, plan)
+    if need_ref:
+        ref_logp = score_logprobs(ref, rows.input_ids, rows.attention_mask, T, temperature, plan)
     return old, ref_logp

@@ -2,17 +2,24 @@
 
 Only rank 0 writes; other ranks get a logger that does nothing, so the loop calls
 `logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics").
-`StepClock` times the step's phases; `step_record` sums this rank's statistics over ranks and
-`step_metrics` turns the sums into the logged means.
+`StepClock` times the step's phases (the loop's one clock). The step's statistics are typed records,
+one per producer: the advantage method's (`MethodStats`: its completions' `RolloutSums`, its
+`AdvantageSums`, SPO's `ChainSums` / `TreeSums`), the optimizer step's (`UpdateSums`) and the counted
+engine's (`GenerationCounts`); each holds this rank's sums, and `step_metrics` sums them over ranks and
+turns them into the logged means. A field's name is its logged key where it is logged as a sum.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
 
 from pspo.training import distributed
 from pspo.training.config import Config
@@ -41,15 +48,120 @@ class StepClock:
         return time.perf_counter() - self.start
 
 
-def step_record(local: dict[str, float], counts: dict[str, float], cfg: Config, device) -> tuple[dict, dict]:
-    """This rank's statistics (the method's and the update's, `local`) and its generation counts
-    (rollout.CountingEngine.take) summed over ranks -> (sums, metrics). Collective."""
-    gen_s = counts["rollout_gen_s"] + counts["mc_gen_s"]
-    tokens_per_s = (counts["rollout_tokens"] + counts["mc_tokens"]) / max(gen_s, 1e-9)
-    sums = distributed.reduce_sums({**local, **counts, "gen_tokens_per_s": tokens_per_s}, device)
-    metrics = step_metrics(sums, cfg)
-    metrics.update({k: v for k, v in sums.items() if k.startswith("spo_") or k in counts})
-    return sums, metrics
+@dataclass
+class RolloutSums:
+    """This rank's sums over the completions a step scored (SPO-tree: its trees' leaves)."""
+    completions: float            # n
+    groups: float                 # prompts, G completions each (SPO-tree: trees)
+    completion_tokens: float      # tokens the masks keep
+    reward: float                 # Σ R
+    reward_sq: float              # Σ R²
+    accuracy: float               # Σ accuracy reward
+    format: float                 # Σ format reward
+    zero_std_groups: float        # groups whose rewards are all equal
+    truncated: float              # completions that hit their token budget
+    reward_failures: float        # reward calls that failed (timeout, error)
+
+
+@dataclass
+class AdvantageSums:
+    """|A| and A² summed over what a method's advantages are counted on (GRPO: completions; the
+    token methods: the loss mask's tokens), and their count, before the IS weights."""
+    adv_abs: float
+    adv_sq: float
+    adv_count: float
+
+
+@dataclass
+class ChainSums:
+    """SPO-chain's counts on this rank (docs/related.md §B chain), logged as sums."""
+    spo_cuts: float               # C cut points
+    spo_states: float             # U distinct states continued
+    spo_mask_tokens: float        # Σ M
+
+
+@dataclass
+class TreeSums:
+    """SPO-tree's counts on this rank (docs/related.md §B tree), logged as sums; the buffer's two
+    replicated counts are counted on rank 0 only."""
+    spo_nodes: float              # nodes grown below the roots
+    spo_new_edges: float          # edges added to the replay buffer
+    spo_edges: float              # edges trained
+    spo_buffer: float             # edges left in the buffer
+    spo_expired: float            # edges that expired unused
+
+
+@dataclass
+class MethodStats:
+    """What an advantage method reports of its step (methods.py)."""
+    rollout: RolloutSums
+    advantages: AdvantageSums
+    spo: ChainSums | TreeSums | None = None
+
+
+@dataclass
+class UpdateSums:
+    """The optimizer step's sums over its iterations and micro-batches (update.py; loss.policy_loss)."""
+    skipped_steps: float          # optimizer steps skipped for a non-finite loss or gradient norm
+    update_positions: float       # positions the micro-batches computed (rows x their longest row)
+    update_tokens: float          # prompt + completion tokens among them
+    grad_norm: float              # Σ over iterations of the gradient norm before clipping
+    pg_loss: float                # Σ_i w_i Σ_t M·pg, weighted like the loss
+    kl: float                     # Σ M·k3 (0 without π_ref)
+    clipped_tokens: float         # Σ M·1[ρ clipped]
+    tokens: float                 # Σ M
+    entropy: float                # Σ M·entropy
+
+
+@dataclass
+class GenerationCounts:
+    """The counted engine's tokens, calls and seconds since its last `take` (rollout.CountingEngine):
+    fresh completions (rollout_) and continuations of a prefix (mc_)."""
+    rollout_tokens: float = 0.0
+    mc_tokens: float = 0.0
+    rollout_calls: float = 0.0
+    mc_calls: float = 0.0
+    rollout_gen_s: float = 0.0
+    mc_gen_s: float = 0.0
+
+
+def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCounts, cfg: Config,
+                 device: torch.device) -> tuple[GenerationCounts, UpdateSums, dict[str, float]]:
+    """This rank's records summed over ranks (one collective) -> (the generation counts and the update's
+    sums of every rank, the logged means (README, "Metrics") followed by SPO's counts and the generation
+    counts as sums)."""
+    records = [method.rollout, method.advantages, update, counts]
+    if method.spo is not None:
+        records.append(method.spo)
+    gen_s = counts.rollout_gen_s + counts.mc_gen_s
+    tokens_per_s = (counts.rollout_tokens + counts.mc_tokens) / max(gen_s, 1e-9)
+    values = [float(getattr(r, f.name)) for r in records for f in dataclasses.fields(r)] + [tokens_per_s]
+    totals = distributed.all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+    summed, start = [], 0
+    for r in records:
+        width = len(dataclasses.fields(r))
+        summed.append(type(r)(*totals[start:start + width]))
+        start += width
+    rollout, adv, update, counts, *spo = summed
+    n, iters, tok = rollout.completions, cfg.algo.num_iterations, max(update.tokens, 1.0)
+    reward_var = max(rollout.reward_sq / n - (rollout.reward / n) ** 2, 0.0)
+    metrics = {
+        "reward_mean": rollout.reward / n, "reward_std": math.sqrt(reward_var),
+        "accuracy": rollout.accuracy / n, "format_rate": rollout.format / n,
+        "adv_abs_mean": adv.adv_abs / max(adv.adv_count, 1.0),      # SPO: over M, which may be empty
+        "adv_std": math.sqrt(max(adv.adv_sq / max(adv.adv_count, 1.0), 0.0)),
+        "zero_std_frac": rollout.zero_std_groups / rollout.groups,
+        "loss": update.pg_loss / iters, "kl": update.kl / tok, "clip_frac": update.clipped_tokens / tok,
+        "entropy": update.entropy / tok, "response_length": rollout.completion_tokens / n,
+        "truncation_rate": rollout.truncated / n, "grad_norm": update.grad_norm / iters,
+        "reward_failures": rollout.reward_failures, "gen_tokens_per_s": totals[-1],
+        "skipped_steps": round(update.skipped_steps),
+        # padded positions / all positions of the update's micro-batches (prompt + completion columns)
+        "padding_frac": 1.0 - update.update_tokens / max(update.update_positions, 1.0),
+    }
+    sums = {**dataclasses.asdict(counts), **(dataclasses.asdict(spo[0]) if spo else {})}
+    metrics.update(sorted(sums.items()))                             # as sums, in key order
+    return counts, update, metrics
 
 
 class MetricsLogger:
@@ -103,33 +215,9 @@ def gpu_memory(device) -> dict[str, float]:
     `peak_mem_gib` is what `train.py --plan` predicts (its update or generation total, less the
     constant it adds for the CUDA context and NCCL); reserved adds the allocator's cached blocks.
     """
-    import torch
-
     if device.type != "cuda":
         return {}
     out = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
     torch.cuda.reset_peak_memory_stats(device)
     return out
-
-
-def step_metrics(sums: dict[str, float], cfg: Config) -> dict[str, float]:
-    """Turn rank-summed statistics into the logged means (README, "Metrics")."""
-    n, groups, tok = sums["completions"], sums["groups"], max(sums["tokens"], 1.0)
-    iters = cfg.algo.num_iterations
-    reward_var = max(sums["reward_sq"] / n - (sums["reward"] / n) ** 2, 0.0)
-    metrics = {
-        "reward_mean": sums["reward"] / n, "reward_std": math.sqrt(reward_var),
-        "accuracy": sums["accuracy"] / n, "format_rate": sums["format"] / n,
-        "adv_abs_mean": sums["adv_abs"] / max(sums["adv_count"], 1.0),      # SPO: over M, which may be empty
-        "adv_std": math.sqrt(max(sums["adv_sq"] / max(sums["adv_count"], 1.0), 0.0)),
-        "zero_std_frac": sums["zero_std_groups"] / groups,
-        "loss": sums["pg_loss"] / iters, "kl": sums["kl"] / tok, "clip_frac": sums["clipped_tokens"] / tok,
-        "entropy": sums["entropy"] / tok, "response_length": sums["completion_tokens"] / n,
-        "truncation_rate": sums["truncated"] / n, "grad_norm": sums["grad_norm"] / iters,
-        "reward_failures": sums["reward_failures"], "gen_tokens_per_s": sums["gen_tokens_per_s"],
-        "skipped_steps": round(sums["skipped_steps"]),
-        # padded positions / all positions of the update's micro-batches (prompt + completion columns)
-        "padding_frac": 1.0 - sums["update_tokens"] / max(sums["update_positions"], 1.0),
-    }
-    return metrics

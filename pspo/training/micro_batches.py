@@ -1,6 +1,7 @@
-"""The update batch and its micro-batches: `UpdateBatch`, the rows one optimizer step trains on, and
-how they are cut into forward/backward passes (docs/methods.md §1, "Aggregation": the loss is
-normalised by global counts, so the split never changes the gradient).
+"""The update batch and its micro-batches: `TokenRows`, prompts + completions as the model reads them,
+`UpdateBatch`, the rows one optimizer step trains on, and how they are cut into forward/backward
+passes (docs/methods.md §1, "Aggregation": the loss is normalised by global counts, so the split never
+changes the gradient).
 
 Two ways, chosen by `train.micro_batch_tokens`:
 - 0: consecutive slices of `train.micro_batch_size` rows, padded to the step's longest sequence;
@@ -18,19 +19,36 @@ from dataclasses import dataclass
 
 import torch
 
+from pspo.engines.tokens import batch_inputs
 from pspo.training import distributed
 
 
 @dataclass
+class TokenRows:
+    """Rows of a prompt (+ prefix) then a completion, left-padded, on the rank's device."""
+    input_ids: torch.Tensor               # (N, P+T) long
+    attention_mask: torch.Tensor          # (N, P+T)
+    mask: torch.Tensor                    # (N, T) completion tokens
+
+
+def token_rows(prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor, pad_id: int,
+               device: torch.device) -> TokenRows:
+    """One prompt (token ids) per completion (N, T) with its mask (N, T), as TokenRows on `device`."""
+    input_ids, attention_mask = batch_inputs(prompt_ids, completion_ids, mask, pad_id)
+    return TokenRows(input_ids.to(device), attention_mask.to(device), mask.to(device))
+
+
+@dataclass
 class UpdateBatch:
-    """What every advantage method (methods.py) hands the optimizer step (update.py), on the rank's device.
+    """What the optimizer step (update.py) trains on, on the rank's device: a method's advantages on
+    its rows, weighted and with π_old / π_ref where scored (methods.update_batch).
 
     The update reads nothing else: it does not know which method made the batch."""
     input_ids: torch.Tensor               # (N, P+T) long, left-padded prompt (+ prefix), then the completion
     attention_mask: torch.Tensor          # (N, P+T)
     mask: torch.Tensor                    # (N, T) completion tokens: sizes the micro-batches
     loss_mask: torch.Tensor               # (N, T) the tokens the loss aggregates over (SPO: M, within mask)
-    advantages: torch.Tensor              # (N, T) token advantages Â_it, times the completion's PPS IS weight
+    advantages: torch.Tensor              # (N, T) token advantages Â_it, times the PPS and TIS weights
     old_logp: torch.Tensor | None = None  # (N, T) logπ_old; None with one iteration (ρ ≡ 1)
     ref_logp: torch.Tensor | None = None  # (N, T) logπ_ref; the k3 term with algo.beta > 0, else only logged
 

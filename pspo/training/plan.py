@@ -20,7 +20,7 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
 - transformers (rollout.engine hf), one GPU: decode.py's static-cache loop keeps, in both phases, its
   KV cache (2 x layers x KV heads x head_dim x 2 B in bf16 or 4 B in float32, per position) at the
-  largest shape the run asks for: rows bucketed (decode.bucket) up to rollout.batch_size, positions a
+  largest shape the run asks for: rows bucketed (tokens.bucket) up to rollout.batch_size, positions a
   multiple of data.max_prompt_tokens + rollout.max_new_tokens (`static_cache_shape`, over the step's
   generate calls and the evaluation's), and with model.bf16 its bf16 weight copies (2 B x parameters);
   generation adds the sampler's working set of the rows in flight (`step_shape`: G per prompt,
@@ -70,7 +70,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 from pspo.training.config import Config, ConfigError, error_line, first_line, load_config
 from pspo.offline.builtin import resolve_model_path
 from pspo.training.model import load_model_config
-from pspo.engines.decode import bucket
+from pspo.engines.tokens import bucket
 
 GiB = 2**30
 OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces

@@ -1,0 +1,144 @@
+"""A training run's machinery around the loop (train.py): its models, prompts and reward scoring, the
+resume of a checkpoint, its folder, and the rules that end a step (timings, when to evaluate and
+save, when to stop).
+
+A refused run writes nothing: every check that can refuse it (the model, its context, the memory
+plan, the PRM, the data, the sampler, the checkpoint to resume and the engine) runs before
+`open_folder` writes the first file (config.yaml, then the metrics).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pspo.rewards import RewardResult, Score, score_completions
+from pspo.tasks.data import PromptSet, load_examples, prompt_set
+from pspo.tasks.reward_pool import RewardPool
+from pspo.training import checkpoint, distributed
+from pspo.training.config import Config, save_config
+from pspo.training.distributed import Dist, print0
+from pspo.training.metrics import MetricsLogger, StepClock
+from pspo.training.model import Policy, build_policy
+from pspo.training.optim import adopt_optim_config
+
+MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
+
+
+class NonFiniteError(RuntimeError):
+    """Several updates in a row were non-finite: the run stops (weights untouched, saved)."""
+
+
+def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Policy, Policy | None]:
+    """The policy from `path` (the base model or the checkpoint resumed) and, when algo.needs_reference
+    (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
+    rank's device and sharded over the ranks."""
+    m = cfg.model
+    policy = build_policy(path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
+                          gradient_checkpointing=m.gradient_checkpointing).to(dist_.device)
+    policy = distributed.shard(policy, dist_.world_size, m.bf16)
+    if not cfg.algo.needs_reference:
+        return policy, None
+    ref = build_policy(base_path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
+                       gradient_checkpointing=False, trainable=False)
+    return policy, distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
+
+
+def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
+    """The train and eval prompts, formatted and tokenized; rows without a usable gold and prompts
+    over data.max_prompt_tokens are left out and reported."""
+    d = cfg.data
+    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
+                         d.max_train_examples or None, people=d.people)
+    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
+                       d.bad_gold)
+    if not d.eval:
+        return train, PromptSet([], [], [])
+    rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
+    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
+                             d.bad_gold)
+
+
+def reward_scorer(cfg: Config, train: PromptSet, pool: RewardPool, prm) -> Score:
+    """score(rows, texts): the rewards of completions of these train rows (docs/methods.md §5), in the
+    pool's workers. Accuracy and format are always scored (logged even at weight 0; on K&K golds they
+    are the K&K exact match and tag check, rewards.py); cosine, knights and the process reward (`prm`,
+    docs/related.md §C) only when weighted."""
+    weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
+    optional = ("cosine", "knights", "prm")
+    weights.update({k: getattr(cfg.reward, k) for k in optional if getattr(cfg.reward, k)})
+
+    def score(rows: list[int], texts: list[str]) -> RewardResult:
+        prompts, golds = [train.texts[i] for i in rows], [train.examples[i].answer for i in rows]
+        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, pool, prm)
+    return score
+
+
+def gather_scores(scored: RewardResult, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rewards and accuracies (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
+    state sees the whole batch on every rank. Collective."""
+    rewards = distributed.all_gather_rows(scored.rewards.view(-1, G))
+    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(-1, G))
+    return rewards, accuracy
+
+
+def resume(path: str, cfg: Config, dist_: Dist, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler, sampler, method_state, sampler_mode: str) -> tuple[int, float]:
+    """Load a checkpoint's optimizer, schedule, sampler and method state (methods.MethodState) into
+    the run's; returns (step, generated_tokens). Refused (CheckpointError, ConfigError) for a file it
+    cannot read or a checkpoint trained under another method or sampler (checkpoint.py)."""
+    state = checkpoint.load_trainer_state(path, dist_.rank)
+    checkpoint.load_optimizer(path, policy, optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    adopt_optim_config(optimizer, scheduler, cfg)
+    checkpoint.restore_trainer_state(state, sampler, method_state, cfg, sampler_mode)
+    print0(f"resumed from {path} at step {state['step']}")
+    return state["step"], state.get("generated_tokens", 0.0)
+
+
+def open_folder(cfg: Config, dist_: Dist, step: int) -> MetricsLogger:
+    """The run's first writes, once nothing can refuse it: its config.yaml and its metrics (rank 0)."""
+    out = cfg.train.output_dir
+    if dist_.is_main:
+        os.makedirs(out, exist_ok=True)
+        save_config(cfg, os.path.join(out, "config.yaml"))
+    return MetricsLogger(out, dist_.is_main, resume_step=step)
+
+
+def every(step: int, interval: int) -> bool:
+    """A periodic event (eval, save) is due at this step; interval 0 = never."""
+    return bool(interval) and step % interval == 0
+
+
+def timings(clock: StepClock, update_tokens: float) -> dict[str, float]:
+    """The step's phase times as the loop's clock measured them (this rank's; rank 0 logs), the
+    update's throughput over `update_tokens` (all ranks') and the step's time so far."""
+    times = dict(clock.times)
+    times["update_tokens_per_s"] = update_tokens / max(times["update_s"], 1e-9)
+    times["step_time_s"] = clock.elapsed()
+    return times
+
+
+def non_finite_error(step: int) -> NonFiniteError:
+    return NonFiniteError(f"optim.lr: {MAX_SKIPPED_IN_A_ROW} updates in a row had a non-finite loss or "
+                          f"gradient norm (steps {step - MAX_SKIPPED_IN_A_ROW + 1}-{step}); they were "
+                          "skipped and the weights are as before them (saved). Lower optim.lr or check the "
+                          "model and data, then resume with --train.resume=auto")
+
+
+def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval: int) -> str:
+    """The run's last lines: test accuracy before -> after (when it finished), and where the metrics are."""
+    lines = []
+    finished = step == cfg.train.max_steps                                          # not preempted
+    if finished and first_eval and last_eval:
+        k = f"eval_mean@{cfg.eval.num_samples}"                     # sampled accuracy (eval.num_samples > 0)
+        line = (f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> "
+                f"{last_eval['eval_accuracy']:.3f} after (greedy, {num_eval} problems)")
+        if k in last_eval:
+            line += f"; {k[5:]} at T {cfg.eval.temperature}: {first_eval[k]:.3f} -> {last_eval[k]:.3f}"
+        lines.append(line)
+    elif finished and last_eval:
+        lines.append(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
+    out = cfg.train.output_dir
+    lines.append(f"metrics: {os.path.join(out, 'metrics.jsonl')}   TensorBoard: tensorboard --logdir {out}")
+    return "\n".join(lines)
