@@ -1,9 +1,9 @@
-"""The tiny knights-and-knaves models (pspo/offline/tiny_knights.py): the warm-up target and learning rate,
-the build lock, the untrained twin (the tests' stand-in: same tokenizer), the presets' quick base (built
-here: it loads through from_pretrained like a hub model and writes the reference code's layout), and the
-study build (marked knights_model: run by `scripts/study.sh --task knights`, skipped while it is not
-built): it writes the layout with the puzzle's own names, and its greedy accuracy falls with the number
-of people."""
+"""The tiny knights-and-knaves models (pspo/offline/tiny_knights.py): the warm-up target and learning
+rate, the build lock and thread count, the untrained twin (the tests' stand-in: same tokenizer), the
+presets' quick base (built here: it loads through from_pretrained like a hub model and writes the
+reference code's layout), and the study build (marked knights_model: run by `scripts/study.sh --task
+knights`, skipped while it is not built): it writes the layout with the puzzle's own names, and its
+greedy accuracy falls with the number of people."""
 import json
 import os
 import subprocess
@@ -21,6 +21,7 @@ from pspo.training.config import load_config
 from pspo.tasks.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.tasks.knights_reward import knights_people, knights_reward
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_KNIGHTS_QUICK, resolve_model_path
+from pspo.offline.tiny import build_once
 from pspo.offline.tiny_knights import FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, lr_factor, tiny_knights_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +93,31 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
     waiter.join(timeout=10.0)
     # the waiter used the finished folder instead of building again
     assert result == [path] and not any(m.startswith("building") for m in logged)
+
+
+def test_a_build_runs_on_one_thread_and_restores_the_callers_count(tmp_path):
+    # tiny.build_once runs every offline build on one thread (tiny.one_thread), then gives the caller
+    # (train.py, a test) back its own thread count, also when the build fails
+    path, seen = str(tmp_path / "model"), []
+
+    def build():
+        seen.append(torch.get_num_threads())
+        os.makedirs(path)
+        return path
+
+    def broken():
+        raise RuntimeError("build failed")
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert build_once(path, build, log=lambda _: None) == path and seen == [1]
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="build failed"):
+            build_once(str(tmp_path / "other"), broken, log=lambda _: None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow
