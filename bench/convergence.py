@@ -10,7 +10,8 @@
         --methods grpo,ers@ers.alpha=0.1,ers@ers.alpha=0.5,ers     # a sweep: preset@key=value[@key=value]
 
 Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method>.yaml` with --task
-knights) with the same seed, steps, batch, engine (`--engine`, default hf: faster than vLLM on CPU
+knights, on the study's base `builtin:tiny-knights` instead of the presets' quick one, except with
+--quick; pspo/offline/tiny_knights.py) with the same seed, steps, batch, engine (`--engine`, default hf: faster than vLLM on CPU
 for the tiny models, and what the tables were measured with) and evaluation schedule, so all
 methods consume the same rollouts (steps x B x G). From each run's metrics.jsonl, over seeds:
   final    test accuracy after the last step: greedy, or --metric eval_mean@K (sampled, K per prompt)
@@ -42,10 +43,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from pspo.offline.builtin import TINY_KNIGHTS_MODEL  # noqa: E402
+
 TASKS = {   # task -> (preset folder, default methods, default threshold)
     "arithmetic": ("configs", ("grpo", "dr_grpo", "ers", "pps", "pspo"), 0.70),
     "knights": ("configs/knights", ("grpo", "reinforce_pp", "reinforce_pp_baseline", "pspo"), 0.09),   # mean@4
 }
+# The model a task's study runs on when it is not the presets' own: the K&K presets start on a base that
+# builds in a minute; the K&K results in bench/RESULTS.md are conditioned on the study build.
+STUDY_MODEL = {"knights": TINY_KNIGHTS_MODEL}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -67,7 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", default="", help="run folders (default runs/<section>, runs/<section>-quick)")
     ap.add_argument("--section", default="",
                     help="name of the RESULTS.md block and of the plot bench/<section>.png (side studies use their own)")
-    ap.add_argument("--quick", action="store_true", help="tiny version for CI: 4 steps, B 16, 64 test problems")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny version for CI: 4 steps, B 16, 64 test problems, the presets' own models")
     ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every run (after a lone --)")
     args = ap.parse_args(argv)
     args.folder, methods, threshold = TASKS[args.task]
@@ -79,6 +88,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         quick = (["--train.prompts_per_step=16", "--data.max_eval_examples=64"] if args.task == "arithmetic"
                  else ["--train.prompts_per_step=2", "--data.max_eval_examples=14"])   # 2 puzzles per size
         args.overrides = [*quick, *args.overrides]
+    elif args.task in STUDY_MODEL:          # first, so that a --model.name_or_path after -- wins
+        args.overrides = [f"--model.name_or_path={STUDY_MODEL[args.task]}", *args.overrides]
     args.out = args.out or os.path.join(ROOT, "runs", args.section + ("-quick" if args.quick else ""))
     return args
 

@@ -1,7 +1,7 @@
 """How far surface cues go on knights-and-knaves: a yardstick for what the tiny K&K model has learned.
 
     python bench/knights_cues.py            # the table of bench/RESULTS.md (a few seconds, no model)
-    python bench/knights_cues.py --model PATH   # adds a model's greedy accuracy per size (PATH or builtin:tiny-knights)
+    python bench/knights_cues.py --model PATH   # adds a model's greedy accuracy per size (a folder, or builtin:tiny-knights)
 
 A cue predictor names each person's role from that person's own statement alone, never solving the
 puzzle: it looks up the statement's shape (`cue`) in a table counted on the train split of
@@ -61,9 +61,9 @@ def _model_accuracy(path: str) -> dict[int, float]:
     from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     from pspo.tasks.knights import builtin_knights
-    from pspo.offline.builtin import TINY_KNIGHTS_MODEL
-    from pspo.offline.tiny_knights import ensure_tiny_knights_model, greedy_accuracy_by_size
-    path = ensure_tiny_knights_model() if path == TINY_KNIGHTS_MODEL else path
+    from pspo.offline.builtin import resolve_model_path
+    from pspo.offline.tiny_knights import greedy_accuracy_by_size
+    path = resolve_model_path(path)
     model, tokenizer = Qwen2ForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     return greedy_accuracy_by_size(model, tokenizer, builtin_knights("test", test_per_size=100))
 

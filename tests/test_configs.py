@@ -5,11 +5,12 @@ Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this 
 real `python train.py --config X` subprocess for 2 steps plus the final eval, with only what a
 2-core CPU cannot do replaced:
 - the model: the arithmetic presets' tiny model stays (conftest's cached copy); the K&K presets'
-  `builtin:tiny-knights` becomes its untrained twin (pspo/offline/tiny_knights.py: the same tokenizer, so
-  the same prompt lengths against data.max_prompt_tokens, and architecture; random weights, built in
-  seconds where the trained model takes ~20 minutes); a GPU recipe's model becomes the stand-in
-  built from the real config.json shipped beside it as model_config.json (pspo/offline/standin.py: the
-  real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
+  `builtin:tiny-knights-quick` (or `builtin:tiny-knights`, the study's) becomes the builds' untrained
+  twin (pspo/offline/tiny_knights.py: the same tokenizer, so the same prompt lengths against
+  data.max_prompt_tokens, and architecture; random weights, built in seconds where the quick base
+  takes about a minute, and tests/test_tiny_knights.py builds and checks it); a GPU recipe's model
+  becomes the stand-in built from the real config.json shipped beside it as model_config.json
+  (pspo/offline/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
 - the process reward model: a PRM folder or hub id (reward.prm != 0) becomes builtin:tiny-prm (built in
   seconds, pspo/offline/tiny_prm.py);
@@ -37,7 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pspo.training.config import load_config, to_dict
 from pspo.offline.standin import ensure_standin_model, standin_config
 from pspo.offline.standin import main as standin_main
-from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_MODEL, TINY_PRM
+from pspo.offline.builtin import KNIGHTS_MODELS, TINY_KNIGHTS_QUICK, TINY_MODEL, TINY_PRM, resolve_model_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
@@ -66,7 +67,7 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
     if cfg.model.name_or_path == TINY_MODEL:
         over["model.name_or_path"] = tiny_path
         return over
-    if cfg.model.name_or_path == TINY_KNIGHTS_MODEL:
+    if cfg.model.name_or_path in KNIGHTS_MODELS:
         over["model.name_or_path"] = knights_path
         over["data.max_eval_examples"] = "14"
         over["train.prompts_per_step"] = str(min(cfg.train.prompts_per_step, 2))
@@ -109,8 +110,18 @@ def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> sub
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
 
-# the presets on the tiny K&K model: rehearsed on its untrained twin (module docstring)
-KNIGHTS = [c for c in CONFIGS if load_config(os.path.join(ROOT, c)).model.name_or_path == TINY_KNIGHTS_MODEL]
+# the presets on a tiny K&K build: rehearsed on the builds' untrained twin (module docstring)
+KNIGHTS = [c for c in CONFIGS if load_config(os.path.join(ROOT, c)).model.name_or_path in KNIGHTS_MODELS]
+
+
+def test_a_first_run_of_an_offline_preset_builds_only_quick_models():
+    # every preset that names a built-in model names one built in about a minute on 2 CPU cores (README,
+    # "Offline models"): builtin:tiny or the K&K quick base, never the K&K study's (~16-20 minutes);
+    # the only built-in PRM, builtin:tiny-prm, builds in seconds
+    models = {load_config(os.path.join(ROOT, c)).model.name_or_path for c in CONFIGS}
+    assert {m for m in models if m.startswith("builtin:")} == {TINY_MODEL, TINY_KNIGHTS_QUICK}
+    # and every K&K preset is rehearsed on the twin (test_knights_config_rehearsal)
+    assert KNIGHTS == [c for c in CONFIGS if c.startswith("configs/knights/")] and KNIGHTS
 
 
 @pytest.mark.slow
@@ -149,6 +160,27 @@ def rehearse(config: str, out: str, tiny_model_path: str, knights_path: str) -> 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     for key in ("vocab_size", "max_position_embeddings", "tie_word_embeddings", "num_hidden_layers"):
         assert getattr(ckpt.config, key) == getattr(base.config, key), key
+
+
+@pytest.mark.slow
+def test_knights_preset_on_the_base_it_names(tmp_path):
+    # what a new user runs: configs/knights/grpo.yaml on builtin:tiny-knights-quick itself (built here once,
+    # as train.py would; tests/test_tiny_knights.py checks it), its own 80 new tokens, 2 steps of 2 puzzles
+    resolve_model_path(TINY_KNIGHTS_QUICK)
+    out = tmp_path / "run"
+    over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
+            "train.output_dir": str(out), "train.prompts_per_step": "2", "data.max_eval_examples": "14"}
+    proc = run("train.py", "configs/knights/grpo.yaml", over)
+    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    with open(out / "config.yaml") as f:
+        assert yaml.safe_load(f)["model"]["name_or_path"] == TINY_KNIGHTS_QUICK
+    with open(out / "metrics.jsonl") as f:
+        steps = [r for r in map(json.loads, f) if "reward_mean" in r]
+    # K&K rewards are 3, -0.5, -1 (layout right, answer unparsable) or -3 (layout wrong). The base writes
+    # the layout, so the 2 x 16 rollouts average above -2 (more than half earn the format's +1), where
+    # the untrained twin's are all -3
+    assert [r["step"] for r in steps] == [1, 2]
+    assert sum(r["reward_mean"] for r in steps) / len(steps) > -2.0, steps
 
 
 # The values docs/gpu.md's "Compared with the reference configuration" table lists as the reference's own: the PSPO

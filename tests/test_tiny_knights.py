@@ -1,7 +1,8 @@
-"""The tiny knights-and-knaves model (pspo/offline/tiny_knights.py): its warm-up target, the build lock, its
-untrained twin (the tests' stand-in: same tokenizer), and the built model (marked knights_model: run
-by `scripts/study.sh --task knights`, skipped while it is not built): it loads through
-from_pretrained like a hub model, writes the reference code's layout with the puzzle's own names, and its
+"""The tiny knights-and-knaves models (pspo/offline/tiny_knights.py): the warm-up target and learning
+rate, the build lock and thread count, the untrained twin (the tests' stand-in: same tokenizer), the
+presets' quick base (built here: it loads through from_pretrained like a hub model and writes the
+reference code's layout), and the study build (marked knights_model: run by `scripts/study.sh --task
+knights`, skipped while it is not built): it writes the layout with the puzzle's own names, and its
 greedy accuracy falls with the number of people."""
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import threading
 
 import fcntl
+import importlib.util
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -18,8 +20,9 @@ from pspo.tasks.data import format_prompt
 from pspo.training.config import load_config
 from pspo.tasks.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.tasks.knights_reward import knights_people, knights_reward
-from pspo.offline.builtin import TINY_KNIGHTS_MODEL, resolve_model_path
-from pspo.offline.tiny_knights import FIXED_TEXT, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, tiny_knights_path
+from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_KNIGHTS_QUICK, resolve_model_path
+from pspo.offline.tiny import build_once
+from pspo.offline.tiny_knights import FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, lr_factor, tiny_knights_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,6 +36,18 @@ def test_completion_lists_people_alphabetically_and_scores_full_reward():
     assert knights_reward("", completion, gold) == 3.0
     # a role swapped in the gold: the same completion parses but is wrong (-0.5)
     assert knights_reward("", completion, gold.replace("Mia is a knave", "Mia is a knight")) == -0.5
+
+
+def test_the_learning_rate_ramps_then_decays_to_zero_at_the_builds_last_step():
+    # LR_WARMUP 50: factor = min(1, (step + 1) / 50) x (1 + cos(π step / steps)) / 2
+    # step 0: 1/50 x 1 = 0.02 in every build
+    # step 49 of 100: 1 x (1 + cos(0.49π)) / 2 = (1 + 0.0314108) / 2 = 0.5157054
+    # step 99 of 100: (1 + cos(0.99π)) / 2 = (1 - 0.9995066) / 2 = 0.0002467: the quick build ends near 0
+    # step 49 of 1600: (1 + cos(0.0306250π)) / 2 = (1 + 0.9953753) / 2 = 0.9976876
+    assert lr_factor(0, 100) == lr_factor(0, 1600) == 0.02
+    assert lr_factor(49, 100) == pytest.approx(0.5157054, abs=1e-7)
+    assert lr_factor(99, 100) == pytest.approx(0.0002467, abs=1e-7)
+    assert lr_factor(49, 1600) == pytest.approx(0.9976876, abs=1e-7)
 
 
 def test_the_prompts_fixed_text_is_one_token_each_and_every_prompt_round_trips():
@@ -80,6 +95,31 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
     assert result == [path] and not any(m.startswith("building") for m in logged)
 
 
+def test_a_build_runs_on_one_thread_and_restores_the_callers_count(tmp_path):
+    # tiny.build_once runs every offline build on one thread (tiny.one_thread), then gives the caller
+    # (train.py, a test) back its own thread count, also when the build fails
+    path, seen = str(tmp_path / "model"), []
+
+    def build():
+        seen.append(torch.get_num_threads())
+        os.makedirs(path)
+        return path
+
+    def broken():
+        raise RuntimeError("build failed")
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert build_once(path, build, log=lambda _: None) == path and seen == [1]
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="build failed"):
+            build_once(str(tmp_path / "other"), broken, log=lambda _: None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_loading_a_model_does_not_import_the_puzzle_generator():
     # pspo.training.model resolves builtin: names lazily: neither builder, nor the K&K generator, is imported
@@ -89,9 +129,12 @@ def test_loading_a_model_does_not_import_the_puzzle_generator():
 
 
 def test_the_untrained_twin_is_the_builds_start(knights_standin_path, tmp_path):
-    # cached apart from the trained build, and loads like it (from_pretrained, the K&K special tokens)
-    assert knights_standin_path == tiny_knights_path(trained=False) != tiny_knights_path()
-    assert ensure_tiny_knights_model(trained=False) == knights_standin_path        # cached: no rebuild
+    # cached apart from both builds (0, QUICK_STEPS and STUDY_STEPS warm-up steps: three folders), and
+    # loads like them (from_pretrained, the K&K special tokens)
+    assert 0 < QUICK_STEPS < STUDY_STEPS
+    paths = [tiny_knights_path(warmup_steps=steps) for steps in (0, QUICK_STEPS, STUDY_STEPS)]
+    assert knights_standin_path == paths[0] and len(set(paths)) == 3 and paths[2] == tiny_knights_path()
+    assert ensure_tiny_knights_model(warmup_steps=0) == knights_standin_path        # cached: no rebuild
     tokenizer = AutoTokenizer.from_pretrained(knights_standin_path)
     model = AutoModelForCausalLM.from_pretrained(knights_standin_path, dtype=torch.float32)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
@@ -101,16 +144,58 @@ def test_the_untrained_twin_is_the_builds_start(knights_standin_path, tmp_path):
         assert json.load(f)["warmup_steps"] == 0
 
 
-@pytest.mark.slow
-@pytest.mark.knights_model
-def test_the_untrained_twin_matches_the_build(tiny_knights_model_path, knights_standin_path):
-    # what the rehearsals rely on: the twin's tokenizer and architecture are the trained model's
-    trained, twin = (AutoTokenizer.from_pretrained(p) for p in (tiny_knights_model_path, knights_standin_path))
-    assert trained.get_vocab() == twin.get_vocab() and trained.chat_template == twin.chat_template
-    configs = [AutoConfig.from_pretrained(p).to_dict() for p in (tiny_knights_model_path, knights_standin_path)]
+def _same_tokenizer_and_architecture(path: str, twin: str) -> None:
+    """What the rehearsals on the twin rely on: its tokenizer and architecture are the build's."""
+    built, stand_in = (AutoTokenizer.from_pretrained(p) for p in (path, twin))
+    assert built.get_vocab() == stand_in.get_vocab() and built.chat_template == stand_in.chat_template
+    configs = [AutoConfig.from_pretrained(p).to_dict() for p in (path, twin)]
     for config in configs:
         config.pop("_name_or_path")                                   # the folder
     assert configs[0] == configs[1]
+
+
+@pytest.mark.slow
+def test_the_presets_quick_base_builds_loads_and_writes_the_layout(knights_standin_path):
+    # what a new user's first K&K preset run builds (~1 minute on 2 cores; README, "Offline models")
+    path = resolve_model_path(TINY_KNIGHTS_QUICK)
+    assert path == tiny_knights_path(warmup_steps=QUICK_STEPS) and resolve_model_path(TINY_KNIGHTS_QUICK) == path
+    _same_tokenizer_and_architecture(path, knights_standin_path)
+    with open(os.path.join(path, "pspo_build.json")) as f:
+        info = json.load(f)
+    assert info["warmup_steps"] == QUICK_STEPS
+    # the build-time check on 20 test puzzles per size: the layout (format +1) on nearly every one
+    layout = {int(n): rate for n, rate in info["greedy_test_format_by_size"].items()}
+    assert sorted(layout) == list(range(2, 9)) and min(layout.values()) >= 0.9, layout
+    # and from the saved folder, as a preset loads it: greedy answers to 2 puzzles per size pass the
+    # format (reward -1, -0.5 or 3, never -3)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    test = builtin_knights("test", test_per_size=2)
+    prompts = [format_prompt(tokenizer, ex.problem, "") for ex in test]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=80)
+    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    scores = [knights_reward(p, t, ex.answer) for p, t, ex in zip(prompts, texts, test)]
+    assert sum(s != -3.0 for s in scores) >= 12, list(zip(texts, scores))[:4]
+
+
+def test_the_knights_study_runs_on_the_study_build():
+    # bench/convergence.py --task knights (scripts/study.sh): the presets with builtin:tiny-knights, the
+    # build bench/RESULTS.md's K&K results are conditioned on; --quick keeps the presets' quick base
+    spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "bench", "convergence.py"))
+    convergence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convergence)
+    study = convergence.parse_args(["--task", "knights", "--", "--optim.lr=3e-4"])
+    assert study.overrides == [f"--model.name_or_path={TINY_KNIGHTS_MODEL}", "--optim.lr=3e-4"]
+    for args in (["--task", "knights", "--quick"], []):                          # K&K smoke run, arithmetic
+        assert not any(o.startswith("--model.") for o in convergence.parse_args(args).overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.knights_model
+def test_the_untrained_twin_matches_the_build(tiny_knights_model_path, knights_standin_path):
+    _same_tokenizer_and_architecture(tiny_knights_model_path, knights_standin_path)
 
 
 @pytest.mark.slow
@@ -119,6 +204,7 @@ def test_resolves_to_the_cached_build(tiny_knights_model_path):
     assert resolve_model_path(TINY_KNIGHTS_MODEL) == tiny_knights_model_path == tiny_knights_path()
     with open(os.path.join(tiny_knights_model_path, "pspo_build.json")) as f:
         info = json.load(f)
+    assert info["warmup_steps"] == STUDY_STEPS
     by_size = {int(n): acc for n, acc in info["greedy_test_accuracy_by_size"].items()}
     assert sorted(by_size) == list(range(2, 9))
     # the spread the presets rely on: 2-person puzzles right more often than 5+-person ones

@@ -219,10 +219,26 @@ def _build(path: str, tie_word_embeddings: bool, warmup_steps: int, seed: int, l
     return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """PyTorch on one CPU thread inside the block, its thread count restored after. A model this
+    small gains little from a second thread on an idle 2-core machine and loses much when the other
+    core is busy: a K&K warm-up step took 0.6-0.9 s on one thread, 2.8 s on two, with other jobs on the
+    machine (bench/RESULTS.md §23). One thread also makes a build independent of the machine's core
+    count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def build_once(path: str, build: Callable[[], str], log=print) -> str:
-    """`path` if the folder exists, else `build()` (which saves it there, save_model_folder) under a
-    lock file beside it: a second process asking meanwhile (two test workers, a background build
-    started by scripts/env.sh) waits for that build and uses its folder instead of building again.
+    """`path` if the folder exists, else `build()` (which saves it there, save_model_folder) on one
+    thread (`one_thread`) under a lock file beside it: a second process asking meanwhile (two test
+    workers, a background build started by scripts/env.sh) waits for that build and uses its folder
+    instead of building again.
 
     The lock file is removed once the folder is in place: a process that opened it before sees the
     folder when its turn comes, and one that comes later finds the folder before looking for a lock."""
@@ -237,7 +253,8 @@ def build_once(path: str, build: Callable[[], str], log=print) -> str:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.isdir(path):                     # built by the process we waited for
             return path
-        built = build()
+        with one_thread():
+            built = build()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path + ".lock")
         return built
