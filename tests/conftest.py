@@ -67,5 +67,5 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            if item.path.name == "test_vllm.py":
+            if item.path.name == "test_vllm_engine.py":
                 item.add_marker(pytest.mark.xdist_group("vllm"))

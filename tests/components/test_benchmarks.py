@@ -10,7 +10,7 @@ from pspo.tasks.benchmarks import BENCHMARKS, gold_answer, load_benchmark
 from pspo.tasks.data import DataError, builtin_arithmetic, prompt_set
 from pspo.training.model import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # data/samples/<name>.jsonl: rows kept, rows left out, and golds at some row numbers of the kept rows
 SAMPLES = {

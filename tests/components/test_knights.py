@@ -19,7 +19,7 @@ from pspo.evaluation import evaluate
 from pspo.tasks.knights import KNIGHTS_INSTRUCTION, SIZES, Puzzle, builtin_knights, puzzles, solutions, warmup_examples
 from pspo.rewards import REWARD_FUNCTIONS, GoldAnswerError, accuracy_reward, check_gold_answer, format_reward, knights_people, knights_reward, score_completions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = os.path.join(ROOT, "data", "samples")
 SAMPLE_SEED = 7             # data/samples/knights*.jsonl: our own puzzles from this seed (test below)
 GOLD = "(1) Michael is a knight\n(2) Zoey is a knight\n(3) Ethan is a knight"

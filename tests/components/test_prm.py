@@ -26,7 +26,7 @@ from pspo.related.process_reward import geometric_mean, shaped_reward, split_lin
 from pspo.rewards import score_completions
 from pspo.offline.tiny_prm import build_prm_tokenizer, ensure_tiny_prm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = torch.device("cpu")
 WRITTEN_OUT = "<think></think><answer>(1) Aaron is a knave\n(2) Zoey is a knight</answer>"
 MALFORMED = "<think></think><answer>(1) Aaron is a knave\n(2) Zoey</answer>"

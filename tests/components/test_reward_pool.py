@@ -19,7 +19,7 @@ from pspo import rewards
 from pspo.tasks.reward_pool import GRACE_S, RewardPool, resolve_workers
 from pspo.rewards import GoldAnswerError, score_completions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KK_GOLD = "(1) Michael is a knight\n(2) Zoey is a knave"
 KK_RIGHT = "<think>r</think><answer>(1) Michael is a knight\n(2) Zoey is a knave</answer>"
 
@@ -219,7 +219,7 @@ def test_a_run_survives_a_reward_that_hangs(tmp_path, tiny_model_path):
     # _hang_once: its first call blocks SIGALRM and sleeps, so the trainer kills the worker after
     # 0.5 + 1 s; that call scores 0 and counts, the run goes on and leaves no worker behind.
     marker = str(tmp_path / "hung")
-    run = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; "
+    run = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests', 'components')!r}]; "
            "import test_reward_pool, train; from pspo import rewards; "
            "rewards.REWARD_FUNCTIONS['format'] = test_reward_pool._hang_once; train.main(sys.argv[1:])")
     out = str(tmp_path / "run")

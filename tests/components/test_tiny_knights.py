@@ -21,7 +21,7 @@ from pspo.tasks.knights_reward import knights_people, knights_reward
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL, resolve_model_path
 from pspo.offline.tiny_knights import FIXED_TEXT, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, tiny_knights_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_completion_lists_people_alphabetically_and_scores_full_reward():

@@ -15,7 +15,7 @@ from pspo.engines.hf_engine import HFEngine
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_eval_cli(tmp_path, model_path, engine):

@@ -16,7 +16,7 @@ from pspo.reference_sampler import ReferenceSampler
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
          "--data.max_eval_examples=16", "--train.progress=false", "--optim.lr=1e-3"]
 

@@ -39,7 +39,7 @@ from pspo.offline.standin import ensure_standin_model, standin_config
 from pspo.offline.standin import main as standin_main
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_MODEL, TINY_PRM
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
                                                                recursive=True))
 SAMPLES = {                                  # hub dataset -> local copy in the same format

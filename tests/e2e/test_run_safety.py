@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pspo.training.config import load_config
 from pspo.training.optim import lr_lambda
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
          "--train.progress=false", "--rollout.engine=hf"]
 

@@ -16,9 +16,9 @@ import torch
 
 from pspo.training.config import ConfigError, load_config
 from pspo.related.spo_segments import PROB_THRESHOLD, select_cuts, unique_prefixes
-from test_train import metrics
+from test_loop import metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=4", "--data.max_eval_examples=8", "--train.progress=false",
          "--train.micro_batch_size=64"]
 

@@ -144,7 +144,7 @@ def test_config_errors(overrides, message):
 def test_defaults_and_the_presets():
     # off by default and on the CPU presets (the transformers engine samples from the trainer itself);
     # token level, C = 2, on the GPU presets, whose engine is vLLM, except SPO-tree's (refused there)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(None)
     assert (cfg.rollout.is_correction, cfg.rollout.is_cap) == ("none", 2.0)
     for path in sorted(glob.glob(os.path.join(root, "configs", "**", "*.yaml"), recursive=True)):
@@ -154,7 +154,7 @@ def test_defaults_and_the_presets():
 
 
 def test_is_correction_is_a_pure_math_module():
-    from tests.test_imports_checks import project_imports
+    from tests.checks.test_imports_checks import project_imports
     assert project_imports()["is_correction"] == set()
 
 
@@ -166,7 +166,7 @@ def test_with_the_transformers_engine_the_correction_is_a_no_op(tmp_path, tiny_m
     import json
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def run(mode):
         out = tmp_path / mode

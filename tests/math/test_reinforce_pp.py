@@ -26,7 +26,7 @@ from pspo.engines.hf_engine import HFEngine
 from pspo.engines.sampling import sequence_seeds
 from pspo.update import policy_update
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOCAL = lambda x: x                  # noqa: E731  the sum over ranks in a world of one
 
 # docs/related.md §A: one completion of 3 tokens, kl_coef .1, R = 1
