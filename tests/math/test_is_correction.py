@@ -159,23 +159,18 @@ def test_is_correction_is_a_pure_math_module():
 
 
 @pytest.mark.slow
-def test_with_the_transformers_engine_the_correction_is_a_no_op(tmp_path, tiny_model_path):
+def test_with_the_transformers_engine_the_correction_is_a_no_op(tmp_path, tiny_model_path, run_main):
     # The transformers engine samples from the trainer's own weights: its log-probs are π_old up to
     # float32 noise (KV-cached generate against one full forward), so token and sequence TIS leave
     # the run as it is without the correction: the same completions, losses and gradient norms.
     import json
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    def run(mode):
+    def run(mode):                                # train.py in this process (conftest's run_main)
         out = tmp_path / mode
-        proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-                               f"--model.name_or_path={tiny_model_path}", "--rollout.engine=hf", "--train.max_steps=3",
-                               "--train.prompts_per_step=8", "--rollout.num_generations=4", "--data.eval=",
-                               "--optim.lr=1e-3", f"--rollout.is_correction={mode}", "--train.progress=false"],
-                              cwd=root, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_main("train", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                 f"--model.name_or_path={tiny_model_path}", "--rollout.engine=hf", "--train.max_steps=3",
+                 "--train.prompts_per_step=8", "--rollout.num_generations=4", "--data.eval=",
+                 "--optim.lr=1e-3", f"--rollout.is_correction={mode}", "--train.progress=false")
         return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
     plain = run("none")

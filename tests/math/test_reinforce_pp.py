@@ -4,8 +4,6 @@ implementation on random batches, whitening over 2 gloo ranks, the token-level l
 config checks, and the real loop on the tiny model."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +24,6 @@ from pspo.engines.hf_engine import HFEngine
 from pspo.engines.sampling import sequence_seeds
 from pspo.update import policy_update
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOCAL = lambda x: x                  # noqa: E731  the sum over ranks in a world of one
 
 # docs/related.md §A: one completion of 3 tokens, kl_coef .1, R = 1
@@ -249,19 +246,18 @@ SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.m
          "--data.max_eval_examples=8", "--train.progress=false", "--optim.lr=1e-3", "--train.max_steps=2"]
 
 
-def train(out, model, *overrides):
-    cmd = [sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-           f"--model.name_or_path={model}", *SMALL, *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def train(run_main, out, model, *overrides):
+    """train.py in this process (conftest's run_main)."""
+    return run_main("train", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                    f"--model.name_or_path={model}", *SMALL, *overrides)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
-def test_loop_runs_and_logs(tmp_path, tiny_model_path, advantage):
+def test_loop_runs_and_logs(tmp_path, tiny_model_path, run_main, advantage):
     out = str(tmp_path / "run")
-    proc = train(out, tiny_model_path, f"--algo.advantage={advantage}", "--algo.beta=0", "--algo.kl_coef=0.001",
-                 "--algo.aggregation=token_mean")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train(run_main, out, tiny_model_path, f"--algo.advantage={advantage}", "--algo.beta=0", "--algo.kl_coef=0.001",
+          "--algo.aggregation=token_mean")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -276,8 +272,7 @@ def test_loop_runs_and_logs(tmp_path, tiny_model_path, advantage):
 
 
 @pytest.mark.slow
-def test_beta_with_reinforce_pp_is_one_line_exit_2(tmp_path, tiny_model_path):
-    proc = train(str(tmp_path / "x"), tiny_model_path, "--algo.advantage=reinforce_pp", "--algo.beta=0.04")
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1
-    assert lines[0].startswith("error: algo.beta: expected 0 with algo.advantage=reinforce_pp")
+def test_beta_with_reinforce_pp_is_one_line(tmp_path, tiny_model_path, run_main):
+    with pytest.raises(ConfigError) as e:                                   # train.py: its one line, exit 2
+        train(run_main, str(tmp_path / "x"), tiny_model_path, "--algo.advantage=reinforce_pp", "--algo.beta=0.04")
+    assert "\n" not in str(e.value) and str(e.value).startswith("algo.beta: expected 0 with algo.advantage=reinforce_pp")
