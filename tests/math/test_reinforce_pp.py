@@ -1,8 +1,7 @@
 """REINFORCE++ and REINFORCE++-baseline, docs/methods.md §6 / docs/related.md §A: the token reward,
 return and global whitening with the hand-worked numbers of docs/related.md §A, an independent loop
-implementation on random batches, whitening over 2 gloo ranks, the token-level loss seam, the
-config checks, and the real loop on the tiny model."""
-import json
+implementation on random batches, whitening over 2 gloo ranks, the token-level loss seam and the
+config checks. Their runs of the real loop: tests/e2e/test_methods_loop.py."""
 import os
 
 import pytest
@@ -238,41 +237,3 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     if cfg.algo.advantage != "grpo":                                      # token-level advantage stats
         n = out.sums["adv_count"]
         assert n == rollout.mask.sum() and out.sums["adv_sq"] / n == pytest.approx((n - 1) / n, rel=1e-4)
-
-
-# ---------------------------------------------------------------- the real loop
-
-SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
-         "--data.max_eval_examples=8", "--train.progress=false", "--optim.lr=1e-3", "--train.max_steps=2"]
-
-
-def train(run_main, out, model, *overrides):
-    """train.py in this process (conftest's run_main)."""
-    return run_main("train", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-                    f"--model.name_or_path={model}", *SMALL, *overrides)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
-def test_loop_runs_and_logs(tmp_path, tiny_model_path, run_main, advantage):
-    out = str(tmp_path / "run")
-    train(run_main, out, tiny_model_path, f"--algo.advantage={advantage}", "--algo.beta=0", "--algo.kl_coef=0.001",
-          "--algo.aggregation=token_mean")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
-        # token advantages whitened over the whole batch with Bessel's variance: their RMS over the
-        # n valid tokens is sqrt((n-1)/n), n = response_length x 32 completions
-        n = row["response_length"] * 32
-        assert row["adv_std"] == pytest.approx(((n - 1) / n) ** 0.5, rel=1e-4)
-        assert 0 < row["adv_abs_mean"] < row["adv_std"] and row["grad_norm"] > 0
-    assert rows[1]["kl"] == pytest.approx(0, abs=1e-6)                     # the reference is built: policy == ref
-    assert rows[2]["kl"] > 0                                               # ... and the policy has moved from it
-
-
-@pytest.mark.slow
-def test_beta_with_reinforce_pp_is_one_line(tmp_path, tiny_model_path, run_main):
-    with pytest.raises(ConfigError) as e:                                   # train.py: its one line, exit 2
-        train(run_main, str(tmp_path / "x"), tiny_model_path, "--algo.advantage=reinforce_pp", "--algo.beta=0.04")
-    assert "\n" not in str(e.value) and str(e.value).startswith("algo.beta: expected 0 with algo.advantage=reinforce_pp")
