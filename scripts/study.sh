@@ -5,11 +5,12 @@
 #
 # `--task knights` trains the tiny K&K model (builtin:tiny-knights), which the test suite does not
 # build (~20 minutes, once): it is built here first, and the tests that need its trained weights
-# (tests/test_tiny_knights.py, marked knights_model: the layout, the accuracy spread by size, its
+# (tests/components/test_tiny_knights.py, marked knights_model: the layout, the accuracy spread by
+# size, its
 # tokenizer equal to the stand-in's the presets' rehearsals use) must pass before the study runs.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 pip_install -r bench/requirements.txt
 if [[ " $* " == *" --task knights "* || " $* " == *" --task=knights "* ]]; then
-  PSPO_BUILD_KNIGHTS=1 python -m pytest tests/test_tiny_knights.py -q -m knights_model
+  PSPO_BUILD_KNIGHTS=1 python -m pytest tests/components/test_tiny_knights.py -q -m knights_model
 fi
 python bench/convergence.py "$@"
