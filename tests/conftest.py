@@ -131,6 +131,7 @@ def _run_main(script: str, *argv: str) -> Ran:
     rng, py_rng = torch.get_rng_state(), random.getstate()
     dtype, threads, grad = torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled()
     children = _child_pids()
+    grouped = dist.is_available() and dist.is_initialized()    # vLLM's own world of one, from an earlier test
     writers, writer_init = [], SummaryWriter.__init__
 
     def tracked_init(self, *args, **kwargs):
@@ -165,11 +166,11 @@ def _run_main(script: str, *argv: str) -> Ran:
     sys.stdout.write(out.getvalue())
     sys.stderr.write(err.getvalue())
     left = _child_pids() - children
-    grouped = dist.is_available() and dist.is_initialized()
-    if grouped:
+    new_group = not grouped and dist.is_available() and dist.is_initialized()
+    if new_group:
         dist.destroy_process_group()
-    if left or grouped:
-        raise AssertionError(f"{script}.main left behind: {'a process group ' if grouped else ''}"
+    if left or new_group:
+        raise AssertionError(f"{script}.main left behind: {'a process group ' if new_group else ''}"
                              f"{f'child processes {sorted(left)}' if left else ''}") from error
     if error is not None:
         raise error
