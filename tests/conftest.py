@@ -30,10 +30,12 @@ sys.path.insert(0, ROOT)
 # Under pytest-xdist (scripts/test.sh runs `-n 2`), each worker and the train.py / torchrun processes
 # it starts get the cores divided among the workers, here before anything imports torch: two
 # workers of two PyTorch threads each on two cores made the preset rehearsals 2x slower than one
-# process, two of one thread each 1.5x faster.
+# process, two of one thread each 1.5x faster. The same share for inductor's compile workers (the
+# compiled decoding step): with one, it compiles in the worker itself instead of starting a pool.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", _share)
 
 
 # Each model is resolved once per test process (functools.cache) and handed to tests by a fixture.
