@@ -152,7 +152,8 @@ def _run_main(script: str, *argv: str) -> Ran:
     SummaryWriter.__init__ = writer_init
     for writer in writers:
         writer.close()                               # idempotent: a finished run closed its own
-    gc.collect()                                     # the reward pool of a run stopped by an error
+    if error is not None:                            # its reward pool: a finished run closed its own
+        gc.collect()                                 # (a collection takes ~0.3 s: not after every run)
     os.chdir(cwd)
     sys.argv[:] = argv0
     for key in set(os.environ) - set(environ):
