@@ -170,8 +170,8 @@ def _whiten_on_rank(rank, init_file, values, mask, out_dir):
     os._exit(0)           # as train.py ends a rank (distributed.finish): no interpreter finalization
 
 
-@pytest.mark.slow
 def test_whitening_over_two_ranks_equals_one_process(tmp_path):
+    # in the fast command with the rest of tests/math/, although it starts two processes (a few seconds)
     rewards, mask, old, ref = random_batch(11)
     returns = reinforce_pp_returns(rewards, mask, old, ref, 0.05, 10.0)   # (12, 7)
     mp.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), returns, mask, str(tmp_path)), nprocs=2)
