@@ -3,10 +3,24 @@ $PSPO_CACHE or ~/.cache/pspo) and shared by the tests and the demo. The K&K pres
 the untrained twin of the tiny K&K model (same tokenizer and architecture, built in seconds); the
 trained K&K model (~20 minutes to build) is used only by the tests marked `knights_model`, which run
 when it is already built or PSPO_BUILD_KNIGHTS=1 asks for the build (`scripts/study.sh --task knights`
-does both), and are skipped with a reason otherwise."""
+does both), and are skipped with a reason otherwise.
+
+End-to-end tests run train.py and eval.py in the test's own process through `run_main` (below):
+about 5 s less per run than a fresh interpreter, which re-imports torch and transformers. What
+needs a process of its own stays a subprocess: torchrun and other multi-process runs, a signal
+sent to a run, a hard kill, and the exit code and stderr line of a user mistake (one test per way
+out of the script)."""
+import contextlib
+import dataclasses
 import functools
+import gc
+import importlib
+import io
 import os
+import random
+import signal
 import sys
+import traceback
 
 import pytest
 
@@ -16,10 +30,12 @@ sys.path.insert(0, ROOT)
 # Under pytest-xdist (scripts/test.sh runs `-n 2`), each worker and the train.py / torchrun processes
 # it starts get the cores divided among the workers, here before anything imports torch: two
 # workers of two PyTorch threads each on two cores made the preset rehearsals 2x slower than one
-# process, two of one thread each 1.5x faster.
+# process, two of one thread each 1.5x faster. The same share for inductor's compile workers (the
+# compiled decoding step): with one, it compiles in the worker itself instead of starting a pool.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", _share)
 
 
 # Each model is resolved once per test process (functools.cache) and handed to tests by a fixture.
@@ -42,17 +58,17 @@ def _tiny_knights_model() -> str:
     return ensure_tiny_knights_model()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     return _tiny_model()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def knights_standin_path() -> str:
     return _knights_standin()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_knights_model_path() -> str:
     from pspo.offline.tiny_knights import tiny_knights_path
     if not os.path.isdir(tiny_knights_path()) and os.environ.get("PSPO_BUILD_KNIGHTS") != "1":
@@ -61,11 +77,135 @@ def tiny_knights_model_path() -> str:
     return _tiny_knights_model()
 
 
+# ---- train.py and eval.py in this process ----
+
+@dataclasses.dataclass
+class Ran:
+    result: object          # what main returned (eval.py: its results; train.py: None)
+    out: str                # what the run printed on stdout
+    err: str                # ... and on stderr
+
+
+# the signals a run may take over: PreemptionSignal's two, the reward guard's alarm, Ctrl-C
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGALRM, signal.SIGINT)
+
+
+def _child_pids() -> set[int]:
+    """The live processes whose parent is this one (Linux /proc; elsewhere: none seen)."""
+    if not os.path.isdir("/proc"):
+        return set()
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()     # after "pid (name)": state, ppid, ...
+        except (OSError, IndexError):
+            continue                                            # not a process, or gone meanwhile
+        if int(fields[1]) == os.getpid():
+            pids.add(int(entry))
+    return pids
+
+
+def _clear_frames(error: BaseException | None) -> None:
+    """Drop the locals of the finished frames an exception (and its causes) hold, so that what the
+    run built (its reward pool's workers, its files) is collected now, not when pytest lets go of it."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _run_main(script: str, *argv: str) -> Ran:
+    """`script.main(argv)` (script: "train" or "eval") from the repository root, as `python
+    script.py argv` would run it, printing into Ran.out/err (and echoing it, for pytest's report).
+    A user mistake raises its exception: the message is the one line the script prints after
+    "error: ". Afterwards the process is as it was before: the working directory, sys.argv, the
+    environment, the signal handlers, torch's RNG, default dtype, thread count and grad mode, and
+    Python's RNG; TensorBoard writers the run left open (a run stopped by an error) are closed;
+    and no process group or child process (reward workers) may be left behind."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.tensorboard import SummaryWriter
+    main = importlib.import_module(script).main      # import first: what importing sets, stays set
+    cwd, argv0, environ = os.getcwd(), list(sys.argv), dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    rng, py_rng = torch.get_rng_state(), random.getstate()
+    dtype, threads, grad = torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled()
+    children = _child_pids()
+    grouped = dist.is_available() and dist.is_initialized()    # vLLM's own world of one, from an earlier test
+    writers, writer_init = [], SummaryWriter.__init__
+
+    def tracked_init(self, *args, **kwargs):
+        writer_init(self, *args, **kwargs)
+        writers.append(self)
+
+    out, err, error, result = io.StringIO(), io.StringIO(), None, None
+    SummaryWriter.__init__ = tracked_init
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result = main(list(argv))
+    except BaseException as e:                       # a user mistake, a test's failure, a bug: re-raised below
+        error = e
+        _clear_frames(e)
+    SummaryWriter.__init__ = writer_init
+    for writer in writers:
+        writer.close()                               # idempotent: a finished run closed its own
+    if error is not None:                            # its reward pool: a finished run closed its own
+        gc.collect()                                 # (a collection takes ~0.3 s: not after every run)
+    os.chdir(cwd)
+    sys.argv[:] = argv0
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    torch.set_rng_state(rng)
+    random.setstate(py_rng)
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
+    sys.stdout.write(out.getvalue())
+    sys.stderr.write(err.getvalue())
+    left = _child_pids() - children
+    new_group = not grouped and dist.is_available() and dist.is_initialized()
+    if new_group:
+        dist.destroy_process_group()
+    if left or new_group:
+        raise AssertionError(f"{script}.main left behind: {'a process group ' if new_group else ''}"
+                             f"{f'child processes {sorted(left)}' if left else ''}") from error
+    if error is not None:
+        raise error
+    return Ran(result, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def run_main():
+    """`run_main("train", "--config", ...)`: train.py (or "eval": eval.py) in this process; see
+    _run_main. Session-scoped, so that a module's fixture may share one run among its tests."""
+    return _run_main
+
+
+@pytest.fixture
+def hub_offline(monkeypatch):
+    """The Hugging Face hub in offline mode for an in-process run, as HF_HUB_OFFLINE=1 makes it for a
+    new process: a name the test forgot to map to a local copy fails at once instead of downloading.
+    huggingface_hub and datasets read the variable once, at import, hence their flags too."""
+    import datasets.config
+    import huggingface_hub.constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
     end; the tests sharing one vLLM engine (a module fixture) on one worker (--dist loadgroup)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            if item.path.name == "test_vllm.py":
+            if item.path.name == "test_vllm_engine.py":
                 item.add_marker(pytest.mark.xdist_group("vllm"))

@@ -1,7 +1,7 @@
 """A CPU stand-in for a real checkpoint: its config.json with the widths shrunk and the limits kept.
 
 The GPU recipes (configs/qwen2.5-math-1.5b/) name a 1.5B model that cannot be downloaded here and
-would not train on two CPU cores anyway. To rehearse them (tests/test_configs.py), the real
+would not train on two CPU cores anyway. To rehearse them (tests/e2e/test_presets.py), the real
 model's config.json (shipped beside the recipe as model_config.json) is copied with what makes it
 slow shrunk (hidden size, MLP width, layers, heads) and what a recipe can trip over kept:
 

@@ -11,7 +11,7 @@ named by a hash of its build parameters, and from then on loaded through the sam
 The tokenizer runs Qwen2's own pipeline (NFC, Qwen2 split regex, byte-level BPE) with vocab and
 merges trained here: transformers rebuilds every tokenizer in a folder of model_type qwen2 as a
 `Qwen2Tokenizer` from vocab + merges, and with the same pipeline that rebuild
-tokenizes exactly as the tokenizer built here does (tests/test_tiny.py checks it).
+tokenizes exactly as the tokenizer built here does (tests/components/test_tiny.py checks it).
 """
 from __future__ import annotations
 

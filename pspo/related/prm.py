@@ -16,7 +16,8 @@ rewards are summed): split every completion into steps (prm.split), pair each st
 before it (§C, "Step scores"), tokenize all the pairs at once (truncated to prm.max_tokens), sort
 them by length and run padded forwards of at most prm.batch_tokens tokens each (rows x longest row);
 a step's score is softmax(logits)[prm.label] in float32. So a training step's thousands of steps
-cost a few forwards; padding changes no score (tests/test_prm.py compares them with one-at-a-time
+cost a few forwards; padding changes no score (tests/components/test_prm.py compares them with
+one-at-a-time
 scoring).
 The pair is the tokenizer's own pair encoding ("[CLS] a [SEP] b [SEP]" for BERT, token types
 included) when prm.separator is "", else one text, previous step + separator + step (the released

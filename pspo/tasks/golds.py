@@ -12,7 +12,7 @@ thousands written `32,\!348`. What it does not parse as meant, and what we give 
 - bare LaTeX or a number: its extractor looks for delimiters -> wrapped in `$...$`.
 Against an e-notation gold, the rewrite is applied to a completion's boxed answer too
 (`answer_latex`), so `\boxed{7.2e-7}` and `\boxed{7.2 \times 10^{-7}}` both match the gold `7.2e-7`.
-tests/test_golds.py scores every form above with right and wrong boxed answers.
+tests/components/test_golds.py scores every form above with right and wrong boxed answers.
 """
 from __future__ import annotations
 

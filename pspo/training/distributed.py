@@ -121,7 +121,7 @@ def group_device() -> torch.device:
 # Every collective below runs on a copy of its input on group_device() and hands the result back on
 # the input's device, so a caller may pass CPU tensors on a GPU run (the small sums and counts the
 # advantages and SPO compute on CPU) or CUDA tensors on a CPU run. No module outside this one calls
-# torch.distributed collectives (tests/test_distributed_checks.py checks it).
+# torch.distributed collectives (tests/checks/test_distributed_checks.py checks it).
 
 def all_reduce_sum(x: Tensor) -> Tensor:
     """Sum over ranks, on x's device; identity (a copy) in a world of one."""

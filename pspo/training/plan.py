@@ -54,7 +54,8 @@ makes the update an upper bound.
 Attention assumed: PyTorch sdpa. The update scores rows padding-free with plain causal attention
 (model.py), where a GPU runs the flash kernel; the count is that of the memory-efficient kernel
 with a padding mask, an upper bound: it saves q, k, v (KV heads repeated), the output, the
-log-sum-exp and the mask as a bias; no (heads x s x s) probabilities. tests/test_plan.py checks the
+log-sum-exp and the mask as a bias; no (heads x s x s) probabilities. tests/components/test_plan.py
+checks the
 count against what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
 """
 from __future__ import annotations
@@ -447,7 +448,7 @@ def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine
     """The largest train.micro_batch_tokens whose plan fits: k full-length sequences (the plan
     counts a token budget as budget // (prompt + completion) rows at full length), k up to the rows
     one GPU trains in a step; 0 when not even one fits. The GPU recipes set their budget to this on
-    one 80 GB GPU (tests/test_plan.py), and `--plan` prints it for the GPUs asked about."""
+    one 80 GB GPU (tests/components/test_plan.py), and `--plan` prints it for the GPUs asked about."""
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     rows = step_shape(cfg, cfg.train.prompts_per_step // gpus).update_rows
     best = 0

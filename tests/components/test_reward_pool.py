@@ -8,7 +8,6 @@ import gc
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -19,7 +18,6 @@ from pspo import rewards
 from pspo.tasks.reward_pool import GRACE_S, RewardPool, resolve_workers
 from pspo.rewards import GoldAnswerError, score_completions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KK_GOLD = "(1) Michael is a knight\n(2) Zoey is a knave"
 KK_RIGHT = "<think>r</think><answer>(1) Michael is a knight\n(2) Zoey is a knave</answer>"
 
@@ -214,25 +212,21 @@ def test_reward_workers_config_is_checked():
 
 
 @pytest.mark.slow
-def test_a_run_survives_a_reward_that_hangs(tmp_path, tiny_model_path):
-    # A run of train.py in its own process (no state left in this one) whose format reward is
-    # _hang_once: its first call blocks SIGALRM and sleeps, so the trainer kills the worker after
-    # 0.5 + 1 s; that call scores 0 and counts, the run goes on and leaves no worker behind.
+def test_a_run_survives_a_reward_that_hangs(tmp_path, tiny_model_path, run_main, monkeypatch):
+    # A run of train.py (in this process: conftest's run_main) whose format reward is _hang_once: its
+    # first call blocks SIGALRM and sleeps, so the trainer kills the worker after 0.5 + 1 s; that
+    # call scores 0 and counts, the run goes on and leaves no worker behind.
     marker = str(tmp_path / "hung")
-    run = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; "
-           "import test_reward_pool, train; from pspo import rewards; "
-           "rewards.REWARD_FUNCTIONS['format'] = test_reward_pool._hang_once; train.main(sys.argv[1:])")
+    monkeypatch.setenv("PSPO_TEST_HANG_MARKER", marker)                   # the workers inherit it
+    monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "format", _hang_once)
     out = str(tmp_path / "run")
-    proc = subprocess.run(
-        [sys.executable, "-c", run, "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-         f"--model.name_or_path={tiny_model_path}", "--train.max_steps=2", "--train.prompts_per_step=4",
-         "--rollout.num_generations=4", "--data.eval=", "--train.progress=false", "--reward.workers=1",
-         "--reward.timeout_s=0.5"], cwd=ROOT, env={**os.environ, "PSPO_TEST_HANG_MARKER": marker},
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = run_main("train", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                   f"--model.name_or_path={tiny_model_path}", "--train.max_steps=2", "--train.prompts_per_step=4",
+                   "--rollout.num_generations=4", "--data.eval=", "--train.progress=false", "--reward.workers=1",
+                   "--reward.timeout_s=0.5")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2] and os.path.exists(marker)
     assert sum(r["reward_failures"] for r in rows) == 1         # the hung call, once
-    assert "reward pool: a worker was silent past timeout_s=0.5 s" in proc.stderr
+    assert "reward pool: a worker was silent past timeout_s=0.5 s" in ran.err
     assert not _workers(marker)                                # the run's workers are gone

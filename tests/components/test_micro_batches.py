@@ -11,9 +11,9 @@ from pspo.training.config import load_config
 from pspo.training.model import build_policy
 from pspo.training.micro_batches import plan_micro_batches
 from pspo.engines.tokens import batch_inputs
-from test_modes import CPU, REWARDS, method_update, rollout_batch
+from test_policy_modes import CPU, REWARDS, method_update, rollout_batch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def masks(prompt_lens, completion_lens, P, T):

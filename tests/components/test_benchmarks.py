@@ -1,8 +1,6 @@
 """eval.py on the paper's benchmarks, from small local copies in the hub formats (offline)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -10,7 +8,7 @@ from pspo.tasks.benchmarks import BENCHMARKS, gold_answer, load_benchmark
 from pspo.tasks.data import DataError, builtin_arithmetic, prompt_set
 from pspo.training.model import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # data/samples/<name>.jsonl: rows kept, rows left out, and golds at some row numbers of the kept rows
 SAMPLES = {
@@ -51,7 +49,7 @@ def test_every_benchmark_loads_through_its_sample(name, tiny_model_path, capsys)
 
 
 @pytest.mark.slow
-def test_eval_py_benchmark_table_and_json(tmp_path, tiny_model_path):
+def test_eval_py_benchmark_table_and_json(tmp_path, tiny_model_path, run_main):
     # The same 16 problems written in three benchmarks' formats: every table row must agree.
     examples = builtin_arithmetic("test")[:16]
     files = {
@@ -65,11 +63,9 @@ def test_eval_py_benchmark_table_and_json(tmp_path, tiny_model_path):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         specs.append(f"{name}={path}")
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
-                           f"--model.name_or_path={tiny_model_path}", f"--benchmarks={','.join(specs)}",
-                           "--engine=hf", "--eval.num_samples=2", f"--eval.output={out}", "--train.progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = run_main("eval", "--config", "configs/grpo.yaml",              # eval.py in this process
+                   f"--model.name_or_path={tiny_model_path}", f"--benchmarks={','.join(specs)}",
+                   "--engine=hf", "--eval.num_samples=2", f"--eval.output={out}", "--train.progress=false")
     result = json.loads(out.read_text())
     rows = result["benchmarks"]
     assert list(rows) == ["gsm8k", "olympiadbench", "math500", "average"] and result["engine"] == "hf"
@@ -78,13 +74,15 @@ def test_eval_py_benchmark_table_and_json(tmp_path, tiny_model_path):
     for name in ("olympiadbench", "math500", "average"):
         for key in ("greedy_accuracy", "mean@2", "pass@2"):
             assert rows[name][key] == pytest.approx(first[key]), (name, key)
-    assert "average" in proc.stdout and "greedy_accuracy" in proc.stdout
+    assert "average" in ran.out and "greedy_accuracy" in ran.out
 
 
 @pytest.mark.slow
-def test_unknown_benchmark_is_one_line(tmp_path, tiny_model_path):
-    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
-                           f"--model.name_or_path={tiny_model_path}", "--benchmarks=aime2024"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --benchmarks: unknown benchmark")
+def test_unknown_benchmark_is_one_line(tmp_path, tiny_model_path, run_main, capsys):
+    # a DataError before anything is printed: eval.py prints its one line and exits 2
+    with pytest.raises(DataError) as e:
+        run_main("eval", "--config", "configs/grpo.yaml", f"--model.name_or_path={tiny_model_path}",
+                 "--benchmarks=aime2024")
+    printed = capsys.readouterr()
+    lines = (printed.out + printed.err + f"error: {e.value}").strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --benchmarks: unknown benchmark")

@@ -1,5 +1,6 @@
 """End to end: the real loop on the tiny model, its logs and checkpoints, exact resume, and a
-2-process FSDP2 run that reproduces a 1-process run."""
+2-process FSDP2 run that reproduces a 1-process run. One-process runs are train.main in this
+process (conftest's run_main); two-process runs are torchrun subprocesses."""
 import json
 import os
 import shutil
@@ -11,30 +12,32 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from pspo.tasks.data import builtin_arithmetic
+from pspo.tasks.data import DataError, builtin_arithmetic
 from pspo.reference_sampler import ReferenceSampler
+from pspo.training.config import ConfigError
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
          "--data.max_eval_examples=16", "--train.progress=false", "--optim.lr=1e-3"]
 
 
-@pytest.fixture(autouse=True)
-def _model(tiny_model_path, monkeypatch):
-    monkeypatch.setenv("PSPO_TEST_MODEL", tiny_model_path)
-
-
-def train(out, *overrides, nproc=1, config="configs/grpo.yaml", check=True):
-    cmd = [sys.executable, "train.py"] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    model = f"--model.name_or_path={os.environ['PSPO_TEST_MODEL']}"
-    proc = subprocess.run(cmd + ["--config", config, f"--train.output_dir={out}", model, *SMALL, *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if check:
+@pytest.fixture(scope="module")
+def train(run_main, tiny_model_path):
+    """train(out, *overrides, nproc=1, config=...): train.py on the tiny model, SMALL settings; one
+    process runs in this one (a user mistake raises its error), nproc > 1 under torchrun (it must
+    exit 0). Module-scoped, so that a module fixture can share one run among tests."""
+    def train(out, *overrides, nproc=1, config="configs/grpo.yaml"):
+        args = ["--config", config, f"--train.output_dir={out}", f"--model.name_or_path={tiny_model_path}", *SMALL,
+                *overrides]
+        if nproc == 1:
+            return run_main("train", *args)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}", "train.py", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return train
 
 
 def metrics(out):
@@ -46,7 +49,7 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path):
+def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path, train):
     out = str(tmp_path / "run")
     train(out, "--train.max_steps=3", "--train.eval_steps=2", "--algo.beta=0.04")
     rows = metrics(out)
@@ -74,28 +77,41 @@ def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path):
     assert not any(name.startswith(".tmp") for name in os.listdir(out))
 
 
-@pytest.fixture
-def few_prompts(tmp_path):
+@pytest.fixture(scope="module")
+def few_prompts(tmp_path_factory):
     """A 6-prompt train set: with B = 4 prompts revisit within a few steps, so ERS and PPS state matter."""
-    path = tmp_path / "six.jsonl"
+    path = tmp_path_factory.mktemp("data") / "six.jsonl"
     with open(path, "w") as f:
         for ex in builtin_arithmetic("train")[:6]:
             f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
     return [f"--data.train={path}", "--train.prompts_per_step=4"]
 
 
-def pspo(out, few_prompts, *overrides, nproc=1, check=True):
-    return train(out, *few_prompts, *overrides, nproc=nproc, config="configs/pspo.yaml", check=check)
+@pytest.fixture(scope="module")
+def pspo(train, few_prompts):
+    def pspo(out, *overrides, nproc=1):
+        return train(out, *few_prompts, *overrides, nproc=nproc, config="configs/pspo.yaml")
+    return pspo
 
 
-def test_max_train_examples_keeps_the_first_rows(tmp_path):
+@pytest.fixture(scope="module")
+def pspo_3_steps(pspo, tmp_path_factory):
+    """PSPO on the 6 prompts for 3 steps (pps.is_norm=batch_max, its default): shared by the tests
+    that read it."""
+    out = str(tmp_path_factory.mktemp("pspo") / "run")
+    pspo(out, "--train.max_steps=3", "--pps.is_norm=batch_max")
+    return out
+
+
+def test_max_train_examples_keeps_the_first_rows(tmp_path, train):
     # 8 train rows and 8 prompts per step: PSPO's step 1 draws 8 distinct prompts, all of the set
     # (ers_seen_frac 8/8 = 1); the whole builtin set would give 8/N with N in the thousands
     out = str(tmp_path / "run")
     train(out, "--data.max_train_examples=8", "--train.max_steps=1", config="configs/pspo.yaml")
     assert metrics(out)[1]["ers_seen_frac"] == 1.0
-    proc = train(out, "--data.max_train_examples=-1", check=False)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: data.max_train_examples")
+    with pytest.raises(ConfigError) as e:
+        train(out, "--data.max_train_examples=-1")
+    assert str(e.value).startswith("data.max_train_examples")
 
 
 def trainer_state(path):
@@ -115,22 +131,19 @@ def assert_same_state(a, b, atol=0.0):
                 assert va == vb, f"{part}.{key}"
 
 
-def test_pps_is_norm_reaches_the_update(tmp_path, few_prompts):
+def test_pps_is_norm_reaches_the_update(tmp_path, pspo, pspo_3_steps):
     # Step 1: every prompt is unseen at priority 1, so P = 1/N and every raw weight (N·P)^-β is 1:
     # batch_max and none give the same weights, hence the same grad norm. Later steps have raw
     # weights != 1, which batch_max divides by their max and none leaves as they are.
-    runs = {}
-    for norm in ("batch_max", "none"):
-        out = str(tmp_path / norm)
-        pspo(out, few_prompts, "--train.max_steps=3", f"--pps.is_norm={norm}",)
-        runs[norm] = [row["grad_norm"] for row in metrics(out) if "grad_norm" in row]
+    pspo(str(tmp_path / "none"), "--train.max_steps=3", "--pps.is_norm=none")
+    runs = {norm: [row["grad_norm"] for row in metrics(out) if "grad_norm" in row]
+            for norm, out in (("batch_max", pspo_3_steps), ("none", str(tmp_path / "none")))}
     assert runs["batch_max"][0] == pytest.approx(runs["none"][0], rel=1e-5)
     assert runs["batch_max"][1:] != pytest.approx(runs["none"][1:], rel=1e-3)
 
 
-def test_pspo_logs_ers_and_pps_diagnostics(tmp_path, few_prompts):
-    out = str(tmp_path / "run")
-    pspo(out, few_prompts, "--train.max_steps=3")
+def test_pspo_logs_ers_and_pps_diagnostics(tmp_path, pspo, pspo_3_steps):
+    out = pspo_3_steps
     rows = metrics(out)
     for key in ("ers_gap", "ers_visits", "ers_seen_frac", "pps_entropy", "pps_is_max", "pps_is_min", "pps_ess",
                 "pps_repeat_frac", "pps_revisit_frac", "bookkeeping_s"):
@@ -142,14 +155,16 @@ def test_pspo_logs_ers_and_pps_diagnostics(tmp_path, few_prompts):
     assert 0 < rows[3]["pps_entropy"] <= 1 and 0 < rows[3]["pps_is_min"] <= rows[3]["pps_is_max"]
     state = trainer_state(os.path.join(out, "checkpoint-3"))
     assert int(state["ers"]["visits"].sum()) == 12 and state["sampler"]["steps"] == 3
-    # a resumed run may not switch PPS (or ERS) off: one line, exit code 2
-    proc = pspo(out, few_prompts, "--train.max_steps=4", "--train.resume=auto", "--pps.enabled=false", check=False)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    assert proc.returncode == 2 and lines[-1].startswith("error: pps.enabled: the checkpoint was trained with")
+    # a resumed run may not switch PPS (or ERS) off: one line (a ConfigError's, train.py's exit code 2);
+    # tried on a copy, which the attempt may write to (its config.yaml)
+    shutil.copytree(out, tmp_path / "run")
+    with pytest.raises(ConfigError) as e:
+        pspo(str(tmp_path / "run"), "--train.max_steps=4", "--train.resume=auto", "--pps.enabled=false")
+    assert str(e.value).startswith("pps.enabled: the checkpoint was trained with") and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("config", ["configs/pspo.yaml", "configs/grpo.yaml"])
-def test_resume_continues_exactly(tmp_path, few_prompts, config):
+def test_resume_continues_exactly(tmp_path, train, few_prompts, config):
     # Uninterrupted 4 steps with a checkpoint at step 2, vs. a run resumed from that checkpoint.
     # PSPO: the PPS priorities and RNG, the ERS statistics and the optimizer must all come back.
     # GRPO: the uniform order, which crosses epoch boundaries here (4 of 6 prompts per step).
@@ -179,9 +194,9 @@ def test_resume_continues_exactly(tmp_path, few_prompts, config):
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
 
 
-def test_resume_under_another_method_or_sampler_is_one_line(tmp_path, few_prompts):
+def test_resume_under_another_method_or_sampler_is_one_line(tmp_path, train, few_prompts):
     # A GRPO checkpoint with uniform sampling: resuming it as REINFORCE++ or with PPS would load state
-    # that means something else (or none at all): one line naming both values, exit code 2.
+    # that means something else (or none at all): one line naming both values (train.py: exit code 2).
     out = str(tmp_path / "run")
     train(out, *few_prompts, "--train.max_steps=1")
     cases = {
@@ -191,19 +206,18 @@ def test_resume_under_another_method_or_sampler_is_one_line(tmp_path, few_prompt
         "pps.enabled=false, this run has pps.enabled=true; resume with the same setting",
     }
     for overrides, message in cases.items():
-        proc = train(out, *few_prompts, "--train.max_steps=2", "--train.resume=auto", *overrides, check=False)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and lines[-1] == message, proc.stderr[-2000:]
-        assert "Traceback" not in proc.stderr
+        with pytest.raises(ConfigError) as e:
+            train(out, *few_prompts, "--train.max_steps=2", "--train.resume=auto", *overrides)
+        assert f"error: {e.value}" == message
 
 
-def test_two_processes_match_one(tmp_path, few_prompts):
+def test_two_processes_match_one(tmp_path, pspo):
     # PSPO with the same global batch and seed: FSDP2 over 2 gloo ranks must reproduce the
     # 1-process run, and both ranks must hold identical ERS/PPS state (the rank digests agree).
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     args = ["--train.max_steps=3", "--algo.beta=0.04", "--train.micro_batch_size=6"]
-    pspo(one, few_prompts, *args)
-    pspo(two, few_prompts, *args, nproc=2)
+    pspo(one, *args)
+    pspo(two, *args, nproc=2)
     a, b = metrics(one), metrics(two)
     for ra, rb in zip(a, b):
         for key in ("reward_mean", "accuracy", "loss", "grad_norm", "kl", "eval_accuracy", "ers_gap", "pps_entropy"):
@@ -224,14 +238,14 @@ def test_two_processes_match_one(tmp_path, few_prompts):
 
 
 @pytest.mark.slow
-def test_two_processes_in_bf16_train_float32_master_weights(tmp_path, few_prompts):
+def test_two_processes_in_bf16_train_float32_master_weights(tmp_path, tiny_model_path, pspo):
     # model.bf16 over 2 gloo ranks is FSDP2's mixed precision (distributed.shard): bf16 all-gathered
     # weights for compute, float32 gradient reduction into float32 shards. The step must run, move
     # the weights, and save them in float32 with both ranks' state identical.
     out = str(tmp_path / "two")
-    pspo(out, few_prompts, "--train.max_steps=1", "--model.bf16=true", "--optim.lr=1e-2", nproc=2)
+    pspo(out, "--train.max_steps=1", "--model.bf16=true", "--optim.lr=1e-2", nproc=2)
     assert metrics(out)[-1]["grad_norm"] > 0
-    saved, start = weights(os.path.join(out, "checkpoint-1")), load_file(os.path.join(os.environ["PSPO_TEST_MODEL"],
+    saved, start = weights(os.path.join(out, "checkpoint-1")), load_file(os.path.join(tiny_model_path,
                                                                                           "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in saved.values())
     assert any(not torch.equal(saved[k], start[k].float()) for k in saved if k in start)
@@ -240,11 +254,11 @@ def test_two_processes_in_bf16_train_float32_master_weights(tmp_path, few_prompt
     assert digests[0] == digests[1]
 
 
-def test_bad_data_file_is_one_line_exit_2(tmp_path):
-    proc = train(str(tmp_path / "x"), f"--data.train={tmp_path / 'missing.jsonl'}", check=False)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()                          # errors go to standard error
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.jsonl" in lines[0]
+def test_bad_data_file_is_one_line(tmp_path, train):
+    # a DataError: train.py prints "error: " + its one line on stderr and exits 2
+    with pytest.raises(DataError) as e:
+        train(str(tmp_path / "x"), f"--data.train={tmp_path / 'missing.jsonl'}")
+    assert "\n" not in str(e.value) and "missing.jsonl" in str(e.value)
 
 
 @pytest.fixture
@@ -259,7 +273,7 @@ def nine_prompts(tmp_path):
     return [f"--data.train={path}", "--train.prompts_per_step=4"]
 
 
-def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, nine_prompts):
+def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, train, nine_prompts):
     # pspo_reference (docs/methods.md §3a): 3 steps, then resumed to step 4, against 4 steps in one go.
     # Epoch 0 serves steps 1-2, epoch 1 steps 3-4: the checkpoint at step 3 is mid-epoch (position 4 of
     # its 9 draws), so the resume must bring back the frozen draws and the position, not just the RNG.
@@ -284,21 +298,19 @@ def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, nine_prompts):
     sa, sb = trainer_state(os.path.join(full, "checkpoint-4")), trainer_state(os.path.join(part, "checkpoint-4"))
     assert_same_state(sa, sb, atol=1e-9)
     assert sa["sampler"]["position"] == 8 and torch.equal(sa["sampler"]["order"], state3["order"])
-    # a reference checkpoint does not resume under pps.mode=paper: one line, exit code 2
-    proc = train(part, *nine_prompts, "--train.max_steps=5", "--train.resume=auto", "--pps.mode=paper",
-                 config=config, check=False)
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
-    assert proc.returncode == 2
-    assert lines[-1] == ("error: pps.mode: the checkpoint was trained with pps.mode=reference, this run has "
-                         "pps.mode=paper; resume with the same setting")
+    # a reference checkpoint does not resume under pps.mode=paper: one line (train.py: exit code 2)
+    with pytest.raises(ConfigError) as e:
+        train(part, *nine_prompts, "--train.max_steps=5", "--train.resume=auto", "--pps.mode=paper", config=config)
+    assert f"error: {e.value}" == ("error: pps.mode: the checkpoint was trained with pps.mode=reference, this run "
+                                   "has pps.mode=paper; resume with the same setting")
 
 
-def test_pps_options_run_and_log_skips(tmp_path, few_prompts):
+def test_pps_options_run_and_log_skips(tmp_path, pspo):
     # §3b options together: posterior priorities (λ = .9 default), GRESO-style skipping with ρ = .01
     # (a prompt after a zero-variance group is kept 1% of the time), uniform_mix .1. 6 prompts, 4 per step.
     out = str(tmp_path / "run")
     G, lam = 4, 0.9
-    pspo(out, few_prompts, "--train.max_steps=4", "--pps.priority=posterior", "--pps.skip=true",
+    pspo(out, "--train.max_steps=4", "--pps.priority=posterior", "--pps.skip=true",
          "--pps.uniform_mix=0.1", "--pps.skip_rho=0.01")
     rows = metrics(out)[1:]
     for r in rows:

@@ -1,9 +1,9 @@
 """Every shipped config, rehearsed on CPU, so a broken recipe fails here rather than on a GPU node
 after an hour in the queue.
 
-Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this file) runs as a
-real `python train.py --config X` subprocess for 2 steps plus the final eval, with only what a
-2-core CPU cannot do replaced:
+Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this file) runs as
+`python train.py --config X` would (train.main in this process: conftest's run_main, the hub
+offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do replaced:
 - the model: the arithmetic presets' tiny model stays (conftest's cached copy); the K&K presets'
   `builtin:tiny-knights-quick` (or `builtin:tiny-knights`, the study's) becomes the builds' untrained
   twin (pspo/offline/tiny_knights.py: the same tokenizer, so the same prompt lengths against
@@ -27,8 +27,6 @@ import glob
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,7 +38,7 @@ from pspo.offline.standin import ensure_standin_model, standin_config
 from pspo.offline.standin import main as standin_main
 from pspo.offline.builtin import KNIGHTS_MODELS, TINY_KNIGHTS_QUICK, TINY_MODEL, TINY_PRM, resolve_model_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
                                                                recursive=True))
 SAMPLES = {                                  # hub dataset -> local copy in the same format
@@ -103,11 +101,13 @@ def _values(cfg, keys) -> dict:
     return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in keys}
 
 
-def run(script: str, config: str, overrides: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, os.path.join(ROOT, script), "--config", os.path.join(ROOT, config), *flags]
-    args += [f"--{k}={v}" for k, v in overrides.items()]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+@pytest.fixture
+def run(run_main, hub_offline):
+    """run(script, config, overrides, *flags): train.py or eval.py on a config with these overrides."""
+    def run(script: str, config: str, overrides: dict[str, str], *flags: str):
+        return run_main(script, "--config", os.path.join(ROOT, config), *flags,
+                        *[f"--{k}={v}" for k, v in overrides.items()])
+    return run
 
 
 # the presets on a tiny K&K build: rehearsed on the builds' untrained twin (module docstring)
@@ -126,20 +126,19 @@ def test_a_first_run_of_an_offline_preset_builds_only_quick_models():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c not in KNIGHTS])
-def test_config_rehearsal(config, tmp_path, tiny_model_path):
-    rehearse(config, str(tmp_path / "run"), tiny_model_path, "")
+def test_config_rehearsal(config, tmp_path, tiny_model_path, run):
+    rehearse(run, config, str(tmp_path / "run"), tiny_model_path, "")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", KNIGHTS)
-def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, knights_standin_path):
-    rehearse(config, str(tmp_path / "run"), tiny_model_path, knights_standin_path)
+def test_knights_config_rehearsal(config, tmp_path, tiny_model_path, knights_standin_path, run):
+    rehearse(run, config, str(tmp_path / "run"), tiny_model_path, knights_standin_path)
 
 
-def rehearse(config: str, out: str, tiny_model_path: str, knights_path: str) -> None:
+def rehearse(run, config: str, out: str, tiny_model_path: str, knights_path: str) -> None:
     over = rehearsal_overrides(config, out, tiny_model_path, knights_path)
-    proc = run("train.py", config, over)
-    assert proc.returncode == 0, f"{config} exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    run("train", config, over)                                   # an error raises: the test fails with it
 
     # the run used the file's values plus exactly the overrides above
     with open(os.path.join(out, "config.yaml")) as f:
@@ -243,15 +242,14 @@ def test_7b_preset_matches_the_seed():
 
 
 @pytest.mark.slow
-def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path):
+def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path, run):
     # eval.py --benchmarks on the PSPO recipe, MATH-500 from its local sample, the stand-in model
     config = "configs/qwen2.5-math-1.5b/pspo.yaml"
     keep = ("model.name_or_path", "rollout.engine", "rollout.max_new_tokens", "train.progress")
     over = {k: v for k, v in rehearsal_overrides(config, str(tmp_path / "run"), tiny_model_path, "").items() if k in keep}
     over["eval.output"] = str(tmp_path / "bench.json")
     math500 = _sample("HuggingFaceH4/MATH-500")
-    proc = run("eval.py", config, over, f"--benchmarks=math500={math500}")
-    assert proc.returncode == 0, f"eval.py exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    run("eval", config, over, f"--benchmarks=math500={math500}")
     with open(tmp_path / "bench.json") as f:
         results = json.load(f)
     with open(math500) as f:

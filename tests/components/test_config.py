@@ -7,7 +7,7 @@ import pytest
 
 from pspo.training.config import Config, ConfigError, load_config, save_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write(tmp_path, name, text):

@@ -28,7 +28,7 @@ T = 0.7
 
 def train_with_vllm(out, model_path: str, *overrides: str) -> subprocess.CompletedProcess:
     """train.py on the tiny model with the vLLM engine: 4 prompts x 4 completions a step, no evaluation."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
                            f"--model.name_or_path={model_path}", "--rollout.engine=vllm",
                            "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("convergence", os.path.join(ROOT, "bench", "convergence.py"))
 convergence = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(convergence)

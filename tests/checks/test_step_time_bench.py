@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("step_time", os.path.join(ROOT, "bench", "step_time.py"))
 step_time = importlib.util.module_from_spec(spec)
 sys.modules["step_time"] = step_time          # dataclasses look their module up there

@@ -17,7 +17,7 @@ from pspo.training.config import R1_SYSTEM_PROMPT
 from pspo.tasks.data import DataError, Example, builtin_arithmetic, format_prompt, load_examples, prompt_set, resolve_system_prompt, warmup_examples
 from pspo.rewards import format_reward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBLEM = re.compile(r"What is (\d\d) \+ (\d\d)\?")
 
 
@@ -150,17 +150,17 @@ def test_a_parquet_string_that_is_not_utf8_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_py_stops_on_a_file_that_is_not_utf8_with_one_line(tmp_path, tiny_model_path):
+def test_train_py_stops_on_a_file_that_is_not_utf8_with_one_line(tmp_path, tiny_model_path, run_main):
+    # train.py in this process (conftest's run_main): a DataError, whose line train.py prints, exit 2
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"problem": "1+1?", "answer": "2"}\n{"problem": "caf\xe9?", "answer": "3"}\n')
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--data.train={path}",
-                           f"--model.name_or_path={tiny_model_path}", f"--train.output_dir={tmp_path / 'run'}",
-                           "--data.eval=", "--train.progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert errors == [f"error: {path}: not valid UTF-8 at byte 51 (line 2): byte 0xe9, invalid continuation byte; "
-                      "save the file as UTF-8"]
+    with pytest.raises(DataError) as e:
+        run_main("train", "--config", "configs/grpo.yaml", f"--data.train={path}",
+                 f"--model.name_or_path={tiny_model_path}", f"--train.output_dir={tmp_path / 'run'}",
+                 "--data.eval=", "--train.progress=false")
+    assert f"error: {e.value}".splitlines() == [
+        f"error: {path}: not valid UTF-8 at byte 51 (line 2): byte 0xe9, invalid continuation byte; "
+        "save the file as UTF-8"]
 
 
 def test_other_names_go_to_the_hub_with_the_split(monkeypatch):

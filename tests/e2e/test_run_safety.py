@@ -2,7 +2,8 @@
 `--train.resume=auto` continues; non-finite updates are skipped and, three in a row, stop the run
 with the weights untouched; a context the model cannot hold stops before any work, in one line; a
 refused run writes nothing to its folder; the ranks of a finished run leave the process group
-together."""
+together. The preempted run is a subprocess (a signal to it); the others run in this process
+(conftest's run_main)."""
 import json
 import os
 import signal
@@ -15,16 +16,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pspo.training.config import load_config
+from pspo.training.model import ModelError
 from pspo.training.optim import lr_lambda
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
          "--train.progress=false", "--rollout.engine=hf"]
 
 
+def arguments(out, model, *overrides):
+    return ["--config", "configs/grpo.yaml", f"--train.output_dir={out}", f"--model.name_or_path={model}", *SMALL,
+            *overrides]
+
+
 def command(out, model, *overrides):
-    return [sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-            f"--model.name_or_path={model}", *SMALL, *overrides]
+    return [sys.executable, "train.py", *arguments(out, model, *overrides)]
 
 
 def logged_steps(out):
@@ -37,7 +43,7 @@ def logged_steps(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, tiny_model_path, sig):
+def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, tiny_model_path, run_main, sig):
     out = str(tmp_path / "run")
     proc = subprocess.Popen(command(out, tiny_model_path, "--train.max_steps=200", "--data.eval="), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -56,10 +62,8 @@ def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, t
         # with a new learning rate: the config's lr applies at the restored step of the schedule
         # (the saved AdamW state must not bring back the old one)
         overrides = [f"--train.max_steps={last + 2}", "--data.eval=", "--optim.lr=5e-4"]
-        resumed = subprocess.run(command(out, tiny_model_path, *overrides, "--train.resume=auto"), cwd=ROOT,
-                                 capture_output=True, text=True, timeout=300)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert f"resumed from {ckpt} at step {last}" in resumed.stdout
+        resumed = run_main("train", *arguments(out, tiny_model_path, *overrides, "--train.resume=auto"))
+        assert f"resumed from {ckpt} at step {last}" in resumed.out
         assert logged_steps(out) == list(range(1, last + 3))
         cfg = load_config("configs/grpo.yaml", SMALL + overrides)
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -68,9 +72,11 @@ def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, t
 
 
 @pytest.mark.slow
-def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path, tiny_model_path):
+def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path, tiny_model_path, run_main):
     # A model with one NaN in its final norm: every loss is NaN. Each update is skipped (the
-    # weights and AdamW state untouched), logged, and the third in a row saves and stops, exit 2.
+    # weights and AdamW state untouched), logged, and the third in a row saves and stops with a
+    # NonFiniteError (train.py: its one line, exit 2).
+    import train
     broken = tmp_path / "broken"
     broken.mkdir()
     for name in os.listdir(tiny_model_path):
@@ -80,11 +86,9 @@ def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
     out = str(tmp_path / "run")
-    proc = subprocess.run(command(out, broken, "--train.max_steps=10", "--data.eval="), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: optim.lr: 3 updates in a row had a non-finite loss or gradient norm (steps 1-3)")
+    with pytest.raises(train.NonFiniteError) as e:
+        run_main("train", *arguments(out, broken, "--train.max_steps=10", "--data.eval="))
+    assert str(e.value).startswith("optim.lr: 3 updates in a row had a non-finite loss or gradient norm (steps 1-3)")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["skipped_steps"] for r in rows] == [1, 1, 1]
@@ -97,13 +101,15 @@ def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path
 
 
 @pytest.mark.slow
-def test_a_context_the_model_cannot_hold_is_one_line_exit_2(tmp_path, tiny_model_path):
-    # the tiny model has 1024 positions: 1000 prompt + 100 new tokens do not fit
-    proc = subprocess.run(command(str(tmp_path / "run"), tiny_model_path, "--data.max_prompt_tokens=1000",
-                                  "--rollout.max_new_tokens=100"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2 and proc.stdout.strip() == ""
-    assert proc.stderr.strip().splitlines() == [
+def test_a_context_the_model_cannot_hold_is_one_line(tmp_path, tiny_model_path, run_main, capsys):
+    # the tiny model has 1024 positions: 1000 prompt + 100 new tokens do not fit: a ModelError before
+    # anything is printed (train.py: its one line on stderr, exit 2)
+    with pytest.raises(ModelError) as e:
+        run_main("train", *arguments(str(tmp_path / "run"), tiny_model_path, "--data.max_prompt_tokens=1000",
+                                     "--rollout.max_new_tokens=100"))
+    printed = capsys.readouterr()
+    assert printed.out.strip() == ""
+    assert (printed.err + f"error: {e.value}").strip().splitlines() == [
         "error: data.max_prompt_tokens (1000) + rollout.max_new_tokens (100) = 1100 exceeds the model's "
         "max_position_embeddings (1024); lower one of them"]
 

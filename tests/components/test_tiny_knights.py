@@ -24,7 +24,7 @@ from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_KNIGHTS_QUICK, resolve
 from pspo.offline.tiny import build_once
 from pspo.offline.tiny_knights import FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, lr_factor, tiny_knights_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_completion_lists_people_alphabetically_and_scores_full_reward():

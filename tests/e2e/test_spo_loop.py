@@ -1,9 +1,10 @@
 """SPO in the real loop (pspo/related/spo.py, train.py) on the tiny model: the generation it pays for, the
 advantages it hands the update, exact resume, two ranks, and its config errors.
 
-A probe runs train.py in a subprocess with the transformers engine's `generate` and the loop's
-`policy_update` wrapped, recording every call, so the logged counts can be checked against the
-engine calls themselves and the update's inputs against the rules of docs/related.md §B.
+A probe wraps the transformers engine's `generate` and the loop's `policy_update` around a run of
+train.py in this process (conftest's run_main), recording every call, so the logged counts can be
+checked against the engine calls themselves and the update's inputs against the rules of
+docs/related.md §B. Two-rank runs are torchrun subprocesses.
 """
 import math
 import os
@@ -16,53 +17,52 @@ import torch
 
 from pspo.training.config import ConfigError, load_config
 from pspo.related.spo_segments import PROB_THRESHOLD, select_cuts, unique_prefixes
-from test_train import metrics
+from test_loop import metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=4", "--data.max_eval_examples=8", "--train.progress=false",
          "--train.micro_batch_size=64"]
 
-PROBE = """
-import sys, torch, train
-from pspo.engines import hf_engine
-calls, updates = [], []
-generate = hf_engine.HFEngine.generate
-def recorded(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=None):
-    out = generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=prefix_ids)
-    if seeds is not None:                     # evaluation is greedy (seeds None): not training's generation
-        calls.append(dict(step=len(updates) + 1, prompts=prompt_ids, n=n, max_new_tokens=max_new_tokens,
-                          prefixes=prefix_ids, ids=out.completion_ids, mask=out.mask, truncated=out.truncated))
-    return out
-hf_engine.HFEngine.generate = recorded
-update = train.policy_update
-def recorded_update(policy, optimizer, scheduler, batch, *args):
-    updates.append(dict(input_ids=batch.input_ids, mask=batch.mask, token_advantages=batch.advantages,
-                        loss_mask=batch.loss_mask, old_logp=batch.old_logp))
-    return update(policy, optimizer, scheduler, batch, *args)
-train.policy_update = recorded_update
-train.main(sys.argv[2:])
-torch.save({"calls": calls, "updates": updates}, sys.argv[1])
-"""
+@pytest.fixture
+def probe(monkeypatch):
+    """{"calls": [...], "updates": [...]}, filled by the runs of this test: every training call of the
+    transformers engine's generate, and every policy_update's batch."""
+    import train
+    from pspo.engines import hf_engine
+    calls, updates = [], []
+    generate = hf_engine.HFEngine.generate
+
+    def recorded(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=None):
+        out = generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds, prefix_ids=prefix_ids)
+        if seeds is not None:                     # evaluation is greedy (seeds None): not training's generation
+            calls.append(dict(step=len(updates) + 1, prompts=prompt_ids, n=n, max_new_tokens=max_new_tokens,
+                              prefixes=prefix_ids, ids=out.completion_ids, mask=out.mask, truncated=out.truncated))
+        return out
+    monkeypatch.setattr(hf_engine.HFEngine, "generate", recorded)
+    update = train.policy_update
+
+    def recorded_update(policy, optimizer, scheduler, batch, *args):
+        updates.append(dict(input_ids=batch.input_ids, mask=batch.mask, token_advantages=batch.advantages,
+                            loss_mask=batch.loss_mask, old_logp=batch.old_logp))
+        return update(policy, optimizer, scheduler, batch, *args)
+    monkeypatch.setattr(train, "policy_update", recorded_update)
+    return {"calls": calls, "updates": updates}
 
 
-@pytest.fixture(autouse=True)
-def _model(tiny_model_path, monkeypatch):
-    monkeypatch.setenv("PSPO_TEST_MODEL", tiny_model_path)
-
-
-def train(out, config, *overrides, nproc=1, probe=None, check=True):
-    model = f"--model.name_or_path={os.environ['PSPO_TEST_MODEL']}"
-    args = ["--config", config, f"--train.output_dir={out}", model, *SMALL, *overrides]
-    if probe:
-        cmd = [sys.executable, "-c", PROBE, probe]
-    elif nproc == 1:
-        cmd = [sys.executable, "train.py"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    proc = subprocess.run(cmd + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if check:
+@pytest.fixture(scope="module")
+def train(run_main, tiny_model_path):
+    """train(out, config, *overrides, nproc=1): train.py on the tiny model, SMALL settings; one process
+    runs in this one (a user mistake raises its error), nproc > 1 under torchrun (it must exit 0)."""
+    def train(out, config, *overrides, nproc=1):
+        args = ["--config", config, f"--train.output_dir={out}", f"--model.name_or_path={tiny_model_path}", *SMALL,
+                *overrides]
+        if nproc == 1:
+            return run_main("train", *args)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}", "train.py", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return train
 
 
 def state(out, step):
@@ -98,10 +98,10 @@ def assert_spo_update_inputs(update):
 
 
 @pytest.mark.slow
-def test_chain_counts_its_continuations_and_masks_its_advantages(tmp_path):
-    out, probe = str(tmp_path / "run"), str(tmp_path / "probe.pt")
-    train(out, "configs/spo_chain.yaml", "--train.max_steps=2", probe=probe)
-    rec, rows = torch.load(probe, weights_only=False), metrics(out)
+def test_chain_counts_its_continuations_and_masks_its_advantages(tmp_path, train, probe):
+    out = str(tmp_path / "run")
+    train(out, "configs/spo_chain.yaml", "--train.max_steps=2")
+    rec, rows = probe, metrics(out)
     assert_token_accounting(rows, rec["calls"])
     for step, update in enumerate(rec["updates"], 1):
         assert_spo_update_inputs(update)
@@ -118,10 +118,10 @@ def test_chain_counts_its_continuations_and_masks_its_advantages(tmp_path):
 
 
 @pytest.mark.slow
-def test_tree_grows_depth_by_depth_and_trains_edges(tmp_path):
-    out, probe = str(tmp_path / "run"), str(tmp_path / "probe.pt")
-    train(out, "configs/spo_tree.yaml", "--train.max_steps=2", probe=probe)
-    rec, rows = torch.load(probe, weights_only=False), metrics(out)
+def test_tree_grows_depth_by_depth_and_trains_edges(tmp_path, train, probe):
+    out = str(tmp_path / "run")
+    train(out, "configs/spo_tree.yaml", "--train.max_steps=2")
+    rec, rows = probe, metrics(out)
     assert_token_accounting(rows, rec["calls"])
     for step in (1, 2):
         d0, d1, d2 = [c for c in rec["calls"] if c["step"] == step]          # branching 4,2,2; M = 3; L_max 12
@@ -140,7 +140,7 @@ def test_tree_grows_depth_by_depth_and_trains_edges(tmp_path):
 
 
 @pytest.mark.slow
-def test_tree_resumes_exactly_with_its_replay_buffer(tmp_path):
+def test_tree_resumes_exactly_with_its_replay_buffer(tmp_path, train):
     # 4 steps with a checkpoint at 2 vs the same resumed from it: the replay buffer (edges, their
     # steps and π_old), the drawn edges and the count of generated tokens must all come back.
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
@@ -166,7 +166,7 @@ def test_tree_resumes_exactly_with_its_replay_buffer(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["configs/spo_tree.yaml", "configs/spo_chain.yaml"])
-def test_two_processes_match_one(tmp_path, config):
+def test_two_processes_match_one(tmp_path, train, config):
     # FSDP2 over 2 gloo ranks generating on the policy (lockstep: padded continuation calls), the
     # tree's buffer all-gathered and its edges dealt round-robin: the run must match 1 process.
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
@@ -209,12 +209,12 @@ def test_config_errors_name_the_key(overrides, message):
 
 
 @pytest.mark.slow
-def test_presets_load_and_a_bad_key_is_one_line_exit_2(tmp_path):
+def test_presets_load_and_a_bad_key_is_one_line(tmp_path, train):
     tree = load_config(os.path.join(ROOT, "configs/spo_tree.yaml"))
     assert tree.spo.branch_factors == (4, 2, 2) and tree.spo.segments == (3, 3) and not tree.algo.needs_reference
     gpu = load_config(os.path.join(ROOT, "configs/qwen2.5-math-1.5b/spo_tree.yaml"))
     assert gpu.spo.branch_factors == (6, 6, 6) and gpu.spo.segments == (600, 600) and gpu.algo.beta == 1e-4
-    proc = train(str(tmp_path / "x"), "configs/spo_tree.yaml", "--spo.segment_tokens=6", check=False)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1
-    assert lines[0].startswith("error: spo.segment_tokens: expected M0 + M1 < rollout.max_new_tokens = 12")
+    with pytest.raises(ConfigError) as e:                                 # train.py: its one line, exit 2
+        train(str(tmp_path / "x"), "configs/spo_tree.yaml", "--spo.segment_tokens=6")
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("spo.segment_tokens: expected M0 + M1 < rollout.max_new_tokens = 12")

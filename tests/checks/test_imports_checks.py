@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PSPO = os.path.join(ROOT, "pspo")
 
 # The paper and the loop's steps (docs/README.md's table names their formulas).

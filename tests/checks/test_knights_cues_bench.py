@@ -5,7 +5,7 @@ import os
 from pspo.tasks.knights import Puzzle, builtin_knights
 from pspo.tasks.knights_reward import knights_people
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("knights_cues", os.path.join(ROOT, "bench", "knights_cues.py"))
 cues = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cues)

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from pspo.training import distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
                "all_to_all_single", "broadcast", "broadcast_object_list", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",

@@ -1,11 +1,8 @@
 """REINFORCE++ and REINFORCE++-baseline, docs/methods.md §6 / docs/related.md §A: the token reward,
 return and global whitening with the hand-worked numbers of docs/related.md §A, an independent loop
-implementation on random batches, whitening over 2 gloo ranks, the token-level loss seam, the
-config checks, and the real loop on the tiny model."""
-import json
+implementation on random batches, whitening over 2 gloo ranks, the token-level loss seam and the
+config checks. Their runs of the real loop: tests/e2e/test_methods_loop.py."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +24,6 @@ from pspo.engines.sampling import sequence_seeds
 from pspo.training.micro_batches import token_rows
 from pspo.update import policy_update
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = lambda x: x                  # noqa: E731  the sum over ranks in a world of one
 
 # docs/related.md §A: one completion of 3 tokens, kl_coef .1, R = 1
@@ -175,8 +171,8 @@ def _whiten_on_rank(rank, init_file, values, mask, out_dir):
     os._exit(0)           # as train.py ends a rank (distributed.finish): no interpreter finalization
 
 
-@pytest.mark.slow
 def test_whitening_over_two_ranks_equals_one_process(tmp_path):
+    # in the fast command with the rest of tests/math/, although it starts two processes (a few seconds)
     rewards, mask, old, ref = random_batch(11)
     returns = reinforce_pp_returns(rewards, mask, old, ref, 0.05, 10.0)   # (12, 7)
     mp.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), returns, mask, str(tmp_path)), nprocs=2)
@@ -248,43 +244,3 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     if cfg.algo.advantage != "grpo":                                      # token-level advantage stats
         n, sq = out.stats.advantages.adv_count, out.stats.advantages.adv_sq
         assert n == rollout.mask.sum() and sq / n == pytest.approx((n - 1) / n, rel=1e-4)
-
-
-# ---------------------------------------------------------------- the real loop
-
-SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
-         "--data.max_eval_examples=8", "--train.progress=false", "--optim.lr=1e-3", "--train.max_steps=2"]
-
-
-def train(out, model, *overrides):
-    cmd = [sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-           f"--model.name_or_path={model}", *SMALL, *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
-def test_loop_runs_and_logs(tmp_path, tiny_model_path, advantage):
-    out = str(tmp_path / "run")
-    proc = train(out, tiny_model_path, f"--algo.advantage={advantage}", "--algo.beta=0", "--algo.kl_coef=0.001",
-                 "--algo.aggregation=token_mean")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
-        # token advantages whitened over the whole batch with Bessel's variance: their RMS over the
-        # n valid tokens is sqrt((n-1)/n), n = response_length x 32 completions
-        n = row["response_length"] * 32
-        assert row["adv_std"] == pytest.approx(((n - 1) / n) ** 0.5, rel=1e-4)
-        assert 0 < row["adv_abs_mean"] < row["adv_std"] and row["grad_norm"] > 0
-    assert rows[1]["kl"] == pytest.approx(0, abs=1e-6)                     # the reference is built: policy == ref
-    assert rows[2]["kl"] > 0                                               # ... and the policy has moved from it
-
-
-@pytest.mark.slow
-def test_beta_with_reinforce_pp_is_one_line_exit_2(tmp_path, tiny_model_path):
-    proc = train(str(tmp_path / "x"), tiny_model_path, "--algo.advantage=reinforce_pp", "--algo.beta=0.04")
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1
-    assert lines[0].startswith("error: algo.beta: expected 0 with algo.advantage=reinforce_pp")

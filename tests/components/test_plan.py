@@ -18,7 +18,7 @@ from pspo.engines.decode import bucket
 from pspo.training.plan import GiB, PlanError
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QWEN = os.path.join(ROOT, "configs", "qwen2.5-math-1.5b")
 RECIPE = os.path.join(QWEN, "pspo.yaml")
 # LiveBytes (the peak of the storages allocated inside it) is bench/logprob_head.py's, which measures

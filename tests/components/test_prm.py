@@ -2,14 +2,13 @@
 start-up checks and their one-line errors, the frozen model, pair encoding and truncation, batched
 scoring equal to one-at-a-time scoring, the reward and its metrics, the config section, the rewards'
 sum, the memory plan's PRM rows; and (slow) the real loop with the PRM reward under two advantage
-methods, and train.py's exit code 2 on a PRM that cannot serve."""
+methods, and train.py's one-line error on a PRM that cannot serve (runs of train.py in this process:
+conftest's run_main)."""
 import functools
 import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from pspo.related.process_reward import geometric_mean, shaped_reward, split_lin
 from pspo.rewards import score_completions
 from pspo.offline.tiny_prm import build_prm_tokenizer, ensure_tiny_prm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = torch.device("cpu")
 WRITTEN_OUT = "<think></think><answer>(1) Aaron is a knave\n(2) Zoey is a knight</answer>"
 MALFORMED = "<think></think><answer>(1) Aaron is a knave\n(2) Zoey</answer>"
@@ -227,22 +226,22 @@ def test_plan_command_on_the_gpu_preset_says_what_it_did_not_count(tmp_path):
 
 # ---- the real loop (slow) ----
 
-def train(tmp_path, knights_path: str, *overrides: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "train.py", "--config", "configs/knights/pspo_star.yaml",
-            f"--model.name_or_path={knights_path}", "--train.max_steps=2", "--train.prompts_per_step=2",
-            "--rollout.max_new_tokens=32", "--rollout.engine=hf", "--data.eval=", "--train.progress=false",
-            f"--train.output_dir={tmp_path / 'run'}", *overrides]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+@pytest.fixture
+def train(run_main, hub_offline):
+    def train(tmp_path, knights_path: str, *overrides: str):
+        return run_main("train", "--config", "configs/knights/pspo_star.yaml",
+                        f"--model.name_or_path={knights_path}", "--train.max_steps=2", "--train.prompts_per_step=2",
+                        "--rollout.max_new_tokens=32", "--rollout.engine=hf", "--data.eval=", "--train.progress=false",
+                        f"--train.output_dir={tmp_path / 'run'}", *overrides)
+    return train
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["grpo", "reinforce_pp"])
-def test_the_loop_with_the_process_reward(tmp_path, knights_standin_path, tiny_prm_path, method):
+def test_the_loop_with_the_process_reward(tmp_path, knights_standin_path, tiny_prm_path, train, method):
     # the K&K preset on the untrained K&K twin (random text: its fixed-text tokens hold newlines, so some
     # completions have two or more lines, i.e. steps); 2 prompts x 8 completions, 2 steps
-    proc = train(tmp_path, knights_standin_path, f"--algo.advantage={method}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train(tmp_path, knights_standin_path, f"--algo.advantage={method}")
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [1, 2]
@@ -254,13 +253,13 @@ def test_the_loop_with_the_process_reward(tmp_path, knights_standin_path, tiny_p
 
 
 @pytest.mark.slow
-def test_train_py_exits_2_on_a_prm_that_cannot_serve(tmp_path, knights_standin_path):
-    proc = train(tmp_path, knights_standin_path, f"--prm.model={tmp_path / 'absent'}")
-    assert proc.returncode == 2
-    err = proc.stderr.strip().splitlines()
+def test_train_py_stops_on_a_prm_that_cannot_serve(tmp_path, knights_standin_path, train):
+    # a ConfigError: train.py prints its one line and exits 2
+    with pytest.raises(ConfigError) as e:
+        train(tmp_path, knights_standin_path, f"--prm.model={tmp_path / 'absent'}")
     absent = tmp_path / "absent"
-    assert err == [f"error: prm.model: '{absent}': no such folder (expected a sequence classifier's folder "
-                   "or hub id)"]
+    assert f"error: {e.value}".splitlines() == [
+        f"error: prm.model: '{absent}': no such folder (expected a sequence classifier's folder or hub id)"]
 
 
 def test_scoring_bench_runs_and_agrees(capsys):

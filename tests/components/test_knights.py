@@ -19,7 +19,7 @@ from pspo.evaluation import evaluate
 from pspo.tasks.knights import KNIGHTS_INSTRUCTION, SIZES, Puzzle, builtin_knights, puzzles, solutions, warmup_examples
 from pspo.rewards import REWARD_FUNCTIONS, GoldAnswerError, accuracy_reward, check_gold_answer, format_reward, knights_people, knights_reward, score_completions
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = os.path.join(ROOT, "data", "samples")
 SAMPLE_SEED = 7             # data/samples/knights*.jsonl: our own puzzles from this seed (test below)
 GOLD = "(1) Michael is a knight\n(2) Zoey is a knight\n(3) Ethan is a knight"
@@ -164,14 +164,14 @@ def test_train_people_keeps_those_sizes_and_names_a_row_that_is_not_kk(tmp_path)
 
 
 @pytest.mark.slow
-def test_train_py_names_a_train_people_filter_on_a_task_without_kk_puzzles(tiny_model_path, tmp_path):
-    # train.py passes data.train_people to the loader: on the arithmetic task it is one line, exit 2
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", "--data.train_people=2,3",
-                           f"--model.name_or_path={tiny_model_path}", f"--train.output_dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: builtin:arithmetic: data.train_people keeps K&K puzzles by their number of people, but row 0's gold")
+def test_train_py_names_a_train_people_filter_on_a_task_without_kk_puzzles(tiny_model_path, tmp_path, run_main):
+    # train.py passes data.train_people to the loader: on the arithmetic task it is one line (a DataError's,
+    # which train.py prints, exit 2); train.py in this process (conftest's run_main)
+    with pytest.raises(DataError) as e:
+        run_main("train", "--config", "configs/grpo.yaml", "--data.train_people=2,3",
+                 f"--model.name_or_path={tiny_model_path}", f"--train.output_dir={tmp_path}")
+    assert "\n" not in str(e.value) and str(e.value).startswith(
+        "builtin:arithmetic: data.train_people keeps K&K puzzles by their number of people, but row 0's gold")
 
 
 class _NoTemplate:
@@ -311,17 +311,16 @@ def test_evaluate_reports_greedy_accuracy_per_number_of_people():
 
 
 @pytest.mark.slow
-def test_eval_cli_on_the_kk_sample_has_a_column_per_size(tmp_path, tiny_model_path):
+def test_eval_cli_on_the_kk_sample_has_a_column_per_size(tmp_path, tiny_model_path, run_main):
     # The tiny arithmetic model cannot solve K&K (accuracy ~0): this checks the table and the JSON.
+    # eval.py in this process (conftest's run_main).
     out = tmp_path / "kk.json"
-    proc = subprocess.run([sys.executable, "eval.py", "--config", "configs/grpo.yaml",
-                           f"--model.name_or_path={tiny_model_path}", "--data.eval=data/samples/knights.jsonl",
-                           "--rollout.engine=hf", "--eval.num_samples=0", "--data.max_prompt_tokens=1000",
-                           "--rollout.max_new_tokens=16", f"--eval.output={out}", "--train.progress=false"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = run_main("eval", "--config", "configs/grpo.yaml",
+                   f"--model.name_or_path={tiny_model_path}", "--data.eval=data/samples/knights.jsonl",
+                   "--rollout.engine=hf", "--eval.num_samples=0", "--data.max_prompt_tokens=1000",
+                   "--rollout.max_new_tokens=16", f"--eval.output={out}", "--train.progress=false")
     columns = ["greedy_accuracy"] + [f"greedy_{n}ppl" for n in SIZES]
-    header = next(line for line in proc.stdout.splitlines() if line.startswith("eval set"))
+    header = next(line for line in ran.out.splitlines() if line.startswith("eval set"))
     assert header.split() == ["eval", "set", "n", "skipped"] + columns
     result = json.loads(out.read_text())
     assert result["n"] == 14 and result["skipped"] == 0 and all(0 <= result[c] <= 1 for c in columns)
