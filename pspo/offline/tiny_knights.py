@@ -61,7 +61,7 @@ from pspo.offline.tiny import (_build_model, build_once, cache_folder, greedy_co
 VERSION = 4                   # part of the cache key: bump it whenever the build below changes
 # The builds' supervised steps (module docstring), part of the cache key too:
 STUDY_STEPS = 1600            # builtin:tiny-knights: 964 s on one thread beside a pip install; bench/RESULTS.md §8
-QUICK_STEPS = 100             # builtin:tiny-knights-quick: the layout, not the names; README, "Offline models"
+QUICK_STEPS = 100             # builtin:tiny-knights-quick: the layout, not the names; bench/RESULTS.md §23
 # puzzles per step, all of one size (drawn with SIZE_WEIGHTS) so padding stays small
 BATCH = 32
 # the small sizes, where the logic is learnable, twice
