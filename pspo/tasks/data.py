@@ -28,7 +28,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from pspo.tasks import knights
+from pspo.tasks import knights, knights_files
 from pspo.training.distributed import print0
 from pspo.tasks.example import DataError, Example
 from pspo.tasks.golds import gold_text
@@ -83,7 +83,7 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
 
     A local file is a single split: `split` is ignored for it. A file (or hub dataset) whose fields
     are a knights-and-knaves layout (the hub's quiz/names/solution, PaddleNLP's src/tgt) is read as
-    K&K whatever problem_field/answer_field say (pspo/tasks/knights.py). Answers become text by `gold_text`
+    K&K whatever problem_field/answer_field say (pspo/tasks/knights_files.py). Answers become text by `gold_text`
     (datasets store numeric answers as int or float, OlympiadBench a list); a missing value (None)
     becomes "", which `prompt_set` reports and leaves out. `config` is a hub dataset's
     configuration name (e.g. "main" for openai/gsm8k). `people` (data.train_people) keeps only the
@@ -96,15 +96,15 @@ def load_examples(name: str, split: str = "train", problem_field: str = "problem
         examples = knights.builtin_knights(split)
     else:
         rows = _load_rows(name, split, config)
-        layout = knights.file_layout(list(rows.column_names))
+        layout = knights_files.file_layout(list(rows.column_names))
         try:    # pyarrow decodes strings only here: a hub dataset or parquet file with bad bytes
-            examples = (knights.examples_from_rows(rows, layout) if layout is not None
+            examples = (knights_files.examples_from_rows(rows, layout) if layout is not None
                         else _field_examples(name, rows, problem_field, answer_field))
         except UnicodeDecodeError as e:
             raise DataError(f"{name}: a text field is not valid UTF-8 "
                             f"({e.reason}, byte 0x{e.object[e.start]:02x})") from None
     if people:
-        examples = knights.with_people(name, examples, people)
+        examples = knights_files.with_people(name, examples, people)
     if max_examples is not None:
         examples = examples[:max_examples]
     if not examples:

@@ -22,7 +22,7 @@ Each puzzle becomes an `Example`: the problem is the puzzle text followed by KNI
 <answer>..</answer>` layout under any data.system_prompt, and the arithmetic task is untouched);
 the gold is the reference code's `tgt` text "(1) Michael is a knight\\n(2) Zoey is a knave", one line per
 person, so the number of people is its line count (knights_reward.knights_people). Local files in the
-hub data set's layout and in PaddleNLP's src/tgt layout load through `examples_from_rows`.
+hub data set's layout and in PaddleNLP's src/tgt layout are read by knights_files.py.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from pspo.tasks.example import DataError, Example
-from pspo.tasks.knights_reward import knights_people
 
 BUILTIN_KNIGHTS = "builtin:knights"
 SIZES = tuple(range(2, 9))              # people per puzzle
@@ -232,106 +231,3 @@ def warmup_examples(per_size: dict[int, int], test_per_size: int = 100, train_pe
     streams (pass the splits' sizes if they are not the defaults), interleaved by size."""
     skip = test_per_size + train_per_size
     return _interleaved({n: puzzles(n, skip + k, seed)[skip:] for n, k in sorted(per_size.items())})
-
-
-# ---- local files: the hub data set's layout and PaddleNLP's src/tgt layout -----------------
-
-HUB_FIELDS = ("quiz", "names", "solution")     # K-and-K/knights-and-knaves (+ solution_text_format, ...)
-PADDLE_FIELDS = ("src", "tgt")                 # {"src": [chat-templated prompt], "tgt": [gold text]}
-
-
-def file_layout(columns: list[str]) -> str | None:
-    """"paddle" | "hub" when a file's fields are one of the K&K layouts, else None."""
-    if all(f in columns for f in PADDLE_FIELDS):
-        return "paddle"
-    if all(f in columns for f in HUB_FIELDS):
-        return "hub"
-    return None
-
-
-# The reference code's src: Qwen2.5's chat template around a system prompt asking for the layout (our
-# wording), ending where the assistant starts, inside its opened <think>.
-PADDLE_SYSTEM_PROMPT = (
-    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
-    "then provides the user with the answer. The reasoning process and answer are enclosed within "
-    "<think> </think> and <answer> </answer> tags, respectively. Now the user asks you to solve a logical "
-    "reasoning problem. After thinking, clearly state the identity of each character within <answer> "
-    "</answer> tags, i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.")
-_HUB_OPERATORS = {"not": "not", "and": "and", "or": "or", "if": "->", "iff": "<=>"}
-
-
-def _hub_statement(statement: Statement) -> tuple:
-    """Our statement in the hub's `statements` vocabulary: ('telling-truth', i), ('lying', i),
-    ('->', a, b), ..."""
-    op, *claims = statement
-    leaves = tuple(("telling-truth" if knight else "lying", person) for person, knight in claims)
-    return leaves[0] if op == "claim" else (_HUB_OPERATORS[op],) + leaves
-
-
-def hub_row(puzzle: Puzzle, index: int) -> dict:
-    """The puzzle as a row of K-and-K/knights-and-knaves (every field, the hub's types)."""
-    names, solution = list(puzzle.names), list(puzzle.solution)
-    roles = [f"{name} is a {'knight' if knight else 'knave'}" for name, knight in zip(names, solution)]
-    steps = [f"{role}, and {names[i]}'s claim that {statement_text(s, puzzle.names)} is "
-             f"{'true' if solution[i] else 'false'}."
-             for i, (role, s) in enumerate(zip(roles, puzzle.statements))]
-    return {"quiz": puzzle.text(), "names": names,
-            "knight_knave": {"knight": "knight", "knave": "knave", "a_knight": "a knight",
-                             "a_knave": "a knave", "Knight": "Knight", "Knave": "Knave"},
-            "solution": solution, "solution_text": ", ".join(roles[:-1]) + ", and " + roles[-1] + ".",
-            "solution_text_format": puzzle.gold(),
-            "cot_head": "Let's check each person's statement against the only consistent assignment.",
-            "cot_repeat_steps": steps, "cot_foot": "This leads to a feasible solution.",
-            "statements": str(tuple(_hub_statement(s) for s in puzzle.statements)), "index": index}
-
-
-def paddle_row(puzzle: Puzzle) -> dict:
-    """The puzzle as a row of PaddleNLP's ppo-kk jsonl: src = [templated prompt], tgt = [gold]."""
-    src = (f"<|im_start|>system\n{PADDLE_SYSTEM_PROMPT}\n<|im_end|>\n<|im_start|>user\n{puzzle.text()}\n"
-           "<|im_end|>\n<|im_start|>assistant\n<think>")
-    return {"src": [src], "tgt": [puzzle.gold()]}
-
-
-def _first(value) -> str:
-    """src/tgt hold a one-item list; a plain string is accepted too; None -> ""."""
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
-    return "" if value is None else str(value)
-
-
-def examples_from_rows(rows, layout: str) -> list[Example]:
-    """Examples from a `datasets.Dataset` in a K&K layout.
-
-    hub: problem = quiz + KNIGHTS_INSTRUCTION (as builtin puzzles); gold = solution_text_format
-    when present, else built from names and solution (bools).
-    paddle: problem = src[0], a prompt already in the chat template (the reference code's ends with
-    "<|im_start|>assistant\\n<think>"): `chat_formatted=True`, so `prompt_set` uses it as it is,
-    never templated again (and without data.system_prompt); gold = tgt[0]."""
-    if layout == "paddle":
-        return [Example(_first(src), _first(tgt), chat_formatted=True)
-                for src, tgt in zip(rows["src"], rows["tgt"])]
-    formatted = rows["solution_text_format"] if "solution_text_format" in rows.column_names else None
-    examples = []
-    for i, (quiz, names, solution) in enumerate(zip(rows["quiz"], rows["names"], rows["solution"])):
-        gold = formatted[i] if formatted is not None and formatted[i] else (
-            solution_text(names, solution) if names and solution and len(names) == len(solution) else "")
-        examples.append(Example(f"{quiz}\n{KNIGHTS_INSTRUCTION}" if quiz else "", gold))
-    return examples
-
-
-def with_people(name: str, examples: list[Example], people: tuple[int, ...]) -> list[Example]:
-    """The examples whose gold names `people` persons (data.train_people: an RL curriculum on the
-    sizes a model can learn). A row that is not a K&K puzzle (its gold is not "(1) X is a knight
-    ...") is a DataError naming it: the filter would otherwise drop it silently."""
-    kept = []
-    for row, ex in enumerate(examples):
-        n = knights_people(ex.answer)
-        if n is None:
-            raise DataError(f"{name}: data.train_people keeps K&K puzzles by their number of people, "
-                            f"but row {row}'s gold is not a K&K answer ('(1) Zoey is a knight ...'): "
-                            f"{ex.answer[:40]!r}")
-        if n in people:
-            kept.append(ex)
-    if not kept:
-        raise DataError(f"{name}: no puzzle of {', '.join(map(str, people))} people (data.train_people)")
-    return kept

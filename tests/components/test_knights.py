@@ -29,6 +29,52 @@ RIGHT = "(1) Michael is a knight\n(2) Zoey is a knight\n(3) Ethan is a knight"
 
 # ---- generator --------------------------------------------------------------------------------
 
+
+# ---- the two file layouts, written from built-in puzzles (data/samples/knights*.jsonl hold such rows)
+
+# The reference code's src: Qwen2.5's chat template around a system prompt asking for the layout (our
+# wording), ending where the assistant starts, inside its opened <think>.
+PADDLE_SYSTEM_PROMPT = (
+    "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
+    "then provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively. Now the user asks you to solve a logical "
+    "reasoning problem. After thinking, clearly state the identity of each character within <answer> "
+    "</answer> tags, i.e., <answer> (1) Zoey is a knight\n(2) ... </answer>.")
+_HUB_OPERATORS = {"not": "not", "and": "and", "or": "or", "if": "->", "iff": "<=>"}
+
+
+def _hub_statement(statement: knights.Statement) -> tuple:
+    """Our statement in the hub's `statements` vocabulary: ('telling-truth', i), ('lying', i),
+    ('->', a, b), ..."""
+    op, *claims = statement
+    leaves = tuple(("telling-truth" if knight else "lying", person) for person, knight in claims)
+    return leaves[0] if op == "claim" else (_HUB_OPERATORS[op],) + leaves
+
+
+def hub_row(puzzle: Puzzle, index: int) -> dict:
+    """The puzzle as a row of K-and-K/knights-and-knaves (every field, the hub's types)."""
+    names, solution = list(puzzle.names), list(puzzle.solution)
+    roles = [f"{name} is a {'knight' if knight else 'knave'}" for name, knight in zip(names, solution)]
+    steps = [f"{role}, and {names[i]}'s claim that {knights.statement_text(s, puzzle.names)} is "
+             f"{'true' if solution[i] else 'false'}."
+             for i, (role, s) in enumerate(zip(roles, puzzle.statements))]
+    return {"quiz": puzzle.text(), "names": names,
+            "knight_knave": {"knight": "knight", "knave": "knave", "a_knight": "a knight",
+                             "a_knave": "a knave", "Knight": "Knight", "Knave": "Knave"},
+            "solution": solution, "solution_text": ", ".join(roles[:-1]) + ", and " + roles[-1] + ".",
+            "solution_text_format": puzzle.gold(),
+            "cot_head": "Let's check each person's statement against the only consistent assignment.",
+            "cot_repeat_steps": steps, "cot_foot": "This leads to a feasible solution.",
+            "statements": str(tuple(_hub_statement(s) for s in puzzle.statements)), "index": index}
+
+
+def paddle_row(puzzle: Puzzle) -> dict:
+    """The puzzle as a row of PaddleNLP's ppo-kk jsonl: src = [templated prompt], tgt = [gold]."""
+    src = (f"<|im_start|>system\n{PADDLE_SYSTEM_PROMPT}\n<|im_end|>\n<|im_start|>user\n{puzzle.text()}\n"
+           "<|im_end|>\n<|im_start|>assistant\n<think>")
+    return {"src": [src], "tgt": [puzzle.gold()]}
+
+
 def test_hand_checked_two_person_puzzle():
     # A (0) says "B is a knave"; B (1) says "A is a knight and B is a knight".
     # B a knight -> B's claim true -> A a knight -> A's claim "B is a knave" false: contradiction.
@@ -116,8 +162,8 @@ def test_splits_are_stratified_disjoint_and_the_warmup_pool_is_outside_both():
 # ---- loading: builtin, the hub layout, the PaddleNLP layout ----------------------------------
 
 def _sample_rows():
-    hub = [knights.hub_row(p, i) for i, p in enumerate(p for n in SIZES for p in puzzles(n, 2, SAMPLE_SEED))]
-    paddle = [knights.paddle_row(puzzles(n, 3, SAMPLE_SEED)[2]) for n in SIZES]
+    hub = [hub_row(p, i) for i, p in enumerate(p for n in SIZES for p in puzzles(n, 2, SAMPLE_SEED))]
+    paddle = [paddle_row(puzzles(n, 3, SAMPLE_SEED)[2]) for n in SIZES]
     return hub, paddle
 
 
