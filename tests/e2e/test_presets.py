@@ -8,7 +8,7 @@ offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do 
   `builtin:tiny-knights-quick` (or `builtin:tiny-knights`, the study's) becomes the builds' untrained
   twin (pspo/offline/tiny_knights.py: the same tokenizer, so the same prompt lengths against
   data.max_prompt_tokens, and architecture; random weights, built in seconds where the quick base
-  takes about a minute, and tests/test_tiny_knights.py builds and checks it); a GPU recipe's model
+  takes about a minute, and tests/components/test_tiny_knights.py builds and checks it); a GPU recipe's model
   becomes the stand-in built from the real config.json shipped beside it as model_config.json
   (pspo/offline/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
@@ -162,15 +162,14 @@ def rehearse(run, config: str, out: str, tiny_model_path: str, knights_path: str
 
 
 @pytest.mark.slow
-def test_knights_preset_on_the_base_it_names(tmp_path):
+def test_knights_preset_on_the_base_it_names(tmp_path, run):
     # what a new user runs: configs/knights/grpo.yaml on builtin:tiny-knights-quick itself (built here once,
-    # as train.py would; tests/test_tiny_knights.py checks it), its own 80 new tokens, 2 steps of 2 puzzles
+    # as train.py would; tests/components/test_tiny_knights.py checks it), its own 80 new tokens, 2 steps of 2 puzzles
     resolve_model_path(TINY_KNIGHTS_QUICK)
     out = tmp_path / "run"
     over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
             "train.output_dir": str(out), "train.prompts_per_step": "2", "data.max_eval_examples": "14"}
-    proc = run("train.py", "configs/knights/grpo.yaml", over)
-    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
+    run("train", "configs/knights/grpo.yaml", over)                # an error raises: the test fails with it
     with open(out / "config.yaml") as f:
         assert yaml.safe_load(f)["model"]["name_or_path"] == TINY_KNIGHTS_QUICK
     with open(out / "metrics.jsonl") as f:
