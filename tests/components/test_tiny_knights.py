@@ -98,26 +98,30 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
 def test_a_build_runs_on_one_thread_and_restores_the_callers_count(tmp_path):
     # tiny.build_once runs every offline build on one thread (tiny.one_thread), then gives the caller
     # (train.py, a test) back its own thread count, also when the build fails
-    path, seen = str(tmp_path / "model"), []
-
-    def build():
-        seen.append(torch.get_num_threads())
-        os.makedirs(path)
-        return path
-
-    def broken():
-        raise RuntimeError("build failed")
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert build_once(path, build, log=lambda _: None) == path and seen == [1]
-        assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError, match="build failed"):
-            build_once(str(tmp_path / "other"), broken, log=lambda _: None)
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
+    # A fresh process: an in-process vLLM engine earlier in a test worker leaves torch's thread pool
+    # capped at one thread, where this check could not tell a restored count from a lost one.
+    code = """
+import os, sys, torch
+from pspo.offline.tiny import build_once
+path, seen = os.path.join(sys.argv[1], "model"), []
+def build():
+    seen.append(torch.get_num_threads())
+    os.makedirs(path)
+    return path
+def broken():
+    raise RuntimeError("build failed")
+torch.set_num_threads(2)
+assert build_once(path, build, log=lambda _: None) == path and seen == [1], seen
+assert torch.get_num_threads() == 2, torch.get_num_threads()
+try:
+    build_once(os.path.join(sys.argv[1], "other"), broken, log=lambda _: None)
+except RuntimeError as e:
+    assert str(e) == "build failed"
+else:
+    raise AssertionError("the failing build did not raise")
+assert torch.get_num_threads() == 2, torch.get_num_threads()
+"""
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, check=True, timeout=120)
 
 
 @pytest.mark.slow
