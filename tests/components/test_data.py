@@ -14,7 +14,8 @@ import pytest
 
 from pspo.tasks import data
 from pspo.training.config import R1_SYSTEM_PROMPT
-from pspo.tasks.data import DataError, Example, builtin_arithmetic, format_prompt, load_examples, prompt_set, resolve_system_prompt, warmup_examples
+from pspo.tasks.data import (DataError, Example, builtin_arithmetic, format_prompt, load_examples,
+                             prompt_set, resolve_system_prompt, warmup_examples)
 from pspo.rewards import format_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

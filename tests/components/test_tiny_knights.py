@@ -22,7 +22,10 @@ from pspo.tasks.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_exam
 from pspo.tasks.knights_reward import knights_people, knights_reward
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_KNIGHTS_QUICK, resolve_model_path
 from pspo.offline.tiny import build_once
-from pspo.offline.tiny_knights import FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS, build_knights_tokenizer, ensure_tiny_knights_model, greedy_accuracy_by_size, knights_completion, lr_factor, tiny_knights_path
+from pspo.offline.tiny_knights import (FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS,
+                                       build_knights_tokenizer, ensure_tiny_knights_model,
+                                       greedy_accuracy_by_size, knights_completion, lr_factor,
+                                       tiny_knights_path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

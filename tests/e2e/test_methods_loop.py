@@ -44,7 +44,8 @@ def test_loop_runs_and_logs(tmp_path, tiny_model_path, run_main, advantage):
 def test_beta_with_reinforce_pp_is_one_line(tmp_path, tiny_model_path, run_main):
     with pytest.raises(ConfigError) as e:                                   # train.py: its one line, exit 2
         train(run_main, str(tmp_path / "x"), tiny_model_path, "--algo.advantage=reinforce_pp", "--algo.beta=0.04")
-    assert "\n" not in str(e.value) and str(e.value).startswith("algo.beta: expected 0 with algo.advantage=reinforce_pp")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("algo.beta: expected 0 with algo.advantage=reinforce_pp")
 
 
 # ---------------------------------------------------------------- truncated IS (docs/methods.md §7)

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from pspo.related import process_reward as pr
-from pspo.related.process_reward import ff, geometric_mean, shaped_reward, split_lines, split_reference, split_steps, step_pairs, weibull_weight
+from pspo.related.process_reward import (ff, geometric_mean, shaped_reward, split_lines, split_reference,
+                                         split_steps, step_pairs, weibull_weight)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 E2 = math.exp(2.0)                     # e^{k τ} = e^{0.5 · 4} = 7.389056

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pspo import rewards
-from pspo.rewards import GoldAnswerError, accuracy_reward, check_gold_answer, cosine_reward, format_reward, score_completions
+from pspo.rewards import (GoldAnswerError, accuracy_reward, check_gold_answer, cosine_reward,
+                          format_reward, score_completions)
 
 
 def clear_memo() -> None:

@@ -7,7 +7,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-from pspo.related.spo_segments import add_children, chain_advantages, mc_values, probability_mask, segment_advantages, select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes
+from pspo.related.spo_segments import (add_children, chain_advantages, mc_values, probability_mask,
+                                       segment_advantages, select_cuts, tree_advantages, tree_edges,
+                                       tree_values, unique_prefixes)
 
 P = torch.tensor([[.95, .5, .99, .3, .97, .8, .99]])       # §B's chain: candidates t = 1, 3, 5
 ONES = torch.ones(1, 7)
