@@ -8,8 +8,8 @@ does both), and are skipped with a reason otherwise.
 End-to-end tests run train.py and eval.py in the test's own process through `run_main` (below):
 about 5 s less per run than a fresh interpreter, which re-imports torch and transformers. What
 needs a process of its own stays a subprocess: torchrun and other multi-process runs, a signal
-sent to a run, a hard kill, and the exit code and stderr line of a user mistake (one test per way
-out of the script)."""
+sent to a run, a hard kill, a fresh interpreter's imports, vLLM (its state is per process), and
+the exit code and stderr line of a user mistake (one test per way out of a script)."""
 import contextlib
 import dataclasses
 import functools
