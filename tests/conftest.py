@@ -8,8 +8,8 @@ does both), and are skipped with a reason otherwise.
 End-to-end tests run train.py and eval.py in the test's own process through `run_main` (below):
 about 5 s less per run than a fresh interpreter, which re-imports torch and transformers. What
 needs a process of its own stays a subprocess: torchrun and other multi-process runs, a signal
-sent to a run, a hard kill, and the exit code and stderr line of a user mistake (one test per way
-out of the script)."""
+sent to a run, a hard kill, a fresh interpreter's imports, vLLM (its state is per process), and
+the exit code and stderr line of a user mistake (one test per way out of a script)."""
 import contextlib
 import dataclasses
 import functools
@@ -201,11 +201,19 @@ def hub_offline(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
 
 
+# module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
+SHARED_RUNS = ("pspo_3_steps", "with_hf")
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
-    end; the tests sharing one vLLM engine (a module fixture) on one worker (--dist loadgroup)."""
+    end; the tests sharing one vLLM engine or one run (a module fixture) on one worker (--dist
+    loadgroup)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             if item.path.name == "test_vllm_engine.py":
                 item.add_marker(pytest.mark.xdist_group("vllm"))
+            for name in SHARED_RUNS:
+                if name in getattr(item, "fixturenames", ()):
+                    item.add_marker(pytest.mark.xdist_group(name))
