@@ -11,8 +11,9 @@
 
 Every run is `train.py --config configs/<method>.yaml` (`configs/knights/<method>.yaml` with --task
 knights, on the study's base `builtin:tiny-knights` instead of the presets' quick one, except with
---quick; pspo/offline/tiny_knights.py) with the same seed, steps, batch, engine (`--engine`, default hf: faster than vLLM on CPU
-for the tiny models, and what the tables were measured with) and evaluation schedule, so all
+--quick; pspo/offline/tiny_knights.py) with the same seed, steps, batch, engine (`--engine`,
+default hf: faster than vLLM on CPU for the tiny models, and what the tables were measured with) and
+evaluation schedule, so all
 methods consume the same rollouts (steps x B x G). From each run's metrics.jsonl, over seeds:
   final    test accuracy after the last step: greedy, or --metric eval_mean@K (sampled, K per prompt)
   AUC      area under the accuracy-vs-rollouts curve / rollouts (= mean accuracy over training)

@@ -1,7 +1,8 @@
 """How far surface cues go on knights-and-knaves: a yardstick for what the tiny K&K model has learned.
 
     python bench/knights_cues.py            # the table of bench/RESULTS.md (a few seconds, no model)
-    python bench/knights_cues.py --model PATH   # adds a model's greedy accuracy per size (a folder, or builtin:tiny-knights)
+    # adds a model's greedy accuracy per size (a folder, or builtin:tiny-knights):
+    python bench/knights_cues.py --model PATH
 
 A cue predictor names each person's role from that person's own statement alone, never solving the
 puzzle: it looks up the statement's shape (`cue`) in a table counted on the train split of

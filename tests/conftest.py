@@ -19,6 +19,7 @@ import io
 import os
 import random
 import signal
+import subprocess
 import sys
 import traceback
 
@@ -183,8 +184,25 @@ def _run_main(script: str, *argv: str) -> Ran:
 @pytest.fixture(scope="session")
 def run_main():
     """`run_main("train", "--config", ...)`: train.py (or "eval": eval.py) in this process; see
-    _run_main. Session-scoped, so that a module's fixture may share one run among its tests."""
+    _run_main. One for the whole test run, so that a module's fixture may share one run among its tests."""
     return _run_main
+
+
+def _launch_train(args: list[str], nproc: int = 1):
+    """train.py with these arguments: in this process (`_run_main`; a user mistake raises its error)
+    or, nproc > 1, under torchrun, which must exit 0."""
+    if nproc == 1:
+        return _run_main("train", *args)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", "train.py", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def launch_train():
+    """`launch_train(args, nproc=1)`: train.py in this process, or under torchrun with nproc ranks."""
+    return _launch_train
 
 
 @pytest.fixture

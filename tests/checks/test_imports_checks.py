@@ -140,6 +140,7 @@ def test_resolving_and_loading_a_local_model_imports_no_builder(tiny_model_path)
     code = ("import sys; from pspo.offline.builtin import resolve_model_path; "
             "from pspo.training.model import build_policy; "
             "path = resolve_model_path(sys.argv[1]); build_policy(path, False, 64, False, False); "
-            "builders = ('pspo.tasks.knights', 'pspo.tasks.data', 'pspo.offline.tiny', 'pspo.offline.tiny_knights', 'pspo.offline.tiny_prm'); "
+            "builders = ('pspo.tasks.knights', 'pspo.tasks.data', 'pspo.offline.tiny', "
+            "'pspo.offline.tiny_knights', 'pspo.offline.tiny_prm'); "
             "loaded = [m for m in builders if m in sys.modules]; assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code, tiny_model_path], cwd=ROOT, check=True, timeout=120)

@@ -1,4 +1,5 @@
-"""PSPO*'s process reward model (pspo/related/prm.py, docs/related.md §C) on the offline tiny PRM (pspo/offline/tiny_prm.py):
+"""PSPO*'s process reward model (pspo/related/prm.py, docs/related.md §C) on the offline tiny PRM
+(pspo/offline/tiny_prm.py):
 start-up checks and their one-line errors, the frozen model, pair encoding and truncation, batched
 scoring equal to one-at-a-time scoring, the reward and its metrics, the config section, the rewards'
 sum, the memory plan's PRM rows; and (slow) the real loop with the PRM reward under two advantage

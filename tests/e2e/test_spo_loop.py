@@ -9,8 +9,6 @@ docs/related.md §B. Two-rank runs are torchrun subprocesses.
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -50,18 +48,12 @@ def probe(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def train(run_main, tiny_model_path):
+def train(launch_train, tiny_model_path):
     """train(out, config, *overrides, nproc=1): train.py on the tiny model, SMALL settings; one process
     runs in this one (a user mistake raises its error), nproc > 1 under torchrun (it must exit 0)."""
     def train(out, config, *overrides, nproc=1):
-        args = ["--config", config, f"--train.output_dir={out}", f"--model.name_or_path={tiny_model_path}", *SMALL,
-                *overrides]
-        if nproc == 1:
-            return run_main("train", *args)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={nproc}", "train.py", *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return launch_train(["--config", config, f"--train.output_dir={out}",
+                             f"--model.name_or_path={tiny_model_path}", *SMALL, *overrides], nproc)
     return train
 
 
