@@ -28,6 +28,7 @@ profiler's own overhead counts there too, so idle is an upper bound).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -70,14 +71,30 @@ def skewed_batch(n: int, vocab: int, seed: int = 0, max_completion: int = 512,
     return input_ids, attention, mask, torch.randn(n, generator=g), completions
 
 
-def mfu(params: int, tokens: float, seconds: float, peak_tflops: float) -> float:
-    """Model FLOPs utilisation: 6 x params FLOPs per real token (forward 2, backward 4; attention
-    and checkpointing's recomputed forward not counted) / time / the GPU's dense peak."""
-    return 6 * params * tokens / seconds / (peak_tflops * 1e12)
+PEAK_TFLOPS = (("h100", 989.0), ("h200", 989.0), ("gh200", 989.0), ("a100", 312.0))   # dense bf16, by name
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU from its name (H100 SXM / H200: 989, A100: 312); None if unknown."""
+    low = device_name.lower()
+    return next((tflops for key, tflops in PEAK_TFLOPS if key in low), None)
+
+
+def update_flops(matmul_params: int, tokens: int, lengths: list[int], layers: int, attn_width: int) -> float:
+    """FLOPs of one update (forward 1x, backward 2x) over sequences of `lengths` (prompt + completion):
+    6 x the matrix-multiply parameters (the input embedding is a lookup: not counted) x real tokens,
+    plus causal attention, 6 x layers x attn_width x L^2 per sequence (QK^T and AV, 2 L^2 d / 2 each
+    forward, causal half). Checkpointing's recomputed forward is not counted (docs/gpu.md)."""
+    return 6.0 * matmul_params * tokens + 6.0 * layers * attn_width * sum(n * n for n in lengths)
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
+    """Model FLOPs utilisation: the update's FLOPs / time / the GPU's dense peak."""
+    return flops / seconds / (peak_tflops * 1e12)
 
 
 KERNEL_KINDS = (   # (kind, substrings of a CUDA kernel's lower-cased name), first match wins
-    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "_mma")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "copy", "cast", "unrolled", "fill", "softmax",
                      "norm", "index", "gather", "scatter", "cat", "where", "pointwise", "adam")),
@@ -109,8 +126,20 @@ def profile_shares(kernels: list[tuple[str, float]], wall_us: float) -> dict[str
     return shares
 
 
-def profiled_update(run) -> dict[str, float]:
-    """Run `run()` (one update) under torch.profiler on the GPU; the kernel time shares."""
+def attention_backend(kernels: list[tuple[str, float]]) -> str:
+    """Which attention implementation the GPU ran, from its kernels' names (the most time first):
+    cudnn, flash, efficient (memory-efficient), math (none of those: softmax and GEMMs); a name may
+    hold two words (cudnn's flash kernels): the first listed wins."""
+    names = [name.lower() for name, _ in sorted(kernels, key=lambda k: -k[1]) if kernel_kind(name) == "attention"]
+    for backend, keys in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient", "mem_eff"))):
+        if any(k in name for name in names for k in keys):
+            return backend
+    return "math" if not names else "other: " + names[0][:60]
+
+
+def profiled_update(run) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Run `run()` (one update) under torch.profiler on the GPU; the kernel time shares and the kernels
+    (name, microseconds)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -120,7 +149,7 @@ def profiled_update(run) -> dict[str, float]:
     wall_us = (time.perf_counter() - start) * 1e6
     kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
-    return profile_shares(kernels, wall_us)
+    return profile_shares(kernels, wall_us), kernels
 
 
 def main(argv: list[str]) -> None:
@@ -129,20 +158,25 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--micro", type=int, default=4, help="rows per fixed micro-batch")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--arch", default="", help="a config.json: its architecture at real widths (default: 8 x 512)")
+    ap.add_argument("--model", default="", help="a from_pretrained folder (a model built once; instead of --arch)")
     ap.add_argument("--layers", type=int, default=None, help="with --arch: keep this many decoder layers")
     ap.add_argument("--max-completion", type=int, default=512)
     ap.add_argument("--max-prompt", type=int, default=120)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (model.bf16)")
     ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the GPU's dense bf16 peak, for MFU (default: from its name: H100/H200 989, A100 312)")
     ap.add_argument("--budget", type=int, default=0, help="token budget (default: micro x the longest sequence)")
     ap.add_argument("--profile", action="store_true", help="a GPU: where one token-budget update spends its time")
     ap.add_argument("--modes", default="fixed,token budget", help="which modes to time, comma-separated")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = tempfile.mkdtemp(prefix="pspo-bench-")
-    if args.arch:
+    if args.model:
+        folder, name = args.model, f"{os.path.basename(os.path.normpath(args.model))} (--model)"
+    elif args.arch:
         build_random_model(args.arch, os.path.join(folder, "model"), shrink=False, num_layers=args.layers,
                            log=lambda *a: None)
         folder, name = os.path.join(folder, "model"), f"random {os.path.relpath(args.arch)}"
@@ -154,6 +188,7 @@ def main(argv: list[str]) -> None:
     policy = build_policy(folder, False, 2048, args.bf16, args.checkpointing).to(device)
     vocab = policy.lm.config.vocab_size
     params = sum(p.numel() for p in policy.parameters())
+    matmul_params = params - policy.lm.get_input_embeddings().weight.numel()   # a lookup, no FLOPs
     batch = skewed_batch(args.sequences, vocab, max_completion=args.max_completion, max_prompt=args.max_prompt)
     input_ids, attention, mask, advantages = (t.to(device) for t in batch[:4])
     lengths = batch[4]
@@ -183,40 +218,65 @@ def main(argv: list[str]) -> None:
                 peaks[mode] = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30)
             times[mode].append(time.perf_counter() - start)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
-          f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters); "
-          f"{where}; bf16 {'on' if args.bf16 else 'off'}, checkpointing {'on' if args.checkpointing else 'off'}; "
-          f"median of {args.reps}\n")
     gpu = device.type == "cuda"
+    peak = args.peak_tflops or (peak_tflops(where) if gpu else None)
+    lm_config = policy.lm.config
+    heads = lm_config.num_attention_heads
+    attn_width = heads * (getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads)
+    flops = update_flops(matmul_params, int(attention.sum()), attention.sum(1).tolist(),
+                         lm_config.num_hidden_layers, attn_width)
+    print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
+          f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters, "
+          f"{matmul_params / 1e9:.3f}B without the input embedding); {where}; bf16 {'on' if args.bf16 else 'off'}, "
+          f"checkpointing {'on' if args.checkpointing else 'off'}; median of {args.reps}; MFU: "
+          + (f"{flops / 1e12:,.0f} TFLOPs per update (matmuls + causal attention) / time / {peak:g} TFLOP/s"
+             if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + "\n")
     print("| mode | micro-batches | padded share | update s | real tokens/s |"
           + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else ""))
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else ""))
+    figures: dict[str, dict] = {}
     for mode in modes:
         s = sums[mode]
         t = modes[mode].train
         plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens)
         median = statistics.median(times[mode])
-        row = (f"| {mode} | {len(plan)} | {1 - s.update_tokens / s.update_positions:.2f} | {median:.2f} | "
-               f"{s.update_tokens / median:,.0f} |")
+        figures[mode] = {"micro_batches": len(plan), "padded_share": 1 - s.update_tokens / s.update_positions,
+                         "update_s": median, "real_tokens_per_s": s.update_tokens / median,
+                         "mfu": mfu(flops, median, peak) if gpu and peak else None,
+                         "peak_allocated_gib": peaks[mode][0] if gpu else None,
+                         "peak_reserved_gib": peaks[mode][1] if gpu else None}
+        row = (f"| {mode} | {len(plan)} | {figures[mode]['padded_share']:.2f} | {median:.2f} | "
+               f"{figures[mode]['real_tokens_per_s']:,.0f} |")
         if gpu:
-            row += (f" {mfu(params, s.update_tokens, median, args.peak_tflops):.1%} | {peaks[mode][0]:.1f} | "
-                    f"{peaks[mode][1]:.1f} |")
+            row += (f" {figures[mode]['mfu']:.1%} |" if peak else " - |") \
+                + f" {peaks[mode][0]:.1f} | {peaks[mode][1]:.1f} |"
         print(row)
     if len(modes) == 2:
         ratio = statistics.median(times["fixed"]) / statistics.median(times["token budget"])
         print(f"\ntoken-budget updates are {ratio:.2f}x faster (fixed / token budget, medians; "
               f"per rep: {', '.join(f'{f / t:.2f}' for f, t in zip(times['fixed'], times['token budget']))})")
+    profile: dict = {}
     if args.profile and not gpu:
         print("\nprofile: GPU only (kernel times); absent on CPU")
     elif args.profile:
         cfg = configs["token budget"]
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        shares = profiled_update(lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
+        shares, kernels = profiled_update(
+            lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
+        profile = dict(shares, attention_backend=attention_backend(kernels))
         print("\nprofile of one token-budget update (share of wall time):")
-        print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle |")
-        print("|---:|---:|---:|---:|---:|---:|")
+        print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle | attention kernels |")
+        print("|---:|---:|---:|---:|---:|---:|---|")
         print(f"| {shares['gemm']:.0%} | {shares['gemm_fp32']:.0%} | {shares['attention']:.0%} | "
-              f"{shares['elementwise']:.0%} | {shares['other']:.0%} | {shares['idle']:.0%} |")
+              f"{shares['elementwise']:.0%} | {shares['other']:.0%} | {shares['idle']:.0%} | "
+              f"{profile['attention_backend']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": where, "model": name, "parameters": params, "matmul_parameters": matmul_params,
+                       "sequences": args.sequences, "real_tokens": int(attention.sum()), "longest": longest,
+                       "bf16": args.bf16, "checkpointing": args.checkpointing, "budget": budget,
+                       "update_tflops": flops / 1e12, "peak_tflops": peak, "modes": figures,
+                       "profile": profile}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ training step is logged by train.py as prm_share.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -43,6 +44,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--completions", type=int, default=48)
     ap.add_argument("--steps", type=int, default=20, help="steps (lines) per completion")
     ap.add_argument("--small", action="store_true", help="a 2-layer, width-64 stand-in (CPU)")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -81,6 +83,12 @@ def main(argv: list[str]) -> None:
     if device.type == "cuda":
         row += f" {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} |"
     print(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": where, "parameters": params, "steps": len(pairs), "batched_s": batched,
+                       "one_at_a_time_s": single, "steps_per_s": len(pairs) / batched, "max_abs_diff": gap,
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
     python bench/rollout.py --random 8,512 --max-new-tokens 64     # a random-weight 8 x 512 Qwen2
 
 Engines: `generate` is HFEngine's transformers `generate` loop (dynamic KV cache, the sampler as a
-logits processor); `static` is its static-cache loop (pspo/engines/decode.py), compiled as
+logits processor); `generate-static` the same with transformers' own StaticCache (which `generate`
+compiles on CUDA); `static` is its static-cache loop (pspo/engines/decode.py), compiled as
 `rollout.compile` says (--compile; auto: on CUDA, CUDA graphs there); `vllm` is the colocated
 in-process engine train.py uses. Each generates n completions of each of the same prompts (the
 built-in task under the chat template, or for --arch/--random the stand-in tokenizer's), with the
@@ -21,6 +22,8 @@ weights never stop: every row runs to max_new_tokens. Run it on an otherwise idl
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
 import statistics
 import sys
@@ -40,7 +43,7 @@ from pspo.engines.sampling import sequence_seeds  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
 from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
 
-ENGINES = ("generate", "static", "vllm")
+ENGINES = ("generate", "generate-static", "static", "vllm")
 
 
 def random_model(size: str) -> str:
@@ -60,8 +63,13 @@ def random_model(size: str) -> str:
 
 
 def build(name: str, path: str, tokenizer, policy, args, max_len: int, device: str):
-    if name == "generate":
-        return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, loop="generate")
+    if name == "generate-static" and getattr(policy, "bf16", False):
+        # transformers' StaticCache holds one dtype, but under autocast the keys leave the rotary
+        # embedding in float32 and the values in bf16: give it a bf16 copy of the model instead
+        policy = copy.deepcopy(policy).to(torch.bfloat16)
+        policy.bf16 = False
+    if name in ("generate", "generate-static"):
+        return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, max_len=max_len, loop=name)
     if name == "static":
         return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, max_len=max_len,
                         compile=compile_enabled(args.compile, torch.device(device)))
@@ -112,6 +120,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--compile", default="auto", choices=("auto", "always", "never"),
                     help="the static engine's rollout.compile (auto: on CUDA)")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast over float32 weights, as model.bf16")
+    ap.add_argument("--cache-len", type=int, default=0,
+                    help="the static caches' length (default: the longest prompt + max new tokens; a recipe's "
+                         "is data.max_prompt_tokens + rollout.max_new_tokens, 4096 for the 1.5B)")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     if args.arch:
         path = os.path.join(tempfile.mkdtemp(prefix="pspo-bench-model-"), "model")
@@ -123,7 +135,7 @@ def main(argv: list[str]) -> None:
                for ex in builtin_arithmetic("train")[:args.prompts]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     policy = build_policy(path, False, 2048, args.bf16, False, trainable=False).to(device)
-    max_len = max(map(len, prompts)) + max(args.max_new_tokens)
+    max_len = max(args.cache_len, max(map(len, prompts)) + max(args.max_new_tokens))
     engines = {name: build(name, path, tokenizer, policy, args, max_len, device) for name in args.engines}
     where = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     name = os.path.relpath(args.arch) if args.arch else path
@@ -134,18 +146,28 @@ def main(argv: list[str]) -> None:
     if device == "cuda" and "static" in engines and compiled:
         print(check_compiled_sampler(args.prompts * args.n, policy.lm.config.vocab_size))
     print("| engine | max new tokens | first call s | mean length | tok/s | ms / step | rows equal to "
-          f"{args.engines[0]} | " + ("peak GiB |" if device == "cuda" else "CPU s / call |"))
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"{args.engines[0]} | " + ("peak GiB |" if device == "cuda" else "CPU s / call |")
+          + " compiles / recompiles / CUDA-graph skips |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    figures: dict = {"device": where, "model": name, "precision": precision, "rows": args.prompts * args.n,
+                     "cache_len": max_len, "compiled": compiled, "runs": []}
     for max_new in args.max_new_tokens:
         first, times, cpu, outs, peaks = {}, {k: [] for k in engines}, {k: [] for k in engines}, {}, {}
+        graphs: dict[str, dict[str, int]] = {}
         for name, engine in engines.items():
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            before = compile_counts()
             first[name] = timed(engine, prompts, args.n, max_new, 0)[0]
+            graphs[name] = {"compiles": compile_counts()["graphs"] - before["graphs"],
+                            "skips": compile_counts()["skips"] - before["skips"], "recompiles": 0}
             peaks[name] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
         for step in range(1, args.repeats + 1):                     # the engines take turns
             for name, engine in engines.items():
+                before = compile_counts()
                 seconds, cpu_seconds, outs[name] = timed(engine, prompts, args.n, max_new, step)
+                graphs[name]["recompiles"] += compile_counts()["graphs"] - before["graphs"]
+                graphs[name]["skips"] += compile_counts()["skips"] - before["skips"]
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
         reference = outs[args.engines[0]]
@@ -153,10 +175,15 @@ def main(argv: list[str]) -> None:
             out, seconds = outs[name], statistics.median(times[name])
             same = sum(a[m.bool()].tolist() == b[mb.bool()].tolist() for a, m, b, mb in zip(
                 out.completion_ids, out.mask, reference.completion_ids, reference.mask))
+            ms_step = 1000 * seconds / out.completion_ids.shape[1]
+            figures["runs"].append({"engine": name, "max_new_tokens": max_new, "first_call_s": first[name],
+                                    "tokens_per_s": float(out.mask.sum() / seconds), "ms_per_step": ms_step,
+                                    "rows_equal": same, "peak_gib": peaks[name] if device == "cuda" else None,
+                                    **graphs[name]})
             print(f"| {name} | {max_new} | {first[name]:.2f} | {out.mask.sum(1).mean():.1f} | "
-                  f"{out.mask.sum() / seconds:,.0f} | {1000 * seconds / out.completion_ids.shape[1]:.2f} | "
-                  f"{same}/{len(out.completion_ids)} | "
-                  + (f"{peaks[name]:.1f} |" if device == "cuda" else f"{statistics.median(cpu[name]):.2f} |"))
+                  f"{out.mask.sum() / seconds:,.0f} | {ms_step:.2f} | {same}/{len(out.completion_ids)} | "
+                  + (f"{peaks[name]:.1f} |" if device == "cuda" else f"{statistics.median(cpu[name]):.2f} |")
+                  + f" {graphs[name]['compiles']} / {graphs[name]['recompiles']} / {graphs[name]['skips']} |")
         for kind, values in (("wall", times), ("CPU", cpu)):
             static, generate = values.get("static"), values.get("generate")
             if static and generate and (kind == "wall" or device == "cpu"):
@@ -164,6 +191,15 @@ def main(argv: list[str]) -> None:
                       + ", ".join(f"{s / g:.2f}" for s, g in zip(static, generate))
                       + f"; median {statistics.median(static) / statistics.median(generate):.2f}"
                       + f", fastest {min(static) / min(generate):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+def compile_counts() -> dict[str, int]:
+    """torch.compile's running counts: graphs compiled (dynamo's unique graphs) and CUDA graphs skipped."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"], "skips": counters["inductor"]["cudagraph_skips"]}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import time
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
 from pspo.engines.decode import Decoder
 from pspo.engines.sampling import perturbed_logits
@@ -33,6 +33,8 @@ class _GumbelSampler(LogitsProcessor):
         self.logprobs.append(logp.gather(1, choice[:, None]).squeeze(1))
         return z
 
+HF_LOOPS = ("static", "generate", "generate-static")
+
 
 class HFEngine:
     """transformers on the training model itself, batched and left-padded.
@@ -40,7 +42,8 @@ class HFEngine:
     loop "static": decode.py's static-cache loop, its step compiled when `compile` (one compile per
     shape bucket: rows up to `batch_size`, cache length a multiple of `max_len`, the longest prompt +
     max_new_tokens; 0 = each call's own). loop "generate": transformers `generate` with a dynamic
-    cache, through the `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's
+    cache ("generate-static": with transformers' own StaticCache of max(max_len, the call's length)
+    positions, which `generate` compiles on CUDA; bench/rollout.py compares the three), through the `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's
     parameters are gathered; `synced` (FSDP2) forces it and keeps ranks stepping together (a rank
     that finishes early keeps running dummy forwards until all are done).
     """
@@ -50,9 +53,9 @@ class HFEngine:
         self.model, self.tokenizer, self.batch_size, self.synced = model, tokenizer, batch_size, synced
         self.stop_ids = stop_token_ids(tokenizer, model.lm.generation_config.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        if loop not in ("static", "generate"):
-            raise ValueError(f"loop: expected static | generate, got {loop!r}")
-        self.decoder = None
+        if loop not in HF_LOOPS:
+            raise ValueError(f"loop: expected {' | '.join(HF_LOOPS)}, got {loop!r}")
+        self.loop, self.max_len, self.decoder = loop, max_len, None
         if loop == "static" and not synced:
             self.decoder = Decoder(model, self.stop_ids, self.pad_id, batch_size, max_len, compile)
 
@@ -112,9 +115,11 @@ class HFEngine:
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,
                                   eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                                   repetition_penalty=1.0, num_beams=1, return_dict_in_generate=True)
+        cache = StaticCache(config=self.model.lm.config, max_cache_len=max(self.max_len, width + max_new_tokens)) \
+            if self.loop == "generate-static" else None
         out = self.model(input_ids=input_ids, attention_mask=attention, generation_config=config,
                          logits_processor=LogitsProcessorList([sampler]), synced_gpus=self.synced,
-                         generate=True)
+                         generate=True, past_key_values=cache)
         completion = out.sequences[:, width:]                                   # (N, T')
         logprobs = torch.stack(sampler.logprobs, 1) if sampler.logprobs else completion.float()
         return completion, logprobs[:, :completion.shape[1]], completion.shape[1]

@@ -158,9 +158,15 @@ def test_skewed_workload_and_mfu_of_the_bench():
     spec = importlib.util.spec_from_file_location("micro_bench", os.path.join(ROOT, "bench", "micro_batches.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    # 1.5e9 params x 6 = 9e9 FLOPs per token; 9,000 tokens in 0.1 s = 8.1e14 FLOP/s; / 989e12 = 0.819
-    assert abs(bench.mfu(1_500_000_000, 9_000, 0.1, 989.0) - 8.1e14 / 989e12) < 1e-12
-    assert abs(bench.mfu(1_000_000_000, 1_000, 1.0, 1000.0) - 0.006) < 1e-15       # 6e12 / 1e15
+    # matmuls: 6 x 1e9 parameters x 1,000 tokens = 6e12; attention: two sequences of 600 and 400 tokens,
+    # 2 layers, query width 128: 6 x 2 x 128 x (600^2 + 400^2) = 1536 x 520,000 = 7.9872e8; sum 6.00079872e12
+    flops = bench.update_flops(1_000_000_000, 1_000, [600, 400], 2, 128)
+    assert flops == pytest.approx(6.00079872e12, rel=1e-12)
+    # 6e12 FLOPs in 1 s on a 1000 TFLOP/s GPU: 0.006; 9e12 in 0.1 s on 989: 9e13 / 989e12 = 0.0910
+    assert abs(bench.mfu(6e12, 1.0, 1000.0) - 0.006) < 1e-15
+    assert bench.mfu(9e12, 0.1, 989.0) == pytest.approx(0.0910010, rel=1e-6)
+    assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and bench.peak_tflops("NVIDIA H200") == 989.0
+    assert bench.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and bench.peak_tflops("NVIDIA L4") is None
     input_ids, attention, mask, advantages, lengths = bench.skewed_batch(48, 100, max_completion=3584, max_prompt=512)
     assert 10 <= int(lengths.min()) and int(lengths.max()) <= 3584 and int(lengths.max()) == mask.shape[1]
     prompts = attention.sum(1) - mask.sum(1)                            # left-padded prompts of 85..512 tokens
@@ -182,6 +188,11 @@ def test_profile_summary_of_the_bench():
     want = {"gemm": 0.5, "gemm_fp32": 0.3, "attention": 0.1, "elementwise": 0.15, "other": 0.05, "idle": 0.2}
     assert shares == pytest.approx(want)
     assert bench.kernel_kind("fmha_cutlassF_bf16_aligned_64x128") == "attention"        # attention before GEMM
+    assert bench.attention_backend(kernels) == "flash"
+    assert bench.attention_backend([("fmha_cutlassF_bf16_aligned_64x128", 9.0)]) == "efficient"
+    cudnn = ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", 5.0)
+    assert bench.attention_backend([cudnn, ("pytorch_flash::flash_bwd", 1.0)]) == "cudnn"
+    assert bench.attention_backend(kernels[:2]) == "math"                              # no attention kernel
 
 
 def _bf16_forward_on_rank(rank, init_file, path, out_dir):
