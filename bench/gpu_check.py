@@ -278,14 +278,33 @@ def run_child(argv: list[str], log, limit: float) -> str:
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
     deadline = time.monotonic() + limit
+    try:
+        return _follow(proc, log, deadline)
+    except BaseException:                   # interrupted (SIGTERM, Ctrl-C): take the child's group down too
+        stop(proc)
+        raise
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the child's process group (torchrun passes it on to its workers, which run in a
+    session of their own), then SIGKILL after 10 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _follow(proc: subprocess.Popen, log, deadline: float) -> str:
+    """Copy the child's output to stdout and the log until it exits or the deadline passes."""
     import selectors
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop(proc)
             log.write("[killed: over the section's time limit]\n")
             return "timed out"
         if sel.select(timeout=min(left, 5.0)):
@@ -416,6 +435,16 @@ def build_model(m: Model, ctx: Context, log, limit: float) -> str:
 
 def run_section(section: Section, ctx: Context, gpu_gib: float) -> None:
     start = time.monotonic()
+    try:
+        _run_section(section, ctx, gpu_gib, start)
+    except BaseException:                   # the whole check was stopped: say so in the summary
+        record = ctx.summary["sections"][section.name]
+        record.update(status="interrupted", seconds=time.monotonic() - start, figures=figures(section, ctx))
+        ctx.summary["not_measured"].append(f"{section.name}: interrupted (the check was stopped)")
+        raise
+
+
+def _run_section(section: Section, ctx: Context, gpu_gib: float, start: float) -> None:
     record = {"status": "ok", "seconds": 0.0, "plan_gib": [], "figures": {}}
     ctx.summary["sections"][section.name] = record
     with open(os.path.join(ctx.out, f"{section.name}.log"), "w") as log:
@@ -503,6 +532,7 @@ def main(argv: list[str]) -> int:
             print(f"gpu_check: the smoke test failed ({status}); see {ctx.out}/smoke.log", file=sys.stderr)
             ctx.summary["not_measured"].append(f"smoke test: {status} (smoke.log)")
     gpu_gib = env["gpu_gib"] or H100_GIB
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # `timeout` around the check: still a summary
     try:
         for name in names:
             run_section(BY_NAME[name], ctx, gpu_gib)
