@@ -38,7 +38,7 @@ from pspo.tasks.data import builtin_arithmetic, format_prompt  # noqa: E402
 from pspo.training.model import build_policy, load_tokenizer  # noqa: E402
 from pspo.engines.hf_engine import HFEngine  # noqa: E402
 from pspo.rollout import compile_enabled
-from pspo.engines.sampling import draw  # noqa: E402
+from pspo.engines.sampling import column_keys, draw  # noqa: E402
 from pspo.engines.sampling import sequence_seeds  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
 from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
@@ -94,10 +94,11 @@ def check_compiled_sampler(rows: int, vocab: int) -> str:
     logits = torch.randn(rows, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     seeds = sequence_seeds(0, 0, torch.arange(rows), 1).cuda()
     compiled = torch.compile(draw, dynamic=False)
+    columns = column_keys(vocab, "cuda")
     same, worst = 0, 0.0
     for t in range(8):
         position = torch.tensor(t, device="cuda")
-        a, la = compiled(logits, seeds, position, 1.0, 1.0)
+        a, la = compiled(logits, seeds, position, 1.0, 1.0, columns)
         b, lb = draw(logits, seeds, position, 1.0, 1.0)
         same += int((a == b).sum())
         worst = max(worst, float((la - lb).abs().max()))

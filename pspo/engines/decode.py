@@ -21,13 +21,14 @@ heads for every query head).
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pspo.engines.sampling import draw
+from pspo.engines.sampling import column_keys, draw
 from pspo.engines.tokens import bucket
 
 STATIC_ATTENTION = "pspo_static"      # the twin's config._attn_implementation
@@ -187,6 +188,22 @@ class Decoder:
                             past_key_values=kv, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
+    def _call(self, name: str, *args):
+        """self.step or self.sample; when compiling it fails (a compiler bug: inductor, Triton), say so once
+        on stderr and run that function eagerly from then on: the same values, more kernel launches."""
+        try:
+            return getattr(self, name)(*args)
+        except Exception as e:  # noqa: BLE001 - only torch.compile's own errors are caught
+            if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            eager = {"step": self._step, "sample": draw}[name]
+            if getattr(self, name) is eager:
+                raise
+            print(f"warning: torch.compile failed for the decoding {name} ({type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[-1][:200]}); it runs eagerly", file=sys.stderr)
+            setattr(self, name, eager)
+            return eager(*args)
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the policy's current weights into the twin's bf16 copies (nothing to do in float32)."""
@@ -217,13 +234,14 @@ class Decoder:
         pad = torch.full((), self.pad_id, device=self.device)
         t = torch.zeros((), dtype=torch.int64, device=self.device)            # the Gumbel position
         logits = self._prefill(input_ids, attention, kv)
+        columns = column_keys(logits.shape[-1], self.device)                 # outside the compiled sampler
         for step in range(max_new_tokens):
             if self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()      # the last step's graph outputs are used up
             if step > 0:
                 kv.start.fill_(width + step - 1)                               # the token drawn at step - 1
-                logits = self.step(tokens[:, step - 1].clone(), positions + (step - 1), key_valid, kv)
-            choice, logp = self.sample(logits, seeds, t, temperature, top_p)
+                logits = self._call("step", tokens[:, step - 1].clone(), positions + (step - 1), key_valid, kv)
+            choice, logp = self._call("sample", logits, seeds, t, temperature, top_p, columns)
             tokens[:, step] = torch.where(done, pad, choice)                  # generate pads finished rows
             logprobs[:, step] = logp
             done |= torch.isin(choice, self.stop_ids)

@@ -80,13 +80,22 @@ def prefix_seeds(seed: int, step: int, token_ids: list[list[int]], n: int) -> Te
     return mix(keys[:, None] + torch.arange(1, n + 1) * GOLDEN).reshape(-1)
 
 
-def gumbel_noise(seeds: Tensor, t: int | Tensor, vocab: int) -> Tensor:
+def column_keys(vocab: int, device: torch.device | str | None = None) -> Tensor:
+    """The vocabulary's hash keys, arange(V) x MUL1 (wrapping int64), (V,). A compiled sampler takes them
+    as an input, computed once outside the graph: inductor turns arange(V) x constant into an index
+    expression, and Triton then multiplies its int32 column index by a constant out of int32's range
+    (a compile error on CUDA, seen with torch 2.11)."""
+    return torch.arange(vocab, device=device, dtype=torch.int64) * MUL1
+
+
+def gumbel_noise(seeds: Tensor, t: int | Tensor, vocab: int, columns: Tensor | None = None) -> Tensor:
     """Gumbel(0, 1) noise, (N,) seeds x position t -> (N, V) float32, deterministic.
 
-    t may be a 0-dim int64 tensor (the compiled decode step takes it so, to compile once)."""
-    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    t may be a 0-dim int64 tensor (the compiled decode step takes it so, to compile once); columns:
+    column_keys(vocab), precomputed (a compiled caller must pass them)."""
+    columns = column_keys(vocab, seeds.device) if columns is None else columns
     step = torch.as_tensor(t, dtype=torch.int64, device=seeds.device) * GOLDEN   # wraps mod 2^64
-    h = mix(mix(seeds[:, None] + step) + idx[None, :] * MUL1)           # (N, V)
+    h = mix(mix(seeds[:, None] + step) + columns[None, :])              # (N, V)
     u = (shr(h, 40).float() + 0.5) * 2.0**-24                              # uniform in (0, 1)
     return -torch.log(-torch.log(u))
 
@@ -100,21 +109,23 @@ def outside_nucleus(logp: Tensor, top_p: float) -> Tensor:
 
 
 def perturbed_logits(logits: Tensor, seeds: Tensor | None, t: int | Tensor, temperature: float,
-                     top_p: float) -> tuple[Tensor, Tensor]:
+                     top_p: float, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(z, logp), (N, V) each: z's argmax is the drawn token (greedy when seeds is None), logp =
-    log softmax(logits/T). z = logits/T, outside the nucleus -inf, plus the Gumbel noise of (seed, t)."""
+    log softmax(logits/T). z = logits/T, outside the nucleus -inf, plus the Gumbel noise of (seed, t)
+    (columns: gumbel_noise's)."""
     z = logits.float() / temperature                                        # (N, V) raw logits / T
     logp = torch.log_softmax(z, dim=-1)
     if seeds is not None:
         if top_p < 1.0:
             z = z.masked_fill(outside_nucleus(logp, top_p), float("-inf"))
-        z = z + gumbel_noise(seeds, t, z.shape[-1])
+        z = z + gumbel_noise(seeds, t, z.shape[-1], columns)
     return z, logp
 
 
 def draw(logits: Tensor, seeds: Tensor | None, t: int | Tensor, temperature: float,
-         top_p: float) -> tuple[Tensor, Tensor]:
-    """One token per row and its log softmax(logits/T): (N, V) -> (N,) long, (N,) float32."""
-    z, logp = perturbed_logits(logits, seeds, t, temperature, top_p)
+         top_p: float, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One token per row and its log softmax(logits/T): (N, V) -> (N,) long, (N,) float32 (columns:
+    gumbel_noise's)."""
+    z, logp = perturbed_logits(logits, seeds, t, temperature, top_p, columns)
     choice = z.argmax(dim=-1)                                               # (N,)
     return choice, logp.gather(1, choice[:, None]).squeeze(1)

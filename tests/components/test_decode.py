@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pspo.engines import decode
+from pspo.engines import decode, sampling
 from pspo.training.config import ConfigError, load_config
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.engines.decode import decode_twin, static_attention
@@ -153,6 +153,41 @@ def test_bf16_twin_copies_track_the_policy(tiny_model_path):
 def test_gumbel_position_as_a_tensor_is_the_same_noise():
     seeds = sequence_seeds(0, 0, torch.arange(8), 2)
     assert torch.equal(gumbel_noise(seeds, torch.tensor(3), 50), gumbel_noise(seeds, 3, 50))
+
+
+def test_column_keys_are_the_wrapped_products_and_the_same_noise():
+    # arange(4) x MUL1 (0xBF58476D1CE4E5B9) mod 2^64, as signed int64: 0, -4658895280553007687,
+    # 2 x 0xBF58476D1CE4E5B9 = 0x17EB08EDA39C9CB72 -> 0x7EB08EDA39C9CB72 = 9128953512603536242, ...
+    keys = sampling.column_keys(4)
+    assert keys.tolist() == [0, -4658895280553007687, 9128953512603536242, 4470058232050528555]
+    seeds = sequence_seeds(0, 0, torch.arange(8), 2)
+    assert torch.equal(gumbel_noise(seeds, 3, 50, sampling.column_keys(50)), gumbel_noise(seeds, 3, 50))
+
+
+class _CompilerBug(RuntimeError):
+    """Stands for inductor's errors (torch._inductor.exc.InductorError): the module is what _call reads."""
+    __module__ = "torch._inductor.exc"
+
+
+def test_a_compile_failure_falls_back_to_the_eager_sampler_once(tiny, capsys):
+    # a compiler bug in the decoding sampler (Triton's int32 index x an int64 constant, seen on torch 2.11)
+    # must not stop a run: one warning, then the eager sampler, the same completions
+    tokenizer, policy, static, _, ids = tiny
+    engine = HFEngine(policy, tokenizer, batch_size=64)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise _CompilerBug("CompilationError: Scalar -4658895280553007687 is out of range for type int32")
+    engine.decoder.sample = broken
+    seeds = sequence_seeds(7, 0, torch.arange(len(ids)), 2)
+    assert_same_rollout(engine.generate(ids, 2, 1.0, 1.0, 12, seeds), static.generate(ids, 2, 1.0, 1.0, 12, seeds))
+    err = capsys.readouterr().err
+    assert calls == [1] and err.count("warning: torch.compile failed for the decoding sample") == 1
+    assert "out of range for type int32); it runs eagerly" in err
+    engine.decoder.sample = lambda *args: (_ for _ in ()).throw(ValueError("a real bug"))
+    with pytest.raises(ValueError, match="a real bug"):                        # not a compiler error: raised
+        engine.generate(ids, 2, 1.0, 1.0, 12, seeds)
 
 
 def test_compile_setting_resolves_by_device():
