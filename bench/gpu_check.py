@@ -93,8 +93,8 @@ SECTIONS = (
     Section("spo", "configs/qwen2.5-math-1.5b/spo_tree.yaml, 1 step (6-6-6 trees, 64-token segments): the "
             "share of the step spent growing trees", 420, False, (QWEN15,),
             (PlanCase(f"{R15}/spo_tree.yaml", RECIPE + ("--train.prompts_per_step=2", "--spo.segment_tokens=64")),)),
-    Section("vllm", "the 1.5B recipe on vLLM (bf16, sleep, token TIS), 3 steps with a sync check each: weight "
-            "sync s, engine gap, sync gap", 480, False, (QWEN15,),
+    Section("vllm", "the 1.5B recipe on vLLM (bf16, sleep, token TIS), 3 steps at lr 1e-5 with a sync check each "
+            "at the default tolerance (a stale engine stops the run): weight sync s, engine gap, sync gap", 480, False, (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens={GEN}",
                                            "--rollout.engine=vllm", "--rollout.sleep=true")),), needs="vllm"),
 )
@@ -162,7 +162,7 @@ def commands(section: Section, ctx: Context) -> list[list[str]]:
         return [torchrun + ["--config", f"{R15}/grpo.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
                             "--rollout.engine=vllm", "--rollout.sleep=true", "--rollout.is_correction=token",
                             "--rollout.sync_check_steps=1", "--data.train=data/samples/open-rs.jsonl",
-                            "--data.eval=", "--train.max_steps=3"]]
+                            "--data.eval=", "--train.max_steps=3", "--optim.lr=1e-5"]]
     raise ValueError(section.name)
 
 

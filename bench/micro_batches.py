@@ -4,7 +4,7 @@
     python bench/micro_batches.py --reps 5 --sequences 64     # longer, steadier
     python bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 \
         --max-completion 3584 --max-prompt 512 --bf16 --checkpointing --budget 36864 --profile
-                                                  # a GPU: the 1.5B recipe's update (scripts/gpu_check.sh micro15)
+                                                  # a GPU: the 1.5B recipe's update (scripts/gpu_check.sh OUT update)
 
 A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded) runs
 `policy_update` on one rollout batch whose completions spread from 10 to 512 tokens
@@ -15,13 +15,16 @@ same and only the padding differs; --budget sets another budget (the GPU recipes
 two modes alternate, `--reps` times each; the table has the median update time, real tokens per
 second and the padded share of positions, then the ratio.
 With --arch the model is that config.json's architecture at its real widths, random weights
-(pspo/offline/standin.py), and on a GPU the table adds the peak memory of the update (allocated and
-reserved, AdamW state included) and the model FLOPs utilisation: 6 x parameters x real tokens /
-time / the GPU's dense bf16 peak (--peak-tflops; 989 = H100 SXM); attention FLOPs and the forward
-that checkpointing recomputes are not counted. The optimizer is AdamW (fused on a GPU, as
+(pspo/offline/standin.py; --model: a folder built once), and on a GPU the table adds the peak memory
+of the update (allocated and reserved, AdamW state included) and the model FLOPs utilisation: the
+update's FLOPs (6 x the matrix-multiply parameters x real tokens, the input embedding being a
+lookup, plus causal attention, 6 x layers x query width x L^2 per sequence) / time / the GPU's
+dense bf16 peak (from its name: H100 or H200 989, A100 312; or --peak-tflops); the forward that
+checkpointing recomputes is not counted. --json writes the figures to a file (the GPU check's). The optimizer is AdamW (fused on a GPU, as
 train.py builds it) at lr 0, so the weights stay as built while its state is allocated as in
 training. --profile traces one more token-budget update with torch.profiler and prints where
-the GPU's time went: GEMMs (and the share of them in float32), attention, elementwise/reductions,
+the GPU's time went (and which attention kernel ran: cudnn, flash, efficient): GEMMs (and the share of
+them in float32), attention, elementwise/reductions,
 other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU; the
 profiler's own overhead counts there too, so idle is an upper bound).
 """

@@ -320,7 +320,7 @@ def test_allocator_cache_term_hand_worked():
 
 
 def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
-    # scripts/gpu_check.sh grpo15 on one H100 (79.2 GiB): grpo.yaml, 512 new tokens, transformers
+    # the GPU check's grpo15 section (now `recipe`) on one H100 (79.2 GiB): grpo.yaml, 512 new tokens, transformers
     # `generate` (before the static-cache loop), fixed micro-batches of 4 rows. The plan's tensors then
     # (the update): params 5.75 + grads 5.75 + AdamW 11.50 + reference 5.75 + activations 3.16 + log-prob
     # head 3.91 (bf16: 1.5 x one 2048 x 151936 fp32 block of 1.16 GiB + 10 x V x H bytes = 2.17)

@@ -154,7 +154,7 @@ def test_a_failed_start_shows_vllms_reason(tiny_model_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks vLLM's CPU platform (no sleep mode); on a GPU "
-                    "`bash scripts/gpu_check.sh OUT vllm15` checks sleep and wake-up")
+                    "`bash scripts/gpu_check.sh OUT vllm` checks sleep and wake-up")
 def test_gpu_settings_reach_vllm_and_sleep_is_skipped_on_cpu(tiny_model_path):
     # rollout.gpu_memory_utilization is handed to vLLM as is; rollout.sleep is not, where vLLM has no
     # sleep mode (CPU): it refuses enable_sleep_mode there, so the engine leaves it off and its
