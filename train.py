@@ -44,7 +44,7 @@ from pspo.training.checkpoint import CheckpointError
 from pspo.training.config import Config, ConfigError, load_config
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock, UpdateSums, gpu_memory, step_metrics
-from pspo.training.micro_batches import TokenRows, token_rows
+from pspo.training.micro_batches import TokenRows, micro_batch_line, token_rows
 from pspo.training.model import ModelError, check_context, load_model_config, load_tokenizer
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
@@ -243,6 +243,8 @@ def setup(cfg: Config, dist_: Dist) -> Run:
                   r.max_new_tokens)
     engine = engine_name(r.engine)
     print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine))   # PlanError: cannot fit
+    t = cfg.train
+    print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, dist_.device.type, m.bf16))
     prm = load_prm(cfg, dist_.device)
     policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path)
     train, evals = prompt_sets(cfg, tokenizer)

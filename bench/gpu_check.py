@@ -71,7 +71,8 @@ RECIPE = ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens=
 
 SECTIONS = (
     Section("update", "the 1.5B recipe's update: 48 sequences (completions 10-3584 tokens), token budget 36864 "
-            "with checkpointing and a profile, then 4096 without (the largest the plan fits); MFU, real tokens/s, peak memory", 420, True,
+            "with checkpointing, unpacked and packed (a profile of packed), then packed at 4096 without checkpointing "
+            "(the largest the plan fits); MFU, real tokens/s, peak memory", 420, True,
             (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),
                         PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf", "--model.gradient_checkpointing=false",
                                                       "--train.micro_batch_tokens=4096")))),
@@ -120,12 +121,13 @@ def commands(section: Section, ctx: Context) -> list[list[str]]:
     j = lambda tag: os.path.join(out, f"{section.name}{tag}.json")   # noqa: E731
     if section.name == "update":
         base = [py, "bench/micro_batches.py", "--model", ctx.model(QWEN15), "--sequences", "48",
-                "--max-completion", "3584", "--max-prompt", "512", "--bf16", "--modes", "token budget", "--reps", "2"]
+                "--max-completion", "3584", "--max-prompt", "512", "--bf16", "--modes", "token budget,packed",
+                "--reps", "2"]
         if small:
             base = base[:4] + ["--sequences", "6", "--max-completion", "64", "--max-prompt", "32",
-                               "--modes", "token budget", "--reps", "1"]
+                               "--modes", "token budget,packed", "--reps", "1"]
         return [base + ["--checkpointing", "--budget", "512" if small else "36864", "--profile", "--json", j("-ckpt")],
-                base + ["--budget", "256" if small else "4096", "--json", j("-nockpt")]]
+                base + ["--budget", "256" if small else "4096", "--modes", "packed", "--json", j("-nockpt")]]
     if section.name == "decode":
         shape = ["--prompts", "2", "--n", "2", "--max-new-tokens", "16", "--repeats", "1", "--cache-len", "64"] \
             if small else ["--prompts", "8", "--n", "6", "--max-new-tokens", "512", "--repeats", "2",
@@ -376,12 +378,13 @@ def key_figures(name: str, f: dict):
     """(figure, value) pairs of one section for the Markdown table."""
     if name == "update":
         for label, r in f.items():
-            m = r["modes"].get("token budget", {})
-            mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "-"
-            yield (f"{label}, budget {r['budget']}: MFU / real tok/s / update s / padded / peak alloc, reserved GiB",
-                   f"{mfu} / {m.get('real_tokens_per_s', 0):,.0f} / {m.get('update_s', 0):.2f} / "
-                   f"{m.get('padded_share', 0):.2f} / {m.get('peak_allocated_gib') or 0:.1f}, "
-                   f"{m.get('peak_reserved_gib') or 0:.1f}")
+            for mode, m in r["modes"].items():
+                mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "-"
+                yield (f"{label}, {mode}, budget {r['budget']}: MFU / real tok/s / update s / padded / "
+                       "peak alloc, reserved GiB",
+                       f"{mfu} / {m.get('real_tokens_per_s', 0):,.0f} / {m.get('update_s', 0):.2f} / "
+                       f"{m.get('padded_share', 0):.2f} / {m.get('peak_allocated_gib') or 0:.1f}, "
+                       f"{m.get('peak_reserved_gib') or 0:.1f}")
             if r.get("profile"):
                 p = r["profile"]
                 yield (f"{label}: GEMM / attention ({p['attention_backend']}) / elementwise / other / idle",

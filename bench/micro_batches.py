@@ -1,4 +1,5 @@
-"""Fixed vs token-budget micro-batches on a length-skewed update (train.micro_batch_tokens).
+"""Fixed, token-budget and packed micro-batches on a length-skewed update (train.micro_batch_tokens,
+train.packing).
 
     python bench/micro_batches.py                 # 2-core CPU: ~3 min; prints one table
     python bench/micro_batches.py --reps 5 --sequences 64     # longer, steadier
@@ -11,9 +12,11 @@ A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded
 (log-uniform; prompts 20-120 tokens), as a reasoning model's do. Fixed micro-batches of
 `--micro` rows are padded to the step's longest prompt + completion; the token budget is set to
 the same padded size (micro x the longest sequence), so the peak memory of a micro-batch is the
-same and only the padding differs; --budget sets another budget (the GPU recipes' is 36864). The
-two modes alternate, `--reps` times each; the table has the median update time, real tokens per
-second and the padded share of positions, then the ratio.
+same and only the padding differs; --budget sets another budget (the GPU recipes' is 36864).
+`packed` fills the same budget first-fit-decreasing with sequences back to back in one row
+(train.packing, no padding). The modes alternate, `--reps` times each; the table has the median
+update time, real tokens per second and the padded share of positions, then the ratios.
+--plan-only prints each mode's micro-batches and padded share from the plan alone (no model).
 With --arch the model is that config.json's architecture at its real widths, random weights
 (pspo/offline/standin.py; --model: a folder built once), and on a GPU the table adds the peak memory
 of the update (allocated and reserved, AdamW state included) and the model FLOPs utilisation: the
@@ -155,6 +158,32 @@ def profiled_update(run) -> tuple[dict[str, float], list[tuple[str, float]]]:
     return profile_shares(kernels, wall_us), kernels
 
 
+def mode_configs(budget: int, micro: int, completion: int) -> dict:
+    """The three modes' configs (configs/grpo.yaml with the batch's shape)."""
+    shape_args = ["--rollout.num_generations=2", f"--rollout.max_new_tokens={completion}"]
+    configs = {"fixed": [f"--train.micro_batch_size={micro}"],
+               "token budget": [f"--train.micro_batch_tokens={budget}", "--train.packing=false"],
+               "packed": [f"--train.micro_batch_tokens={budget}", "--train.packing=true"]}
+    return {mode: load_config("configs/grpo.yaml", [*shape_args, *mode_args]) for mode, mode_args in configs.items()}
+
+
+def plan_table(args) -> None:
+    """--plan-only: micro-batches and padded share of each mode, from the plan alone (no model)."""
+    _, attention, mask, _, lengths = skewed_batch(args.sequences, 100, max_completion=args.max_completion,
+                                                  max_prompt=args.max_prompt)
+    budget = args.budget or args.micro * attention.shape[1]
+    print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens (median "
+          f"{int(lengths.median())}), prompts up to {args.max_prompt}; token budget {budget}, fixed {args.micro} rows\n")
+    print("| mode | micro-batches | positions | real tokens | padded share |")
+    print("|---|---:|---:|---:|---:|")
+    real = int(attention.sum())
+    for mode, cfg in mode_configs(budget, args.micro, mask.shape[1]).items():
+        t = cfg.train
+        plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens, t.packing)
+        positions = sum(b.positions for b in plan)
+        print(f"| {mode} | {len(plan)} | {positions:,} | {real:,} | {1 - real / positions:.3f} |")
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=16)
@@ -171,9 +200,13 @@ def main(argv: list[str]) -> None:
                     help="the GPU's dense bf16 peak, for MFU (default: from its name: H100/H200 989, A100 312)")
     ap.add_argument("--budget", type=int, default=0, help="token budget (default: micro x the longest sequence)")
     ap.add_argument("--profile", action="store_true", help="a GPU: where one token-budget update spends its time")
-    ap.add_argument("--modes", default="fixed,token budget", help="which modes to time, comma-separated")
+    ap.add_argument("--modes", default="fixed,token budget,packed", help="which modes to time, comma-separated")
     ap.add_argument("--json", default="", help="also write the figures to this JSON file")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="no model: each mode's micro-batches and padded share on the batch's lengths")
     args = ap.parse_args(argv)
+    if args.plan_only:
+        return plan_table(args)
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = tempfile.mkdtemp(prefix="pspo-bench-")
@@ -197,10 +230,7 @@ def main(argv: list[str]) -> None:
     lengths = batch[4]
     longest = input_ids.shape[1]
     budget = args.budget or args.micro * longest
-    shape_args = ["--rollout.num_generations=2", f"--rollout.max_new_tokens={mask.shape[1]}"]
-    configs = {"fixed": [f"--train.micro_batch_size={args.micro}"],
-               "token budget": [f"--train.micro_batch_tokens={budget}"]}
-    configs = {mode: load_config("configs/grpo.yaml", [*shape_args, *mode_args]) for mode, mode_args in configs.items()}
+    configs = mode_configs(budget, args.micro, mask.shape[1])
     modes = {m: cfg for m, cfg in configs.items() if m in args.modes.split(",")}
     batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -241,7 +271,7 @@ def main(argv: list[str]) -> None:
     for mode in modes:
         s = sums[mode]
         t = modes[mode].train
-        plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens)
+        plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens, t.packing)
         median = statistics.median(times[mode])
         figures[mode] = {"micro_batches": len(plan), "padded_share": 1 - s.update_tokens / s.update_positions,
                          "update_s": median, "real_tokens_per_s": s.update_tokens / median,
@@ -254,20 +284,21 @@ def main(argv: list[str]) -> None:
             row += (f" {figures[mode]['mfu']:.1%} |" if peak else " - |") \
                 + f" {peaks[mode][0]:.1f} | {peaks[mode][1]:.1f} |"
         print(row)
-    if len(modes) == 2:
-        ratio = statistics.median(times["fixed"]) / statistics.median(times["token budget"])
-        print(f"\ntoken-budget updates are {ratio:.2f}x faster (fixed / token budget, medians; "
-              f"per rep: {', '.join(f'{f / t:.2f}' for f, t in zip(times['fixed'], times['token budget']))})")
+    names = list(modes)
+    for slow, fast in zip(names, names[1:]):
+        ratio = statistics.median(times[slow]) / statistics.median(times[fast])
+        print(f"\n{fast} updates are {ratio:.2f}x as fast as {slow} ({slow} / {fast}, medians; "
+              f"per rep: {', '.join(f'{a / b:.2f}' for a, b in zip(times[slow], times[fast]))})")
     profile: dict = {}
     if args.profile and not gpu:
         print("\nprofile: GPU only (kernel times); absent on CPU")
     elif args.profile:
-        cfg = configs["token budget"]
+        cfg = modes[names[-1]]                                # the last mode timed (packed by default)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         shares, kernels = profiled_update(
             lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
         profile = dict(shares, attention_backend=attention_backend(kernels))
-        print("\nprofile of one token-budget update (share of wall time):")
+        print(f"\nprofile of one {names[-1]} update (share of wall time):")
         print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle | attention kernels |")
         print("|---:|---:|---:|---:|---:|---:|---|")
         print(f"| {shares['gemm']:.0%} | {shares['gemm_fp32']:.0%} | {shares['attention']:.0%} | "

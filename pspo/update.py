@@ -52,8 +52,8 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
     num_seqs, num_tokens = int(counts[0].item()), int(counts[1].item())  # over every rank
     weights = sequence_weights(lm, a.aggregation, num_seqs, num_tokens, cfg.rollout.max_new_tokens)  # (N,)
     plan = plan_micro_batches(attention_mask, batch.mask, cfg.train.micro_batch_size,
-                              cfg.train.micro_batch_tokens)
-    positions = sum(len(b.rows) * b.length for b in plan if not b.spare)   # rows x the longest row (model.py)
+                              cfg.train.micro_batch_tokens, cfg.train.packing)
+    positions = sum(b.positions for b in plan if not b.spare)     # what the model runs over (model.py)
     skipped, grad_norms = 0.0, 0.0
     sums: dict[str, float] = {}                                         # the loss's statistics, summed
     policy.train()

@@ -230,6 +230,7 @@ class TrainConfig:
     prompts_per_step: int = 64          # B, global prompts per step (split over ranks)
     micro_batch_size: int = 64          # sequences per forward/backward on one rank
     micro_batch_tokens: int = 0         # > 0: token-budget micro-batches of at most this many padded tokens
+    packing: bool = True                # with micro_batch_tokens: sequences back to back in one row, no padding
     eval_steps: int = 0                 # evaluate every N steps (0 = only before/after)
     save_steps: int = 0                 # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)

@@ -20,7 +20,7 @@ def forward_logprobs(model, batch: MicroBatch, input_ids: torch.Tensor, attentio
     """log π and entropy of one micro-batch's completion columns, (n, width) each."""
     P = input_ids.shape[1] - T
     return model(batch.cut(input_ids, P), batch.cut(attention_mask, P), batch.width, temperature,
-                 packed_width=batch.length)
+                 packed_width=batch.length, packed=batch.packed)
 
 
 @torch.no_grad()
@@ -43,7 +43,7 @@ def score_policy(policy, ref, rows: TokenRows, cfg: Config, need_old: bool,
     if not (need_old or need_ref):
         return None, None
     t, T, temperature = cfg.train, rows.mask.shape[1], cfg.rollout.temperature
-    plan = plan_micro_batches(rows.attention_mask, rows.mask, t.micro_batch_size, t.micro_batch_tokens)
+    plan = plan_micro_batches(rows.attention_mask, rows.mask, t.micro_batch_size, t.micro_batch_tokens, t.packing)
     old = ref_logp = None
     if need_old:
         old = score_logprobs(policy, rows.input_ids, rows.attention_mask, T, temperature, plan)

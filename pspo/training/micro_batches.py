@@ -3,24 +3,30 @@
 passes (docs/methods.md §1, "Aggregation": the loss is normalised by global counts, so the split never
 changes the gradient).
 
-Two ways, chosen by `train.micro_batch_tokens`:
-- 0: consecutive slices of `train.micro_batch_size` rows, padded to the step's longest sequence;
-- > 0: a token budget: the rows sorted by length (prompt + completion) and packed so that rows x the
-  longest row of each micro-batch stays within the budget.
-Either way a micro-batch is scored padding-free on the left (model.py, Policy.forward): each row's
-tokens start at position 0 and only the longest row sets the width, so a micro-batch costs
-rows x its longest row, whatever the mix of prompt and completion lengths.
+Three ways, chosen by `train.micro_batch_tokens` and `train.packing`:
+- micro_batch_tokens 0: consecutive slices of `train.micro_batch_size` rows, padded to the step's
+  longest sequence;
+- > 0 with packing (the default): a token budget filled first-fit-decreasing: the sequences
+  (prompt + completion), longest first, each into the first micro-batch it fits, and scored back to
+  back in one row with no padding (model.py, Policy.forward's packed path; packed_attention.py); a
+  sequence longer than the budget goes alone;
+- > 0 without packing: the rows sorted by length so that rows x the longest row of each micro-batch
+  stays within the budget.
+Unpacked, a micro-batch is scored padding-free on the left: each row's tokens start at position 0
+and only the longest row sets the width, so it costs rows x its longest row.
 Every rank runs as many micro-batches as the busiest one (FSDP2's collectives must match); the spare
 ones repeat one real row and carry no loss.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from pspo.engines.tokens import batch_inputs
 from pspo.training import distributed
+from pspo.training.packed_attention import Packed, packed_kernel
 
 
 @dataclass
@@ -60,6 +66,12 @@ class MicroBatch:
     width: int                # completion columns kept: the longest completion among the rows
     length: int = 0           # the longest row's prompt + completion tokens: the width it is scored at
     spare: bool = False       # run only to keep the ranks' collectives matched: its loss is zeroed
+    packed: Packed | None = None   # packed into one row (train.packing): its sizes
+
+    @property
+    def positions(self) -> int:
+        """The positions the model runs over: the packed row's tokens, or rows x the longest row."""
+        return self.packed.tokens if self.packed else len(self.rows) * self.length
 
     def cut(self, x: torch.Tensor, P: int) -> torch.Tensor:
         """The rows' (n, P+T) inputs cut to [start, P + width)."""
@@ -67,7 +79,7 @@ class MicroBatch:
 
 
 def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_batch_size: int,
-                       micro_batch_tokens: int) -> list[MicroBatch]:
+                       micro_batch_tokens: int, packing: bool = False) -> list[MicroBatch]:
     """Micro-batches of the step's rows. attention_mask (N, P+T) left-padded prompts then
     completions; mask (N, T) completion tokens.
 
@@ -78,12 +90,18 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
     gets as many micro-batches as the busiest rank (ranks may hold different numbers of rows, as
     SPO-tree's edges do; at least one each); the extra ones repeat one real row and are marked
     spare (policy_update zeroes their loss). Collective.
+    packing (with micro_batch_tokens > 0): first-fit-decreasing bins of at most micro_batch_tokens
+    tokens, each scored as one packed row (MicroBatch.packed).
     """
     N, T = mask.shape
     P = attention_mask.shape[1] - T
     prompt_len = attention_mask[:, :P].sum(1).tolist()
-    completion_len = [max(1, int(c)) for c in mask.sum(1).tolist()]
-    if micro_batch_tokens <= 0:
+    real = [int(c) for c in mask.sum(1).tolist()]
+    completion_len = [max(1, c) for c in real]
+    if micro_batch_tokens > 0 and packing:
+        batches = [_packed_batch(rows, prompt_len, real, completion_len, P)
+                   for rows in first_fit_decreasing([p + c for p, c in zip(prompt_len, real)], micro_batch_tokens)]
+    elif micro_batch_tokens <= 0:
         batches = [_micro_batch(list(range(i, min(i + micro_batch_size, N))), prompt_len, completion_len, P)
                    for i in range(0, N, micro_batch_size)]
         batches = [MicroBatch(b.rows, 0, T, b.length) for b in batches]
@@ -92,6 +110,9 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
     most = int(distributed.all_reduce_max(torch.tensor(float(len(batches)), device=mask.device)))
     last = batches[-1]
     spare = MicroBatch(last.rows[:1], last.start, last.width, last.length, spare=True)
+    if last.packed:
+        spare = dataclasses.replace(_packed_batch(last.rows[:1].tolist(), prompt_len, real, completion_len, P),
+                                    start=last.start, width=last.width, spare=True)
     return batches + [spare] * (most - len(batches))
 
 
@@ -109,6 +130,45 @@ def _pack(prompt_len: list[int], completion_len: list[int], P: int,
     if rows:
         batches.append(_micro_batch(rows, prompt_len, completion_len, P))
     return batches
+
+
+def micro_batch_line(micro_batch_size: int, micro_batch_tokens: int, packing: bool, device_type: str,
+                     bf16: bool) -> str:
+    """The start-up line naming how the update's micro-batches are made, and with packing the attention
+    kernel the packed rows run with (packed_attention.packed_kernel: the one place it is chosen)."""
+    if micro_batch_tokens <= 0:
+        return f"micro-batches: {micro_batch_size} rows each (train.micro_batch_size)"
+    if not packing:
+        return f"micro-batches: a token budget of {micro_batch_tokens} (rows x the longest row), unpacked"
+    kernel = packed_kernel(device_type, torch.bfloat16 if bf16 else torch.float32)
+    return (f"micro-batches: sequences packed into rows of at most {micro_batch_tokens} tokens "
+            f"(first-fit-decreasing), attention: {kernel}")
+
+
+def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+    """Bins of sequence indices whose lengths sum to at most `budget`: longest first, each into the first
+    bin with room (a sequence longer than the budget gets a bin of its own). Within 11/9 of the fewest
+    bins plus one (Johnson's bound); ties keep index order, so the plan is deterministic."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((b for b, r in enumerate(room) if lengths[i] <= r), None)
+        if fit is None:
+            bins.append([i])
+            room.append(budget - lengths[i])
+        else:
+            bins[fit].append(i)
+            room[fit] -= lengths[i]
+    return bins
+
+
+def _packed_batch(rows: list[int], prompt_len: list[int], real: list[int], completion_len: list[int],
+                  P: int) -> MicroBatch:
+    """A packed micro-batch: the rows cut as _micro_batch cuts them, with the packed row's sizes."""
+    batch = _micro_batch(rows, prompt_len, completion_len, P)
+    tokens = [prompt_len[i] + real[i] for i in rows]
+    batch.packed = Packed(sum(tokens), sum(real[i] for i in rows), max(tokens))
+    return batch
 
 
 def _micro_batch(rows: list[int], prompt_len: list[int], completion_len: list[int], P: int) -> MicroBatch:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from pspo.training.config import first_line
+from pspo.training.packed_attention import PACKED_ATTENTION, Packed
 from pspo.training.token_logprobs import token_logprobs
 
 
@@ -69,7 +70,8 @@ class Policy(torch.nn.Module):
         self.lm, self.chunk_tokens, self.bf16 = lm, chunk_tokens, bf16
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int = 0,
-                temperature: float = 1.0, generate: bool = False, packed_width: int = 0, **generate_kwargs):
+                temperature: float = 1.0, generate: bool = False, packed_width: int = 0,
+                packed: Packed | None = None, **generate_kwargs):
         """input_ids/attention_mask (N, P+T): left-padded prompt then completion.
 
         Returns (logp (N, T), entropy (N, T)) for the last T = num_completion_tokens positions.
@@ -82,10 +84,16 @@ class Policy(torch.nn.Module):
         memory-efficient kernel over the full square) and no (N, s, s) mask is built.
         packed_width: the longest row's real tokens when the caller knows it (micro_batches.py),
         which spares reading it back from the device.
+        packed (a token-budget micro-batch with train.packing): the N sequences go back to back into
+        one row with no padding at all, each with its own positions 0..len-1 and attending only to
+        itself (packed_attention.py); the head scores only the real completion tokens. The same
+        log-probs (within rounding); 0 past each row's completion.
         """
         if generate:
             with self._autocast():
                 return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **generate_kwargs)
+        if packed is not None:
+            return self._packed(input_ids, attention_mask, num_completion_tokens, temperature, packed)
         T = num_completion_tokens
         N, L = input_ids.shape
         lengths = attention_mask.sum(1)                                    # (N,) prompt + completion tokens
@@ -93,13 +101,13 @@ class Policy(torch.nn.Module):
         width = max(1, width - 1)                    # the last token predicts nothing
         cols = torch.arange(width, device=input_ids.device)
         pads = attention_mask.long().argmax(1)                             # (N,) left padding of each row
-        packed = input_ids.gather(1, (pads[:, None] + cols[None]).clamp(max=L - 1))          # (N, width)
+        packed_ids = input_ids.gather(1, (pads[:, None] + cols[None]).clamp(max=L - 1))      # (N, width)
         prompts = lengths - attention_mask[:, L - T:].sum(1)               # (N,) prompt tokens
         # hidden at position s predicts token s+1: completion token t of row i is predicted at p_i - 1 + t
         steps = torch.arange(T, device=input_ids.device)
         at = (prompts[:, None] - 1 + steps[None]).clamp(0, width - 1)                       # (N, T)
         with self._autocast():
-            hidden = self.lm.base_model(input_ids=packed, position_ids=cols.expand(N, width),
+            hidden = self.lm.base_model(input_ids=packed_ids, position_ids=cols.expand(N, width),
                                         use_cache=False).last_hidden_state                  # (N, width, H)
             hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))        # (N, T, H)
             # Under bf16 autocast the head multiplies bf16 operands into float32 logits.
@@ -107,6 +115,41 @@ class Policy(torch.nn.Module):
             logp, entropy = token_logprobs(hidden, weight, input_ids[:, L - T:], temperature,
                                            self.chunk_tokens)
         return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
+
+    def _packed(self, input_ids: Tensor, attention_mask: Tensor, T: int, temperature: float,
+                packed: Packed) -> tuple[Tensor, Tensor]:
+        """forward's packed path: (N, P+T) left-padded rows -> one row of S = packed.tokens tokens."""
+        N, L = input_ids.shape
+        device = input_ids.device
+        lengths = attention_mask.sum(1)                                    # (N,) prompt + completion
+        completions = attention_mask[:, L - T:].sum(1)                     # (N,) completion tokens
+        ends = lengths.cumsum(0)
+        starts = ends - lengths                                            # (N,) each sequence's offset
+        S, C = packed.tokens, packed.completion_tokens
+        # token j of the row: sequence seq[j], its within[j]-th real token (real tokens start at the pad)
+        seq = torch.repeat_interleave(torch.arange(N, device=device), lengths, output_size=S)      # (S,)
+        within = torch.arange(S, device=device) - starts[seq]
+        pads = attention_mask.long().argmax(1)                             # (N,) left padding of each row
+        row_ids = input_ids[seq, pads[seq] + within][None]                 # (1, S)
+        offsets = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)    # (N + 1,)
+        # completion token t of sequence i is predicted at starts_i + prompt_i - 1 + t
+        seq_c = torch.repeat_interleave(torch.arange(N, device=device), completions, output_size=C)  # (C,)
+        t_c = torch.arange(C, device=device) - (completions.cumsum(0) - completions)[seq_c]
+        at = starts[seq_c] + (lengths - completions)[seq_c] - 1 + t_c                             # (C,)
+        with self._autocast():
+            hidden = self.lm.base_model(input_ids=row_ids, position_ids=within[None], use_cache=False,
+                                        attention_mask=torch.ones_like(row_ids),    # no mask: see below
+                                        cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                                        max_length_q=packed.longest, max_length_k=packed.longest
+                                        ).last_hidden_state                          # (1, S, H)
+            weight = self.lm.get_output_embeddings().weight                          # (V, H)
+            logp_c, entropy_c = token_logprobs(hidden[:, at], weight, input_ids[:, L - T:][seq_c, t_c][None],
+                                               temperature, self.chunk_tokens)       # (1, C)
+        # an all-ones 2-D mask keeps transformers from building a (S, S) block mask out of the
+        # position resets: the attention function separates the sequences by their offsets
+        zeros = torch.zeros(N, T, device=device, dtype=logp_c.dtype)
+        return (zeros.index_put((seq_c, t_c), logp_c[0]),
+                zeros.index_put((seq_c, t_c), entropy_c[0].to(zeros.dtype)))
 
     def _autocast(self):
         if not self.bf16:
@@ -170,6 +213,8 @@ def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bo
     mode drops the KV cache, so generation and scoring must run in eval mode.
     """
     lm = load_causal_lm(path, trust_remote_code)
+    if lm.config._attn_implementation == "sdpa":
+        lm.config._attn_implementation = PACKED_ATTENTION    # sdpa, and packed sequences (packed_attention.py)
     check_plain_head(lm)
     disable_dropout(lm)
     if gradient_checkpointing and trainable:

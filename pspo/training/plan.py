@@ -374,9 +374,11 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
     shape = step_shape(cfg, cfg.train.prompts_per_step // N)
     calls, update_rows = shape.calls, shape.update_rows
     micro = min(cfg.train.micro_batch_size, update_rows)
-    # a token budget: at most that many tokens at once, counted as full-length rows
-    if cfg.train.micro_batch_tokens:
-        micro = min(update_rows, max(1, cfg.train.micro_batch_tokens // seq))
+    # a token budget: at most that many tokens at once, counted as full-length rows (packed: as many
+    # rows as hold the budget, since a packed row fills it with sequences of any length)
+    budget = cfg.train.micro_batch_tokens
+    if budget:
+        micro = min(update_rows, max(1, -(-budget // seq) if cfg.train.packing else budget // seq))
     P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
     ckpt = m.gradient_checkpointing
     other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB

@@ -65,7 +65,7 @@ def test_the_summary_reads_what_the_sections_wrote(tmp_path):
                "attention_backend": "cudnn"}
     for tag, budget in (("-ckpt", 36864), ("-nockpt", 4096)):
         (tmp_path / f"update{tag}.json").write_text(json.dumps(
-            {"budget": budget, "modes": {"token budget": mode}, "profile": profile if tag == "-ckpt" else {}}))
+            {"budget": budget, "modes": {"packed": mode}, "profile": profile if tag == "-ckpt" else {}}))
     (tmp_path / "recipe.metrics.jsonl").write_text(
         json.dumps({"step": 0, "eval_accuracy": 0.0}) + "\n"
         + json.dumps({"step": 1, "step_time_s": 30.0, "gen_s": 20.0, "advantages_s": 1.0, "update_s": 4.0,

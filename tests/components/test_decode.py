@@ -10,6 +10,7 @@ from pspo.engines import decode, sampling
 from pspo.training.config import ConfigError, load_config
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.engines.decode import decode_twin, static_attention
+from pspo.training.packed_attention import PACKED_ATTENTION
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.engines.hf_engine import HFEngine
 from pspo.rollout import compile_enabled
@@ -131,7 +132,7 @@ def test_bf16_twin_copies_track_the_policy(tiny_model_path):
     assert twin.model.embed_tokens.weight is policy.lm.model.embed_tokens.weight
     assert twin.lm_head.weight.dtype == torch.bfloat16 and policy.lm.lm_head.weight.dtype == torch.float32
     assert twin.config._attn_implementation == decode.STATIC_ATTENTION
-    assert policy.lm.config._attn_implementation == "sdpa"
+    assert policy.lm.config._attn_implementation == PACKED_ATTENTION          # sdpa, or packed rows
     assert len(pairs) == 4 * 7 + 1 + 4 * 3                 # 7 linears a layer, the head, q/k/v biases
     engine = HFEngine(policy, tokenizer, batch_size=64)
     q_proj = policy.lm.model.layers[0].self_attn.q_proj.weight

@@ -1,5 +1,5 @@
-"""Token-budget micro-batches (train.micro_batch_tokens): the packing, and the same update as
-fixed-size micro-batches (the loss is normalised by global counts, so how the rows are grouped
+"""Token-budget micro-batches (train.micro_batch_tokens), packed (train.packing) or not: the plan, and
+the same update as fixed-size micro-batches (the loss is normalised by global counts, so how the rows are grouped
 and how far each group is padded must not change the gradient)."""
 import copy
 import os
@@ -79,7 +79,8 @@ def updated_parameters(path, batch, overrides, lr=1.0):
     ["--algo.advantage=reinforce_pp", "--algo.kl_coef=0.001"],                   # per-token A (N, T)
     ["--algo.aggregation=token_mean"],
 ])
-def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo):
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo, packing):
     batch = rollout_batch(tiny_model_path)                                  # 12 sequences
     # the tiny model's completions all run to 6 tokens: end row i after 1 + i % 6 of them (the rest
     # becomes padding), so that lengths spread as they do in real steps
@@ -88,14 +89,15 @@ def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo
         mask[i, 1 + i % 6:] = 0
     lr = 0.1 if "--algo.num_iterations=2" in algo else 1.0
     fixed, fixed_sums, moved = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_size=4", *algo], lr)
-    budget, budget_sums, _ = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_tokens=60", *algo],
-                                                lr)
+    budget, budget_sums, _ = updated_parameters(
+        tiny_model_path, batch, ["--train.micro_batch_tokens=60", f"--train.packing={packing}", *algo], lr)
     assert moved > 1e-4                                                  # the update did something
     for a, b in zip(fixed, budget):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
     assert budget_sums.update_tokens == fixed_sums.update_tokens
-    # the budget cuts padding: fewer positions than 4-row slices padded to the step's longest
+    # the budget cuts padding: fewer positions than 4-row slices padded to the step's longest; packed, none
     assert budget_sums.update_positions < fixed_sums.update_positions
+    assert (budget_sums.update_positions == budget_sums.update_tokens) == (packing == "true")
 
 
 # ---------------------------------------------------------------- two FSDP2 ranks with unequal plans
