@@ -23,6 +23,7 @@ exact match of every role, and the table and JSON add the greedy accuracy per nu
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import torch
@@ -34,6 +35,7 @@ from pspo.tasks.data import DataError, PromptSet, load_examples, prompt_set
 from pspo.training.distributed import print0
 from pspo.evaluation import evaluate
 from pspo.offline.builtin import resolve_model_path
+from pspo.training.lora import LoraError, is_adapter, merged_for_eval
 from pspo.training.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.rollout import build_engine, engine_name
@@ -53,13 +55,25 @@ def main(argv: list[str]) -> dict:
     if "--engine" in flags:
         overrides.append(f"--rollout.engine={flags['--engine']}")
     cfg = load_config(argv[1], overrides, dist_.world_size)
-    d, e, m = cfg.data, cfg.eval, cfg.model
-    # starts while the model loads
-    pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))
+    m = cfg.model
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                     # build builtin:tiny once
     distributed.barrier()
-    path = resolve_model_path(m.name_or_path)
+    path = checkpoint = resolve_model_path(m.name_or_path)
+    if is_adapter(path):                          # a LoRA checkpoint: its adapter merged into its base
+        path = merged_for_eval(path, dist_.is_main, distributed.barrier)
+        print0(f"{checkpoint}: a LoRA adapter, merged into its base for evaluation ({path})")
+    try:
+        return evaluate_model(cfg, flags, path, dist_)
+    finally:
+        if path != checkpoint and dist_.is_main:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def evaluate_model(cfg, flags: dict, path: str, dist_) -> dict:
+    """The evaluation of main, on a plain (or merged) model folder."""
+    d, e, m = cfg.data, cfg.eval, cfg.model
+    pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))    # starts while loading
     tokenizer = load_tokenizer(path, m.trust_remote_code)
     check_context(load_model_config(path, m.trust_remote_code), d.max_prompt_tokens,
                   cfg.rollout.max_new_tokens)
@@ -123,7 +137,7 @@ def main(argv: list[str]) -> dict:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError, ImportError, FileNotFoundError) as err:
+    except (ConfigError, DataError, ModelError, LoraError, ImportError, FileNotFoundError) as err:
         print0(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     finally:

@@ -83,8 +83,9 @@ class StaticKV:
 
 def decode_twin(lm: torch.nn.Module, bf16: bool) -> tuple[torch.nn.Module, list[tuple[Tensor, Tensor]]]:
     """(twin, [(copy, source)]): lm's modules sharing its parameters, with STATIC_ATTENTION; with
-    bf16, every nn.Linear's weight and bias replaced by a bf16 copy (a tied head gets its own, the
-    embedding stays shared in float32), as autocast would cast them."""
+    bf16, every float32 nn.Linear's weight and bias replaced by a bf16 copy (a tied head gets its own,
+    the embedding stays shared in float32), as autocast would cast them; weights already in bf16 (a
+    frozen LoRA base) stay shared."""
     twin = copy.deepcopy(lm, {id(p): p for p in lm.parameters()})     # buffers and config copied
     twin.config._attn_implementation = STATIC_ATTENTION
     twin.eval()
@@ -95,7 +96,7 @@ def decode_twin(lm: torch.nn.Module, bf16: bool) -> tuple[torch.nn.Module, list[
                 continue
             for name in ("weight", "bias"):
                 p = getattr(source, name)
-                if p is None:
+                if p is None or p.dtype == torch.bfloat16:        # a bf16 LoRA base: shared, not copied
                     continue
                 setattr(mine, name, torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
                 pairs.append((getattr(mine, name), p))

@@ -30,6 +30,7 @@ from torch import Tensor
 from pspo.training import distributed
 from pspo.training.config import Config, ConfigError, error_line
 from pspo.training.distributed import Dist
+from pspo.training.lora import save_adapter
 
 _NAME = re.compile(r"checkpoint-(\d+)$")
 
@@ -44,18 +45,22 @@ def save_checkpoint(output_dir: str, step: int, policy: torch.nn.Module, tokeniz
     """Collective: every rank calls it. Returns the final checkpoint path."""
     final = checkpoint_path(output_dir, step)
     tmp = os.path.join(output_dir, f".tmp-checkpoint-{step}")
-    model_state = distributed.full_model_state(policy)          # gathers on every rank
+    peft_model = getattr(policy, "peft", None)                  # LoRA: the adapter alone (lora.py)
+    model_state = distributed.full_model_state(policy, trainable_only=peft_model is not None)   # gathers
     optim_state = distributed.full_optimizer_state(policy, optimizer)
     if dist_.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         lm = policy.lm
-        if lm.config.tie_word_embeddings:                        # one tensor, stored once
-            model_state.pop("lm_head.weight", None)
-        save_file({k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model.safetensors"),
-                  metadata={"format": "pt"})
-        lm.config.save_pretrained(tmp)
-        lm.generation_config.save_pretrained(tmp)
+        if peft_model is not None:
+            save_adapter(peft_model, model_state, tmp)           # peft's adapter_config.json + safetensors
+        else:
+            if lm.config.tie_word_embeddings:                    # one tensor, stored once
+                model_state.pop("lm_head.weight", None)
+            save_file({k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model.safetensors"),
+                      metadata={"format": "pt"})
+            lm.config.save_pretrained(tmp)
+            lm.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
     del model_state, optim_state

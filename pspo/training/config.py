@@ -76,12 +76,22 @@ PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (training/lora.py; docs/methods.md §8): rank 0 = full fine-tuning."""
+    rank: int = 0                       # r of every adapter; 0 = no adapters, every weight trains
+    alpha: float = 32.0                 # the update is (alpha / rank) B A
+    dropout: float = 0.0                # on the adapters' input (training only)
+    target_modules: str = "all-linear"  # "all-linear" (every linear layer but the head) or names: q_proj,v_proj
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = "builtin:tiny"  # hub id, local folder, or builtin:tiny (cached demo model)
     trust_remote_code: bool = False     # run model code shipped with a checkpoint (off: safer)
     bf16: bool = False                  # bf16 autocast for forward passes (GPU); log-probs stay fp32
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     logprob_chunk_tokens: int = 2048    # tokens per (chunk x vocab) logits block in the loss
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -376,9 +386,23 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     if section not in sections or not name:
         raise ConfigError(f"{key}: unknown section, expected one of {', '.join(sections)}")
     sub = getattr(cfg, section)
-    fields = {f.name: f for f in dataclasses.fields(sub)}
-    if name not in fields:
-        raise ConfigError(f"{key}: unknown key, expected one of {', '.join(fields)}")
+    while True:                                  # model.lora.rank: a section's sub-section
+        name, _, rest = name.partition(".")
+        fields = {f.name: f for f in dataclasses.fields(sub)}
+        if name not in fields:
+            raise ConfigError(f"{key[:len(key) - len(rest) - bool(rest)]}: unknown key, expected one of "
+                              f"{', '.join(fields)}")
+        if not dataclasses.is_dataclass(getattr(sub, name)):
+            break
+        if not rest and isinstance(value, dict):                  # YAML: lora: {rank: 16, ...}
+            for inner, v in value.items():
+                _set(cfg, f"{key}.{inner}", v)
+            return
+        if not rest:
+            raise ConfigError(f"{key}: expected a mapping of key: value, got {value!r}")
+        sub, name = getattr(sub, name), rest
+    if rest:
+        raise ConfigError(f"{key}: {key[:len(key) - len(rest) - 1]} has no sub-keys")
     setattr(sub, name, _coerce(key, value, str(fields[name].type)))
 
 
@@ -512,6 +536,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1",
            cfg.model.logprob_chunk_tokens)
+    lo = cfg.model.lora
+    check(lo.rank >= 0, "model.lora.rank", ">= 0 (0 = full fine-tuning)", lo.rank)
+    check(lo.alpha > 0 and math.isfinite(lo.alpha), "model.lora.alpha", "a finite number > 0", lo.alpha)
+    check(0 <= lo.dropout < 1, "model.lora.dropout", "in [0, 1)", lo.dropout)
+    names = [n.strip() for n in lo.target_modules.split(",")]
+    check(lo.target_modules == "all-linear" or (all(n.isidentifier() for n in names) and names),
+          "model.lora.target_modules", "all-linear or module names separated by commas (q_proj,v_proj)",
+          lo.target_modules)
 
 
 def validate_method(cfg: Config) -> None:

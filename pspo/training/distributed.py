@@ -8,6 +8,8 @@ rewards keep the per-prompt ERS/PPS state identical on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import sys
@@ -186,12 +188,14 @@ def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_model_state(policy: torch.nn.Module) -> dict[str, Tensor]:
-    """The unsharded transformers state dict (keys without the `lm.` prefix), on CPU.
+def full_model_state(policy: torch.nn.Module, trainable_only: bool = False) -> dict[str, Tensor]:
+    """The unsharded transformers state dict (keys without the `lm.` prefix), on CPU; trainable_only:
+    the parameters that train (LoRA's adapters), not the frozen base.
 
     Every rank must call it (it gathers); only rank 0's copy is complete and meant to be used.
     """
-    state = get_model_state_dict(policy, options=_FULL)
+    options = dataclasses.replace(_FULL, ignore_frozen_params=True) if trainable_only else _FULL
+    state = get_model_state_dict(policy, options=options)
     return {k.removeprefix("lm."): v for k, v in state.items()}
 
 

@@ -16,7 +16,8 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from pspo.training.config import first_line
+from pspo.training.config import LoraConfig, first_line
+from pspo.training.lora import add_adapters
 from pspo.training.packed_attention import PACKED_ATTENTION, Packed
 from pspo.training.token_logprobs import token_logprobs
 
@@ -50,11 +51,11 @@ def load_model_config(path: str, trust_remote_code: bool = False):
                          f"({first_line(e)})") from None
 
 
-def load_causal_lm(path: str, trust_remote_code: bool = False) -> torch.nn.Module:
-    """float32 master weights; bf16 is applied by autocast at compute time (model.bf16)."""
+def load_causal_lm(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """float32 master weights; bf16 is applied by autocast at compute time (model.bf16). A frozen LoRA
+    base is loaded in bf16 (dtype) instead: it needs no master copy."""
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                    trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - missing, corrupt (SafetensorError), foreign or rejected
         raise ModelError(f"model.name_or_path: cannot load a causal LM from {path!r} "
                          f"({first_line(e)})") from None
@@ -205,21 +206,26 @@ def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
 
 
 def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bool,
-                 gradient_checkpointing: bool, trainable: bool = True) -> Policy:
+                 gradient_checkpointing: bool, trainable: bool = True, lora: LoraConfig | None = None) -> Policy:
     """The trainable policy, or (trainable=False) a frozen reference. Both start in eval mode.
 
     The training loop switches the policy to train mode for the update only: transformers
     recomputes checkpointed layers only when `self.training`, and a checkpointed layer in train
     mode drops the KV cache, so generation and scoring must run in eval mode.
+    lora (rank > 0): peft adapters on a frozen base (lora.py), held in bf16 under model.bf16; the
+    PeftModel is `policy.peft` (None without adapters).
     """
-    lm = load_causal_lm(path, trust_remote_code)
+    lora = lora if lora is not None and lora.rank > 0 and trainable else None
+    lm = load_causal_lm(path, trust_remote_code, torch.bfloat16 if lora and bf16 else torch.float32)
     if lm.config._attn_implementation == "sdpa":
         lm.config._attn_implementation = PACKED_ATTENTION    # sdpa, and packed sequences (packed_attention.py)
     check_plain_head(lm)
     disable_dropout(lm)
     if gradient_checkpointing and trainable:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    peft_model = add_adapters(lm, lora) if lora else None                   # in place: lm holds them
     policy = Policy(lm, chunk_tokens, bf16).eval()
+    object.__setattr__(policy, "peft", peft_model)                          # not a submodule: lm is
     if not trainable:
         policy.requires_grad_(False)
     return policy

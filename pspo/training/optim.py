@@ -25,13 +25,14 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
 
 def build_optimizer(policy: torch.nn.Module, cfg: Config) -> tuple[torch.optim.Optimizer,
                                                                     torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the policy's parameters and its warm-up + cosine schedule.
+    """AdamW over the policy's trainable parameters (with LoRA: the adapters only) and its warm-up +
+    cosine schedule.
 
     On a GPU the fused kernel (one launch per parameter group instead of several per tensor; the
     same update to rounding); on CPU PyTorch's default (foreach).
     """
     o = cfg.optim
-    params = list(policy.parameters())
+    params = [p for p in policy.parameters() if p.requires_grad]
     fused = bool(params) and all(p.device.type == "cuda" for p in params)
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
                                   weight_decay=o.weight_decay, fused=fused or None)

@@ -365,6 +365,22 @@ class Plan:
         return head + f"does not fit, {margin:.1f} GiB over"
 
 
+LORA_SHAPES = {   # the linear layers of a Qwen2 / Llama-style decoder layer: name -> (in, out) from an Arch
+    "q_proj": lambda a: (a.hidden, a.heads * a.head_dim), "k_proj": lambda a: (a.hidden, a.kv_heads * a.head_dim),
+    "v_proj": lambda a: (a.hidden, a.kv_heads * a.head_dim), "o_proj": lambda a: (a.heads * a.head_dim, a.hidden),
+    "gate_proj": lambda a: (a.hidden, a.intermediate), "up_proj": lambda a: (a.hidden, a.intermediate),
+    "down_proj": lambda a: (a.intermediate, a.hidden)}
+
+
+def lora_params(a: Arch, rank: int, target_modules: str) -> int:
+    """LoRA's trainable parameters: rank x (in + out) per targeted linear layer, in every decoder layer
+    ("all-linear": the seven of a Qwen2 / Llama layer; a name the plan does not know counts as the
+    largest of them, an upper bound)."""
+    names = list(LORA_SHAPES) if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",")]
+    largest = max(sum(f(a)) for f in LORA_SHAPES.values())
+    return a.layers * rank * sum(sum(LORA_SHAPES[n](a)) if n in LORA_SHAPES else largest for n in names)
+
+
 def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
               prm: PRMArch | None = None) -> Plan:
     """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved); prm: the
@@ -383,10 +399,21 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
     ckpt = m.gradient_checkpointing
     other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB
     chunk = min(m.logprob_chunk_tokens, micro * T)
-    rows = [("params", f"parameters (fp32, 1/{N})", 4 * P // N, "both"),
-            ("grads", f"gradients (fp32, 1/{N})", 4 * P // N, "update"),
-            ("adam", f"AdamW m, v (2 x fp32, 1/{N})", 8 * P // N, "both")]
-    if cfg.algo.needs_reference:
+    notes: list[str] = []
+    lora = m.lora.rank > 0
+    if lora:                                 # a frozen base (bf16 under model.bf16), float32 adapters
+        A, base = lora_params(a, m.lora.rank, m.lora.target_modules), 2 if m.bf16 else 4
+        rows = [("params", f"frozen base ({'bf16' if m.bf16 else 'fp32'}, 1/{N}), no gradient or AdamW state",
+                 base * P // N, "both"),
+                ("adapters", f"LoRA adapters, {A / 1e6:.1f}M: fp32 weights, gradients, AdamW m, v (1/{N})",
+                 16 * A // N, "both")]
+    else:
+        rows = [("params", f"parameters (fp32, 1/{N})", 4 * P // N, "both"),
+                ("grads", f"gradients (fp32, 1/{N})", 4 * P // N, "update"),
+                ("adam", f"AdamW m, v (2 x fp32, 1/{N})", 8 * P // N, "both")]
+    if cfg.algo.needs_reference and lora:
+        notes.append("reference model: the base with the adapters switched off (no copy)")
+    elif cfg.algo.needs_reference:
         rows.append(("ref", f"reference model (fp32, 1/{N}; algo.beta > 0 or REINFORCE++ kl_coef > 0)",
                      4 * P // N, "both"))
     if N > 1:
@@ -397,7 +424,7 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
                  "update"))
     rows.append(("logp", f"log-prob head ({chunk} x {a.vocab} blocks + head grad)",
                  logprob_chunk_bytes(a, chunk, m.bf16), "update"))
-    notes, blocker = [], ""
+    blocker = ""
     if engine == "vllm":
         share, weights = int(r.gpu_memory_utilization * gpu_bytes), P * dtype
         kv = share - weights
@@ -415,7 +442,9 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
         cache_rows, length = static_cache_shape(cfg, calls)
         text = f"static KV cache, {cache_rows} x {length} positions ({2 if m.bf16 else 4} B), kept"
         rows.append(("kvcache", text, static_cache_bytes(a, cache_rows, length, m.bf16), "both"))
-        if m.bf16:
+        if m.bf16 and lora:                  # the base is bf16 already: the decoder shares it
+            rows.append(("copies", "the decoder's bf16 copies of the adapters, kept", 2 * A, "both"))
+        elif m.bf16:
             rows.append(("copies", "the decoder's bf16 weight copies, kept", 2 * P, "both"))
         # the sampler's working set (SAMPLER_BLOCKS), at the largest call's bucketed rows
         batch = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)

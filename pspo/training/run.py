@@ -16,9 +16,11 @@ from pspo.rewards import RewardResult, Score, score_completions
 from pspo.tasks.data import PromptSet, load_examples, prompt_set
 from pspo.tasks.reward_pool import RewardPool
 from pspo.training import checkpoint, distributed
+from pspo.training.checkpoint import CheckpointError
 from pspo.training.config import Config, save_config
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
+from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, trainable_share
 from pspo.training.model import Policy, build_policy
 from pspo.training.optim import adopt_optim_config
 
@@ -34,11 +36,23 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
     (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
     rank's device and sharded over the ranks."""
     m = cfg.model
-    policy = build_policy(path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
-                          gradient_checkpointing=m.gradient_checkpointing).to(dist_.device)
-    policy = distributed.shard(policy, dist_.world_size, m.bf16)
+    lora, resumed = m.lora.rank > 0, path != base_path
+    if resumed and lora != is_adapter(path):
+        raise CheckpointError(f"train.resume: {path} holds {'full weights' if lora else 'a LoRA adapter'}; "
+                              f"model.lora.rank {m.lora.rank} {'needs' if lora else 'trains without'} adapters: "
+                              "resume with the settings it was trained with")
+    policy = build_policy(base_path if lora else path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,
+                          bf16=m.bf16, gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
+    if lora and resumed:
+        load_adapter_weights(policy.peft, path)                         # the checkpoint resumed
+    trainable, total = trainable_share(policy)
+    print0(f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
+           + (f", LoRA rank {m.lora.rank} on {m.lora.target_modules}" if lora else ""))
+    policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     if not cfg.algo.needs_reference:
         return policy, None
+    if lora:
+        return policy, BaseReference(policy)                            # the base: adapters off, no copy
     ref = build_policy(base_path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
                        gradient_checkpointing=False, trainable=False)
     return policy, distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)

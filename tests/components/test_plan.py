@@ -348,7 +348,7 @@ def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
     assert plan.ALLOCATOR_SLACK == 0.2
 
 
-WANT = {"dr_grpo.yaml": 53248, "spo_tree.yaml": 16384, "pspo_star.yaml": 32768}
+WANT = {"dr_grpo.yaml": 53248, "spo_tree.yaml": 16384, "pspo_star.yaml": 32768, "pspo_lora.yaml": 114688}
 
 
 @pytest.mark.parametrize("config, gpus, gib", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2),
@@ -369,7 +369,9 @@ def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gi
         # each 1.5B recipe sets the largest budget for itself: Dr. GRPO has no reference model, 13
         # sequences fit (53248); SPO-tree's plan counts micro_batch_size (4) edges at once (16384); the
         # PSPO* recipe also holds its PRM on the GPU: with a BERT-base-sized one (110M parameters, hidden
-        # 768, MLP 3072) 9 sequences no longer fit (79.3 GiB), 8 do (32768); the others inherit 36864
+        # 768, MLP 3072) 9 sequences no longer fit (79.3 GiB), 8 do (32768); LoRA's frozen bf16 base
+        # (no master copy, gradient, AdamW state or reference) leaves room for 28 (114688); the others
+        # inherit 36864
         bert = plan.PRMArch(110_000_000, 768, 3072)
         for name in sorted(os.listdir(QWEN)):
             if name.endswith(".yaml"):
@@ -378,3 +380,36 @@ def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gi
                 assert recipe.train.micro_batch_tokens == plan.largest_token_budget(
                     recipe, a, 1, int(gib * GiB), "vllm", prm) == WANT.get(name, budget), name
                 assert plan.make_plan(recipe, a, 1, int(gib * GiB), "vllm", prm).fits, name
+
+
+def test_the_7b_lora_preset_fits_one_gpu_at_its_largest_budget():
+    # LoRA on the 7B: a frozen bf16 base (15.2 GB), rank-16 adapters with their fp32 state, no reference
+    # copy: one 80 GB GPU holds it where full fine-tuning needs 8 (reinforce_pp.yaml)
+    config = "configs/qwen2.5-7b-instruct-1m/reinforce_pp_lora.yaml"
+    cfg = load_config(config, [], 1)
+    a, _ = plan.load_arch(cfg.model.name_or_path, config)
+    assert cfg.train.micro_batch_tokens == plan.largest_token_budget(cfg, a, 1, int(79.2 * GiB), "vllm") == 55296
+    assert plan.make_plan(cfg, a, 1, int(79.2 * GiB), "vllm").fits
+    full = load_config("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", [], 1)
+    assert not plan.make_plan(full, a, 1, int(79.2 * GiB), "vllm").fits
+
+
+def test_lora_plan_counts_the_adapters_and_no_reference():
+    # Qwen2.5-Math-1.5B: hidden 1536, 12 heads x 128, 2 KV heads (256), MLP 8960, 28 layers. Rank 16 on
+    # all seven linear layers: 16 x [(1536+1536) q + 2 x (1536+256) k, v + (1536+1536) o
+    # + 2 x (1536+8960) gate, up + (8960+1536) down] = 16 x 41,216 = 659,456 per layer; x 28 = 18,464,768
+    config = "configs/qwen2.5-math-1.5b/pspo_lora.yaml"
+    cfg = load_config(config, [], 1)
+    a, _ = plan.load_arch(cfg.model.name_or_path, config)
+    assert plan.lora_params(a, 16, "all-linear") == 18_464_768
+    assert plan.lora_params(a, 8, "q_proj,v_proj") == 28 * 8 * (3072 + 1792)
+    p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "vllm")
+    rows = {key: b for key, _, b, _ in p.rows}
+    assert rows["params"] == 2 * a.params                                 # the bf16 base, whole
+    assert rows["adapters"] == 16 * 18_464_768                             # fp32 weight, grad, m, v
+    assert "ref" not in rows and "grads" not in rows and "adam" not in rows
+    # at the full fine-tuning recipe's budget (36864): 2 x 1.54B bytes of base against 16 x 1.54B of
+    # weights, gradients and AdamW state, and no 4 x 1.54B reference: over 20 GiB less
+    same = load_config(config, ["--train.micro_batch_tokens=36864"], 1)
+    full = plan.make_plan(load_config("configs/qwen2.5-math-1.5b/pspo.yaml", [], 1), a, 1, int(79.2 * GiB), "vllm")
+    assert plan.make_plan(same, a, 1, int(79.2 * GiB), "vllm").peak < full.peak - 20 * GiB

@@ -1,0 +1,152 @@
+"""LoRA: low-rank adapters on the policy through peft (docs/methods.md §8, "LoRA").
+
+With model.lora.rank = r > 0, every targeted linear layer W (model.lora.target_modules; "all-linear":
+every linear layer of the decoder, not the output head) computes W x + (alpha / r) B A x, with A
+(r x in) and B (out x r) trainable and W frozen. peft injects the adapters into the transformers
+model in place, so `Policy` runs unchanged; only the adapters train and enter the optimizer. Under
+model.bf16 the frozen base is held in bf16 (no float32 master copy, no gradient, no AdamW state)
+and the adapters in float32.
+
+The KL reference comes for free: it is the policy with its adapters switched off (`BaseReference`),
+the base weights, so no second model is loaded. Checkpoints hold the adapter in peft's own format
+(adapter_config.json + adapter_model.safetensors, loadable by `PeftModel.from_pretrained` on the
+base); `merged_folder` (and `python -m pspo.training.lora merge CHECKPOINT OUT`) writes the merged
+full-weight model that transformers and vLLM load as a plain one.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from pspo.training.config import LoraConfig, first_line
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoraError(ValueError):
+    """Adapters that cannot be added or loaded; the message is one line naming the key or file."""
+
+
+def is_adapter(path: str) -> bool:
+    """A folder holding a peft adapter (a LoRA checkpoint) rather than full weights."""
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def add_adapters(lm: torch.nn.Module, lora: LoraConfig):
+    """Inject LoRA adapters into `lm` in place (peft); returns the PeftModel wrapping it. Only the
+    adapters require grad; they are float32 whatever the base's dtype."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    targets = lora.target_modules if lora.target_modules == "all-linear" else \
+        [name.strip() for name in lora.target_modules.split(",")]
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                            bias="none", task_type="CAUSAL_LM")
+    try:
+        peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
+    except ValueError as e:                      # no module matches target_modules
+        raise LoraError(f"model.lora.target_modules: {first_line(e, 200)}") from None
+    for name, p in lm.named_parameters():        # float32 adapters also on a bf16 base
+        if "lora_" in name and p.dtype != torch.float32:
+            p.data = p.data.float()
+    return peft_model
+
+
+def load_adapter_weights(peft_model, path: str) -> None:
+    """A checkpoint's adapter (peft's file) into the injected adapters, before sharding."""
+    from peft import set_peft_model_state_dict
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    try:
+        state = load_file(file)
+    except Exception as e:  # noqa: BLE001 - missing or corrupt file: one line
+        raise LoraError(f"{file}: cannot read the adapter ({first_line(e, 200)})") from None
+    result = set_peft_model_state_dict(peft_model, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise LoraError(f"{file}: the adapter does not match model.lora (missing {missing[:2]}, unexpected "
+                        f"{list(result.unexpected_keys)[:2]}); resume with the LoRA settings it was trained with")
+
+
+def save_adapter(peft_model, state: dict[str, torch.Tensor], folder: str) -> None:
+    """peft's adapter files from the unsharded state (distributed.full_model_state's keys: those of the
+    transformers model); rank 0 only."""
+    prefixed = {f"base_model.model.{k}": v for k, v in state.items() if "lora_" in k}
+    peft_model.save_pretrained(folder, state_dict=prefixed)
+
+
+class BaseReference:
+    """The KL reference of a LoRA policy: the policy itself with its adapters switched off, i.e. the
+    frozen base model. Called like a Policy (score_logprobs calls it), under no_grad there."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs):
+        with self.policy.peft.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+
+def trainable_share(policy: torch.nn.Module) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    params = list(policy.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def merged_folder(checkpoint: str, out: str) -> str:
+    """Merge a LoRA checkpoint's adapter into its base (adapter_config.json's base_model_name_or_path)
+    and save a plain full-weight transformers folder (weights, config, tokenizer) at `out`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import json
+    with open(os.path.join(checkpoint, ADAPTER_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path") or ""
+    if not os.path.isdir(base):
+        raise LoraError(f"{checkpoint}/{ADAPTER_CONFIG}: its base model {base!r} is not a local folder")
+    lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(lm, checkpoint).merge_and_unload()
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(checkpoint if os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
+                                  else base).save_pretrained(out)
+    return out
+
+
+def merged_for_eval(checkpoint: str, is_main: bool, barrier) -> str:
+    """eval.py on a LoRA checkpoint: the merged model in a temporary folder named after the checkpoint
+    (rank 0 writes it, every rank reads it after `barrier()`); the caller removes it when done."""
+    import hashlib
+    import shutil
+    import tempfile
+    key = hashlib.sha1(os.path.abspath(checkpoint).encode()).hexdigest()[:12]
+    out = os.path.join(tempfile.gettempdir(), f"pspo-merged-{key}")
+    if is_main:
+        shutil.rmtree(out, ignore_errors=True)
+        merged_folder(checkpoint, out)
+    barrier()
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """python -m pspo.training.lora merge CHECKPOINT OUT: the merged full-weight model."""
+    if len(argv) != 3 or argv[0] != "merge":
+        print("usage: python -m pspo.training.lora merge CHECKPOINT OUT", file=sys.stderr)
+        return 2
+    _, checkpoint, out = argv
+    if not is_adapter(checkpoint):
+        print(f"{checkpoint}: no {ADAPTER_CONFIG}: not a LoRA checkpoint", file=sys.stderr)
+        return 2
+    if os.path.exists(out):
+        print(f"{out} exists; remove it or name another folder", file=sys.stderr)
+        return 2
+    try:
+        print(f"merged model: {merged_folder(checkpoint, out)}")
+    except LoraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""LoRA through peft (pspo/training/lora.py): only the adapters train, the reference is the base with
+them switched off, the saved adapter is peft's own and loads back (in peft and merged) to the trainer's
+log-probs, a bf16 base with float32 adapters, and the settings validated in one line."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pspo.engines.decode import decode_twin
+from pspo.training import distributed
+from pspo.training.config import ConfigError, load_config
+from pspo.training.logprobs import score_logprobs
+from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, merged_folder, save_adapter
+from pspo.training.micro_batches import plan_micro_batches
+from pspo.training.model import Policy, build_policy
+from pspo.training.optim import build_optimizer
+from test_packing import P, T, rows
+
+
+def lora_policy(path, rank=4, bf16=False, checkpointing=False, targets="all-linear", seed=0):
+    """A LoRA policy whose B matrices are random (peft starts them at 0, where the adapters change nothing)."""
+    cfg = load_config(None, [f"--model.lora.rank={rank}", f"--model.lora.target_modules={targets}"])
+    policy = build_policy(path, False, 64, bf16, checkpointing, lora=cfg.model.lora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return policy
+
+
+def logprobs(model, ids, attention, mask):
+    return score_logprobs(model, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 64, 0))
+
+
+def test_only_the_adapters_train(tiny_model_path):
+    # the tiny model: hidden 128, 4 heads x 32 (q 128), 2 KV heads (64), MLP 384, 4 layers. Rank 4 on all
+    # seven linear layers: 4 x [(128+128) q + 2 x (128+64) k, v + (128+128) o + 2 x (128+384) gate, up
+    # + (384+128) down] = 4 x 2,432 = 9,728 per layer; x 4 layers = 38,912
+    policy = lora_policy(tiny_model_path)
+    want = 38_912
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum(p.numel() for p in policy.parameters() if p.requires_grad) == want
+    optimizer, _ = build_optimizer(policy, load_config(None, []))
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == want
+    assert "lm_head" not in " ".join(trainable)                      # all-linear: not the output head
+
+
+def test_the_reference_is_the_base_with_the_adapters_off(tiny_model_path):
+    policy = lora_policy(tiny_model_path)
+    base = build_policy(tiny_model_path, False, 64, False, False, trainable=False)
+    ids, attention, mask = rows(policy.lm.config.vocab_size)
+    ref = logprobs(BaseReference(policy), ids, attention, mask)
+    torch.testing.assert_close(ref, logprobs(base, ids, attention, mask), atol=1e-6, rtol=0)
+    adapted = logprobs(policy, ids, attention, mask)
+    assert float(((adapted - ref).abs() * mask).max()) > 1e-3             # the adapters do change π
+    # and switching them off does not leave them off
+    torch.testing.assert_close(logprobs(policy, ids, attention, mask), adapted)
+
+
+def test_the_saved_adapter_loads_in_peft_and_merged(tiny_model_path, tmp_path):
+    from peft import PeftModel
+    policy = lora_policy(tiny_model_path, seed=1)
+    ids, attention, mask = rows(policy.lm.config.vocab_size, seed=4)
+    trainer = logprobs(policy, ids, attention, mask)
+    folder = str(tmp_path / "checkpoint-1")
+    save_adapter(policy.peft, distributed.full_model_state(policy, trainable_only=True), folder)
+    assert is_adapter(folder) and {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(folder))
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        saved = json.load(f)
+    assert saved["r"] == 4 and saved["lora_alpha"] == 32 and saved["base_model_name_or_path"] == tiny_model_path
+    # peft's own loader on a fresh base: the trainer's log-probs
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), folder)
+    torch.testing.assert_close(logprobs(Policy(loaded.base_model.model, 64).eval(), ids, attention, mask), trainer,
+                               atol=1e-6, rtol=0)
+    # our resume path: a fresh LoRA policy with the saved adapter
+    again = lora_policy(tiny_model_path, seed=99)
+    load_adapter_weights(again.peft, folder)
+    torch.testing.assert_close(logprobs(again, ids, attention, mask), trainer, atol=1e-6, rtol=0)
+    # merged into a plain transformers folder (what eval.py and vLLM load)
+    merged = merged_folder(folder, str(tmp_path / "merged"))
+    assert not is_adapter(merged) and os.path.isfile(os.path.join(merged, "model.safetensors"))
+    plain = build_policy(merged, False, 64, False, False, trainable=False)
+    torch.testing.assert_close(logprobs(plain, ids, attention, mask), trainer, atol=1e-5, rtol=0)
+
+
+def test_a_mismatched_adapter_is_refused_in_one_line(tiny_model_path, tmp_path):
+    from pspo.training.lora import LoraError
+    policy = lora_policy(tiny_model_path, rank=4)
+    save_adapter(policy.peft, distributed.full_model_state(policy, trainable_only=True), str(tmp_path / "a"))
+    other = lora_policy(tiny_model_path, rank=4, targets="q_proj,v_proj")
+    with pytest.raises(LoraError, match="does not match model.lora") as e:
+        load_adapter_weights(other.peft, str(tmp_path / "a"))
+    assert "\n" not in str(e.value)
+
+
+def test_bf16_base_float32_adapters_with_checkpointing(tiny_model_path):
+    policy = lora_policy(tiny_model_path, bf16=True, checkpointing=True).train()
+    dtypes = {("lora" if "lora_" in n else "base"): p.dtype for n, p in policy.named_parameters()
+              if "embed" not in n and "norm" not in n}
+    assert dtypes == {"base": torch.bfloat16, "lora": torch.float32}
+    ids, attention, mask = rows(policy.lm.config.vocab_size)
+    for b in plan_micro_batches(attention, mask, 64, 30, True):           # packed, checkpointed, bf16
+        logp, _ = policy(b.cut(ids, P), b.cut(attention, P), b.width, 1.0, packed=b.packed)
+        (logp * mask[b.rows, :b.width]).sum().backward()
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n and g.dtype == torch.float32 for n, g in grads.items())
+    assert any(float(g.abs().max()) > 0 for g in grads.values())
+    # the static decoder shares the bf16 base instead of copying it
+    twin, pairs = decode_twin(policy.lm, bf16=True)
+    assert pairs and all("lora" in str(type(p)) or p.dtype == torch.float32 for _, p in pairs)
+    assert twin.model.layers[0].mlp.down_proj.base_layer.weight is policy.lm.model.layers[0].mlp.down_proj.base_layer.weight
+
+
+def test_lora_settings_are_validated_in_one_line():
+    cfg = load_config("configs/pspo_lora.yaml")
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (16, 32.0, "all-linear")
+    for override, message in [("--model.lora.rank=-1", "model.lora.rank: expected >= 0"),
+                              ("--model.lora.alpha=0", "model.lora.alpha: expected a finite number > 0"),
+                              ("--model.lora.dropout=1", "model.lora.dropout: expected in [0, 1)"),
+                              ("--model.lora.target_modules=q proj", "model.lora.target_modules: expected"),
+                              ("--model.lora.rnak=4", "model.lora.rnak: unknown key, expected one of rank"),
+                              ("--model.lora=4", "model.lora: expected a mapping")]:
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
+            load_config(None, [override])

