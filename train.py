@@ -257,7 +257,8 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     if resume_from:
         step, generated_tokens = resume(resume_from, cfg, dist_, policy, optimizer, scheduler, sampler,
                                              method.state, sampler_mode(cfg))
-    generation = build_engine(r, policy, resume_from or base_path, tokenizer,
+    weights = base_path if m.lora.rank or not resume_from else resume_from        # LoRA: the base + adapter
+    generation = build_engine(r, policy, weights, tokenizer,
                               max_prompt_len=max(len(p) for p in train.ids + evals.ids), seed=cfg.train.seed,
                               world_size=dist_.world_size, bf16=m.bf16)
     counter = CountingEngine(generation)

@@ -95,14 +95,20 @@ def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_pro
     """The configured engine (`rollout.engine`: auto | vllm | hf; r is the RolloutConfig).
 
     auto picks vLLM on a GPU where it is installed. The vLLM engine is built from `model_path`, which must
-    hold the policy's current weights (the base model, or the checkpoint being resumed); it runs
+    hold the policy's current weights (the base model, or the checkpoint being resumed; with LoRA the
+    base, then served the policy's current adapter); it runs
     in bf16 on GPU when `bf16` (model.bf16), else in float32. The transformers engine sizes its
     static cache from max_prompt_len + rollout.max_new_tokens. Only the chosen engine's module is
     imported (the transformers engine's brings its decoder).
     """
     if engine_name(r.engine) == "vllm":
-        return vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
-                                      r.gpu_memory_utilization, r.sleep, world_size, bf16)
+        lora = getattr(policy, "peft", None) is not None                   # LoRA: the base + the adapter
+        engine = vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
+                                        r.gpu_memory_utilization, r.sleep, world_size, bf16,
+                                        lora_rank=policy.peft.peft_config["default"].r if lora else 0)
+        if lora:
+            engine.sync_weights(policy)                                     # the current adapter (resumed)
+        return engine
     from pspo.engines.hf_engine import HFEngine
     device = next(policy.parameters()).device
     return HFEngine(policy, tokenizer, r.batch_size, synced=world_size > 1,

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -39,6 +42,7 @@ from pspo.engines.tokens import Rollout, batch_inputs, continuation_inputs, stop
 # warnings from drowning the progress bar (the sync check reports what matters).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)      # the max_lora_rank values vLLM accepts
 
 
 def vllm_available() -> bool:
@@ -69,6 +73,15 @@ def full_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         yield "lm_head.weight", (embed.full_tensor() if hasattr(embed, "full_tensor") else embed).detach()
 
 
+@torch.no_grad()
+def adapter_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) of the LoRA adapters only (the frozen base stays where it is), one at a time;
+    collective under FSDP2 as full_params is."""
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            yield name, (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
+
+
 def startup_reason(e: BaseException, limit: int = 400) -> str:
     """vLLM's actual reason from a start-up exception, on one line.
 
@@ -93,7 +106,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1,
-                 bf16: bool = False):
+                 bf16: bool = False, lora_rank: int = 0):
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
@@ -107,6 +120,15 @@ class VLLMEngine:
             # generators cannot do ("CPU Generator does not use offset"): give every step room for
             # whole prompts of all running sequences, so none is split.
             extra.update(max_num_seqs=256, max_num_batched_tokens=256 * max_model_len)
+        # LoRA (model.lora.rank > 0): the engine holds the frozen base (model_path) and serves the
+        # policy's current adapter, a new version after every step (sync_weights); vLLM takes ranks
+        # from a fixed list, so its slots are the smallest of them that holds ours
+        self.lora_rank, self.lora_version, self.lora_request = lora_rank, 0, None
+        self.lora_dir = tempfile.mkdtemp(prefix="pspo-adapter-") if lora_rank else ""
+        if lora_rank:
+            weakref.finalize(self, shutil.rmtree, self.lora_dir, True)       # the adapter versions written
+            extra.update(enable_lora=True, max_loras=1,
+                         max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora_rank))
         try:
             # Prefix caching (vLLM 0.32's default on GPU and on x86 CPUs, stated here because SPO
             # relies on it): requests that share leading KV blocks, a prompt's G samples or a
@@ -146,7 +168,7 @@ class VLLMEngine:
                                              skip_special_tokens=True))
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         gen_time = time.perf_counter() - start
         completions = [o.outputs[0] for o in outputs]
         width = max(1, max(len(c.token_ids) for c in completions))
@@ -168,15 +190,32 @@ class VLLMEngine:
                                                 skip_special_tokens=True)
         return Rollout(ids, mask, logprobs, truncated, texts, gen_time)
 
-    def sync_weights(self, model: torch.nn.Module) -> float:
+    def sync_weights(self, policy: torch.nn.Module) -> float:
         """Load the policy's current weights into the engine in place; returns seconds taken.
 
+        With LoRA, the adapter alone: written in peft's format (a few MB where the weights are GB)
+        and served from then on as a new adapter version, so no request sees a stale one.
         Collective under FSDP2 (every rank gathers each parameter in turn).
         """
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(model)})
+        if self.lora_rank:
+            self._sync_adapter(policy)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(policy.lm)})
         self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
         return time.perf_counter() - start
+
+    def _sync_adapter(self, policy: torch.nn.Module) -> None:
+        from vllm.lora.request import LoRARequest
+        adapter = {f"base_model.model.{name}": tensor.cpu() for name, tensor in adapter_params(policy.lm)}
+        self.lora_version += 1
+        folder = os.path.join(self.lora_dir, f"v{self.lora_version}")
+        policy.peft.save_pretrained(folder, state_dict=adapter)
+        old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{self.lora_version}",
+                                                                 self.lora_version, folder)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)    # vLLM's copy; then the files
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def release(self) -> None:
         """The step generates nothing more: with rollout.sleep, free the engine's GPU memory (weights
@@ -196,7 +235,7 @@ def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[lis
     r.sync_check_steps steps (r: the RolloutConfig) measure its log-prob gap to the trainer on one
     fresh completion per prompt in `check_ids`. Returns the logged metrics (gaps: max over ranks)."""
     engine.wake_up()
-    metrics = {"weight_sync_s": engine.sync_weights(policy.lm)}
+    metrics = {"weight_sync_s": engine.sync_weights(policy)}
     if r.sync_check_steps and step % r.sync_check_steps == 0:
         seeds = sequence_seeds(seed + 1, step, torch.arange(len(check_ids)), 1)
         gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, seeds)

@@ -14,6 +14,7 @@ data loading, checkpoints, vLLM) report it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -246,6 +247,10 @@ class TrainConfig:
     keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
     resume: str = ""                    # "" (fresh), "auto" (latest in output_dir), or a path
     progress: bool = True               # tqdm bar on rank 0
+    # where metrics go besides metrics.jsonl: tensorboard, wandb (Weights & Biases, if installed), both
+    # (tensorboard,wandb) or none
+    report_to: str = "tensorboard"
+    wandb_project: str = "pspo"         # the W&B project of report_to: wandb
     # stop at start-up when the memory plan (plan.py) says the GPU is too small
     memory_check: bool = True
 
@@ -348,7 +353,8 @@ class Config:
 
 
 ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
-COMPILES = ("auto", "always", "never")      # rollout.compile, resolved by rollout.compile_enabled
+COMPILES = ("auto", "always", "never")
+REPORT_TO = ("tensorboard", "wandb", "none")  # train.report_to, comma-separated      # rollout.compile, resolved by rollout.compile_enabled
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -536,6 +542,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1",
            cfg.model.logprob_chunk_tokens)
+    sinks = [part.strip() for part in t.report_to.split(",")]
+    check(set(sinks) <= set(REPORT_TO) and ("none" not in sinks or sinks == ["none"]), "train.report_to",
+          "tensorboard, wandb, tensorboard,wandb or none", t.report_to)
+    check("wandb" not in sinks or importlib.util.find_spec("wandb") is not None, "train.report_to",
+          "wandb installed to report to it (pip install wandb)", t.report_to)
     lo = cfg.model.lora
     check(lo.rank >= 0, "model.lora.rank", ">= 0 (0 = full fine-tuning)", lo.rank)
     check(lo.alpha > 0 and math.isfinite(lo.alpha), "model.lora.alpha", "a finite number > 0", lo.alpha)

@@ -77,6 +77,22 @@ def save_adapter(peft_model, state: dict[str, torch.Tensor], folder: str) -> Non
     peft_model.save_pretrained(folder, state_dict=prefixed)
 
 
+@torch.no_grad()
+def merged_params(lm: torch.nn.Module):
+    """(name, tensor) of the model with its adapters merged, under the plain transformers names: each
+    targeted weight W + (alpha / r) B A, every other parameter as it is (one process, unsharded).
+    What a full-weight sync would stream instead of the adapter (bench/lora_sync.py)."""
+    for name, param in lm.named_parameters():
+        if "lora_" in name:
+            continue
+        if ".base_layer." in name:
+            module = lm.get_submodule(name.rsplit(".base_layer.", 1)[0])
+            if name.endswith(".weight"):
+                param = param + module.get_delta_weight("default").to(param.dtype)
+            name = name.replace(".base_layer.", ".")
+        yield name, param.detach()
+
+
 class BaseReference:
     """The KL reference of a LoRA policy: the policy itself with its adapters switched off, i.e. the
     frozen base model. Called like a Policy (score_logprobs calls it), under no_grad there."""

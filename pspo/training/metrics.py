@@ -16,6 +16,7 @@ import json
 import math
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -165,18 +166,29 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, enabled: bool, resume_step: int = 0):
+    """metrics.jsonl always; TensorBoard and Weights & Biases as train.report_to says (rank 0 only).
+
+    W&B: one run per output folder (its id kept in wandb_id.txt, so a resumed run continues it),
+    the resolved config attached, files under the output folder; WANDB_MODE=offline works offline.
+    """
+
+    def __init__(self, output_dir: str, enabled: bool, resume_step: int = 0, report_to: str = "tensorboard",
+                 run_config: dict | None = None, project: str = "pspo"):
         self.enabled = enabled
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
-
+        sinks = {part.strip() for part in report_to.split(",")}
         path = os.path.join(output_dir, "metrics.jsonl")
         if resume_step > 0:
             _truncate_after(path, resume_step)      # drop lines logged after the resumed checkpoint
         self.file = open(path, "a" if resume_step > 0 else "w")   # a fresh run starts a fresh file
-        self.writer = SummaryWriter(os.path.join(output_dir, "tb"),
-                                    purge_step=resume_step + 1 if resume_step else None)
+        self.writer = self.wandb = None
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
+            self.writer = SummaryWriter(os.path.join(output_dir, "tb"),
+                                        purge_step=resume_step + 1 if resume_step else None)
+        if "wandb" in sinks:
+            self.wandb = _wandb_run(output_dir, run_config or {}, project)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -184,15 +196,36 @@ class MetricsLogger:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        for key, value in record.items():
-            if key != "step" and value is not None:
+        values = {key: value for key, value in record.items() if key != "step" and value is not None}
+        if self.writer is not None:
+            for key, value in values.items():
                 self.writer.add_scalar(key, value, step)
-        self.writer.flush()
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self.file.close()
-            self.writer.close()
+            if self.writer is not None:
+                self.writer.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+def _wandb_run(output_dir: str, run_config: dict, project: str):
+    """A W&B run for this output folder: a new one, or (a resumed run) the one its id file names."""
+    import wandb
+    id_file = os.path.join(output_dir, "wandb_id.txt")
+    if os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:12]
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
+    return wandb.init(project=project, id=run_id, resume="allow", dir=output_dir, config=run_config,
+                      name=os.path.basename(os.path.normpath(output_dir)))
 
 
 def _clean(value: float) -> float | None:

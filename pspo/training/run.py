@@ -17,7 +17,7 @@ from pspo.tasks.data import PromptSet, load_examples, prompt_set
 from pspo.tasks.reward_pool import RewardPool
 from pspo.training import checkpoint, distributed
 from pspo.training.checkpoint import CheckpointError
-from pspo.training.config import Config, save_config
+from pspo.training.config import Config, save_config, to_dict
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
 from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, trainable_share
@@ -116,7 +116,9 @@ def open_folder(cfg: Config, dist_: Dist, step: int) -> MetricsLogger:
     if dist_.is_main:
         os.makedirs(out, exist_ok=True)
         save_config(cfg, os.path.join(out, "config.yaml"))
-    return MetricsLogger(out, dist_.is_main, resume_step=step)
+    t = cfg.train
+    return MetricsLogger(out, dist_.is_main, resume_step=step, report_to=t.report_to, run_config=to_dict(cfg),
+                         project=t.wandb_project)
 
 
 def every(step: int, interval: int) -> bool:
@@ -154,5 +156,8 @@ def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval:
     elif finished and last_eval:
         lines.append(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
     out = cfg.train.output_dir
-    lines.append(f"metrics: {os.path.join(out, 'metrics.jsonl')}   TensorBoard: tensorboard --logdir {out}")
+    sinks = cfg.train.report_to.split(",")
+    lines.append(f"metrics: {os.path.join(out, 'metrics.jsonl')}"
+                 + (f"   TensorBoard: tensorboard --logdir {out}" if "tensorboard" in sinks else "")
+                 + (f"   W&B: project {cfg.train.wandb_project}" if "wandb" in sinks else ""))
     return "\n".join(lines)

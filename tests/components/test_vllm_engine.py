@@ -114,7 +114,7 @@ def test_sync_after_an_optimizer_step(untied):
     take_a_step(policy)
     stale_max, stale_mean = sync_gap(engine, policy, prompts, T, 12, seeds)
     assert stale_mean > 0.02                      # a skipped sync: the default sync_check_tol fires
-    seconds = engine.sync_weights(policy.lm)
+    seconds = engine.sync_weights(policy)
     synced_max, _ = sync_gap(engine, policy, prompts, T, 12, seeds)
     assert synced_max < 1e-4 < stale_max and seconds < 5
 
@@ -126,7 +126,7 @@ def test_tied_embeddings_sync(tmp_path):
     names = [n for n, _ in full_params(policy.lm)]
     assert "lm_head.weight" in names                              # the tied head travels too
     take_a_step(policy)
-    engine.sync_weights(policy.lm)
+    engine.sync_weights(policy)
     seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
     assert sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4
 
@@ -241,3 +241,30 @@ def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
         assert 0 <= r["engine_gap_mean"] <= r["engine_gap_max"] < 1e-4, r
         assert abs(r["tis_weight_mean"] - 1) < 1e-4 and r["tis_capped_frac"] == 0, r
         assert r["weight_sync_s"] > 0
+
+
+def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_model_path):
+    # LoRA: the engine holds the base and serves the policy's adapter, one new version per sync; the
+    # sync check compares the engine with the trainer for the current adapter as it does for weights
+    from pspo.training.config import load_config
+    tokenizer = load_tokenizer(tiny_model_path, False)
+    prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
+               for ex in builtin_arithmetic("test")[:6]]
+    policy = build_policy(tiny_model_path, False, 2048, False, False,
+                          lora=load_config(None, ["--model.lora.rank=8"]).model.lora)
+    engine = VLLMEngine(tiny_model_path, tokenizer, max_model_len=128, seed=0, lora_rank=8)
+    seeds = sequence_seeds(3, 0, torch.arange(len(prompts)), 1)
+    assert engine.lora_request is None and sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4   # B = 0
+    with torch.no_grad():                                     # the adapters trained away from B = 0
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    stale_max, stale_mean = sync_gap(engine, policy, prompts, T, 12, seeds)
+    assert stale_mean > 0.02                                  # a skipped sync: the default tolerance fires
+    engine.sync_weights(policy)
+    first = engine.lora_request
+    assert first.lora_int_id == 1 and os.path.isfile(os.path.join(first.lora_path, "adapter_model.safetensors"))
+    assert sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4 < stale_max
+    engine.sync_weights(policy)                               # a new version; the old one's files are gone
+    assert engine.lora_request.lora_int_id == 2 and not os.path.exists(first.lora_path)
+    assert engine.llm.llm_engine.list_loras() <= {2}
