@@ -87,6 +87,9 @@ SECTIONS = (
     Section("recipe", "configs/qwen2.5-math-1.5b/grpo.yaml for 2 steps of 48 completions (512 new tokens), "
             "evaluation, a checkpoint reloaded by eval.py: the step split gen / score / update", 480, True,
             (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", RECIPE),)),
+    Section("lora", "configs/qwen2.5-math-1.5b/pspo_lora.yaml (rank-16 adapters, a frozen bf16 base, the reference "
+            "the base itself) for 2 steps as `recipe` runs the full fine-tuning recipe: step split and peak memory "
+            "against it", 420, True, (QWEN15,), (PlanCase(f"{R15}/pspo_lora.yaml", RECIPE),)),
     Section("rpp7b", "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml at the 7B's widths, 4 of 28 layers, "
             "2 steps of 64 K&K completions: peak memory against the plan", 480, True, (QWEN7B,),
             (PlanCase(f"{R7}/reinforce_pp.yaml", ("--data.eval=", f"--rollout.max_new_tokens={GEN}",
@@ -94,8 +97,9 @@ SECTIONS = (
     Section("spo", "configs/qwen2.5-math-1.5b/spo_tree.yaml, 1 step (6-6-6 trees, 64-token segments): the "
             "share of the step spent growing trees", 420, False, (QWEN15,),
             (PlanCase(f"{R15}/spo_tree.yaml", RECIPE + ("--train.prompts_per_step=2", "--spo.segment_tokens=64")),)),
-    Section("vllm", "the 1.5B recipe on vLLM (bf16, sleep, token TIS), 3 steps at lr 1e-5 with a sync check each "
-            "at the default tolerance (a stale engine stops the run): weight sync s, engine gap, sync gap", 480, False, (QWEN15,),
+    Section("vllm", "the sync check made to fail (bench/sync_check.py: peaked logits, one real step, stale vs "
+            "synced), then the 1.5B recipe on vLLM (bf16, sleep, token TIS), 3 steps at lr 1e-5 with a sync check each "
+            "at the default tolerance: weight sync s, engine gap, sync gap", 480, False, (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens={GEN}",
                                            "--rollout.engine=vllm", "--rollout.sleep=true")),), needs="vllm"),
 )
@@ -152,6 +156,10 @@ def commands(section: Section, ctx: Context) -> list[list[str]]:
                 [py, "eval.py", "--config", f"{R15}/grpo.yaml", "--rollout.engine=hf",
                  f"--model.name_or_path={run}/checkpoint-2", "--data.eval=data/samples/math500.jsonl",
                  "--data.max_eval_examples=8", "--rollout.max_new_tokens=64"]]
+    if section.name == "lora":
+        return [torchrun + ["--config", f"{R15}/pspo_lora.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
+                            "--rollout.engine=hf", "--data.train=data/samples/open-rs.jsonl", "--data.eval=",
+                            "--train.max_steps=2"]]
     if section.name == "rpp7b":
         return [torchrun + ["--config", f"{R7}/reinforce_pp.yaml", f"--model.name_or_path={ctx.model(QWEN7B)}",
                             *common, "--rollout.engine=hf", "--data.eval=", "--train.max_steps=2"]]
@@ -161,7 +169,9 @@ def commands(section: Section, ctx: Context) -> list[list[str]]:
                             "--train.prompts_per_step=2", f"--spo.segment_tokens={'4' if small else '64'}",
                             "--train.max_steps=1"]]
     if section.name == "vllm":
-        return [torchrun + ["--config", f"{R15}/grpo.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
+        return [[py, "bench/sync_check.py", "--model", ctx.model(QWEN15), "--bf16", "--max-new-tokens", gen,
+                 "--json", j("-sync")],
+                torchrun + ["--config", f"{R15}/grpo.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
                             "--rollout.engine=vllm", "--rollout.sleep=true", "--rollout.is_correction=token",
                             "--rollout.sync_check_steps=1", "--data.train=data/samples/open-rs.jsonl",
                             "--data.eval=", "--train.max_steps=3", "--optim.lr=1e-5"]]
@@ -342,13 +352,14 @@ def figures(section: Section, ctx: Context) -> dict:
         return {k: v for k, v in (("checkpointing", j("-ckpt")), ("no_checkpointing", j("-nockpt"))) if v}
     if section.name in ("decode", "numerics", "prm"):
         return j("") or {}
+    extra = {"sync_check": j("-sync")} if section.name == "vllm" and j("-sync") else {}
     rows = read_metrics(os.path.join(ctx.out, f"{section.name}.metrics.jsonl"))
     steps = [r for r in rows if "step_time_s" in r]
     keys = ("step_time_s", "gen_s", "advantages_s", "update_s", "reward_s", "sync_s", "peak_mem_gib",
             "peak_reserved_gib", "update_tokens_per_s", "gen_tokens_per_s", "mc_gen_s", "weight_sync_s",
             "sync_gap_mean", "sync_gap_max", "engine_gap_mean", "engine_gap_max", "tis_weight_mean")
     return {"steps": [{k: r[k] for k in keys if k in r} for r in steps],
-            "eval": [r for r in rows if "eval_accuracy" in r]}
+            "eval": [r for r in rows if "eval_accuracy" in r], **extra}
 
 
 def markdown(summary: dict) -> str:
@@ -408,7 +419,12 @@ def key_figures(name: str, f: dict):
     elif name == "prm" and f:
         yield ("steps/s batched / one at a time s / batched s", f"{f['steps_per_s']:,.0f} / "
                f"{f['one_at_a_time_s']:.2f} / {f['batched_s']:.2f}")
-    elif f.get("steps"):
+    elif f.get("steps") or f.get("sync_check"):
+        if f.get("sync_check"):
+            c = f["sync_check"]
+            yield (f"sync check on peaked logits (x{c['sharpen']:g}, p {c['mean_sampled_token_prob']:.2f}): mean gap "
+                   "synced / stale / resynced; a stale engine caught", f"{c['synced'][1]:.1e} / {c['stale'][1]:.1e} / "
+                   f"{c['resynced'][1]:.1e}; {'yes' if c['check_can_fail'] else 'NO'}")
         for i, r in enumerate(f["steps"], 1):
             split = " / ".join(f"{r.get(k, 0):.1f}" for k in ("step_time_s", "gen_s", "advantages_s", "update_s"))
             peak = f"{r.get('peak_mem_gib', 0):.1f}, {r.get('peak_reserved_gib', 0):.1f}"

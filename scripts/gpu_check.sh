@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py; docs/gpu.md "GPU check"): run it first on any new GPU machine.
 #
-#   bash scripts/gpu_check.sh OUT [SECTION ...]        # one NVIDIA GPU: the default sections, ~17 min on an H100
+#   bash scripts/gpu_check.sh OUT [SECTION ...]        # one NVIDIA GPU: the default sections, ~20 min on an H100 (estimated)
 #   bash scripts/gpu_check.sh --dry-run                # any machine: every section's memory plan and commands
 #   bash scripts/gpu_check.sh --small OUT [SECTION ...] # any machine: the script itself at CPU stand-in widths
 #

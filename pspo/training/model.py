@@ -137,17 +137,17 @@ class Policy(torch.nn.Module):
         seq_c = torch.repeat_interleave(torch.arange(N, device=device), completions, output_size=C)  # (C,)
         t_c = torch.arange(C, device=device) - (completions.cumsum(0) - completions)[seq_c]
         at = starts[seq_c] + (lengths - completions)[seq_c] - 1 + t_c                             # (C,)
+        # an all-ones 2-D mask keeps transformers from building a (S, S) block mask out of the
+        # position resets: the attention function separates the sequences by their offsets
         with self._autocast():
             hidden = self.lm.base_model(input_ids=row_ids, position_ids=within[None], use_cache=False,
-                                        attention_mask=torch.ones_like(row_ids),    # no mask: see below
+                                        attention_mask=torch.ones_like(row_ids),
                                         cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
                                         max_length_q=packed.longest, max_length_k=packed.longest
                                         ).last_hidden_state                          # (1, S, H)
             weight = self.lm.get_output_embeddings().weight                          # (V, H)
             logp_c, entropy_c = token_logprobs(hidden[:, at], weight, input_ids[:, L - T:][seq_c, t_c][None],
                                                temperature, self.chunk_tokens)       # (1, C)
-        # an all-ones 2-D mask keeps transformers from building a (S, S) block mask out of the
-        # position resets: the attention function separates the sequences by their offsets
         zeros = torch.zeros(N, T, device=device, dtype=logp_c.dtype)
         return (zeros.index_put((seq_c, t_c), logp_c[0]),
                 zeros.index_put((seq_c, t_c), entropy_c[0].to(zeros.dtype)))

@@ -274,3 +274,26 @@ def test_scoring_bench_runs_and_agrees(capsys):
     bench.main(["--small", "--completions", "3", "--steps", "3"])
     row = capsys.readouterr().out.strip().splitlines()[-1].strip("|").split("|")
     assert int(row[0]) == 9 and float(row[-1]) < 1e-6
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in step classifier: every input gets the logits [0, ln 3, 0, ln 5] (b, 4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))          # the device PRM reads off the parameters
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        logits = torch.tensor([0.0, math.log(3), 0.0, math.log(5)]).expand(input_ids.shape[0], 4)
+        return type("Out", (), {"logits": logits})()
+
+
+def test_step_score_is_the_softmax_at_the_label_hand_worked():
+    # s_j = softmax(logits)[prm.label]: softmax([0, ln 3, 0, ln 5]) = [1, 3, 1, 5] / 10, so label 1 -> .3,
+    # label 3 -> .5, label 0 -> .1, for every step whatever its text (the stand-in ignores it)
+    from pspo.related.prm import PRM
+    for label, want in ((1, 0.3), (3, 0.5), (0, 0.1)):
+        cfg = load_config(None, ["--reward.prm=1", "--prm.model=x", "--prm.split=lines", f"--prm.label={label}"]).prm
+        prm = PRM(_FixedLogits(), build_prm_tokenizer(), cfg)
+        scores = prm.step_scores([(None, "Zoey is a knight"), ("Zoey is a knight", "Mia is a knave")])
+        assert scores == pytest.approx([want, want], abs=1e-6)
