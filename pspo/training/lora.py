@@ -130,12 +130,14 @@ def merged_folder(checkpoint: str, out: str) -> str:
 
 
 def merged_for_eval(checkpoint: str, is_main: bool, barrier) -> str:
-    """eval.py on a LoRA checkpoint: the merged model in a temporary folder named after the checkpoint
-    (rank 0 writes it, every rank reads it after `barrier()`); the caller removes it when done."""
+    """eval.py on a LoRA checkpoint: the merged model in a temporary folder named after the checkpoint and
+    this launch (rank 0 writes it, every rank reads it after `barrier()`); the caller removes it when done."""
     import hashlib
     import shutil
     import tempfile
-    key = hashlib.sha1(os.path.abspath(checkpoint).encode()).hexdigest()[:12]
+    # the ranks of one launch share the folder (torchrun's run id), two evaluations never do
+    launch = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
+    key = hashlib.sha1(f"{os.path.abspath(checkpoint)}:{launch}".encode()).hexdigest()[:12]
     out = os.path.join(tempfile.gettempdir(), f"pspo-merged-{key}")
     if is_main:
         shutil.rmtree(out, ignore_errors=True)
