@@ -23,6 +23,7 @@ exact match of every role, and the table and JSON add the greedy accuracy per nu
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 
@@ -61,12 +62,14 @@ def main(argv: list[str]) -> dict:
     distributed.barrier()
     path = checkpoint = resolve_model_path(m.name_or_path)
     if is_adapter(path):                          # a LoRA checkpoint: its adapter merged into its base
-        path = merged_for_eval(path, dist_.is_main, distributed.barrier)
+        path = merged_for_eval(path, distributed.barrier)
         print0(f"{checkpoint}: a LoRA adapter, merged into its base for evaluation ({path})")
     try:
-        return evaluate_model(cfg, flags, path, dist_)
+        results = evaluate_model(cfg, flags, path, dist_)
+        distributed.barrier()                     # every rank is done reading the merged folder
+        return results
     finally:
-        if path != checkpoint and dist_.is_main:
+        if path != checkpoint and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -44,6 +44,7 @@ from pspo.training.checkpoint import CheckpointError
 from pspo.training.config import Config, ConfigError, load_config
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock, UpdateSums, gpu_memory, step_metrics
+from pspo.training.lora import LoraError
 from pspo.training.micro_batches import TokenRows, micro_batch_line, token_rows
 from pspo.training.model import ModelError, check_context, load_model_config, load_tokenizer
 from pspo.training.optim import build_optimizer
@@ -279,8 +280,8 @@ def setup(cfg: Config, dist_: Dist) -> Run:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, ModelError, CheckpointError, FileNotFoundError, ImportError, SyncError,
-            NonFiniteError) as e:
+    except (ConfigError, DataError, ModelError, CheckpointError, LoraError, FileNotFoundError, ImportError,
+            SyncError, NonFiniteError) as e:
         print0(f"error: {e}", file=sys.stderr)
         distributed.finish(2, clean=False)
     except BaseException:                       # a bug or Ctrl-C: leave the group, show the traceback

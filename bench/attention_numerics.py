@@ -10,7 +10,9 @@ the input's precision. The same batch of sequences (random tokens, lengths sprea
 over float32 weights) under each kernel, then backpropagated from the sum of the completion
 tokens' log-probs. Reported: the largest and mean |Δ log p| over real completion tokens, and the
 gradient's relative difference ||g_default - g_math|| / ||g_math||; and the same two for each
-kernel against a float32 run on the math kernel (the reference, autocast off).
+kernel against a float32 run on the math kernel (the reference, autocast off). Then the same
+sequences packed into one row (train.packing: the packed attention kernel, torch's varlen on CUDA
+under bf16) against the unpacked rows and against float32: the check of the real varlen kernel.
 """
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
+from pspo.training.logprobs import score_logprobs  # noqa: E402
+from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
 from pspo.training.model import build_policy  # noqa: E402
+from pspo.training.packed_attention import packed_kernel  # noqa: E402
 
 
 def batch(rows: int, max_len: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -87,6 +92,15 @@ def main(argv: list[str]) -> None:
     ref_logp, ref_grad, valid = score(policy, ids, attention, width, SDPBackend.MATH, False)
     default_logp, default_grad, _ = score(policy, ids, attention, width, None, args.bf16)
     math_logp, math_grad, _ = score(policy, ids, attention, width, SDPBackend.MATH, args.bf16)
+    # packed rows (train.packing): the same sequences back to back in one row, the packed attention kernel
+    # (torch's varlen on CUDA under bf16), against the unpacked default kernel and float32
+    mask = attention[:, -width:].float()
+    policy.bf16 = args.bf16
+    with torch.no_grad():
+        packed_logp = score_logprobs(policy, ids, attention, width, 1.0,
+                                     plan_micro_batches(attention, mask, 64, 10 ** 9, packing=True)).float()
+        unpacked_logp = score_logprobs(policy, ids, attention, width, 1.0,
+                                       plan_micro_batches(attention, mask, 64, 0)).float()
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())
@@ -99,16 +113,22 @@ def main(argv: list[str]) -> None:
                "logp_gap_default_vs_fp32": gaps(default_logp, ref_logp, valid),
                "logp_gap_math_vs_fp32": gaps(math_logp, ref_logp, valid),
                "grad_rel_default_vs_fp32": rel(default_grad, ref_grad),
-               "grad_rel_math_vs_fp32": rel(math_grad, ref_grad)}
+               "grad_rel_math_vs_fp32": rel(math_grad, ref_grad),
+               "packed_kernel": packed_kernel(device.type, torch.bfloat16 if args.bf16 else torch.float32),
+               "logp_gap_packed_vs_unpacked": gaps(packed_logp, unpacked_logp, valid),
+               "logp_gap_packed_vs_fp32": gaps(packed_logp, ref_logp, valid)}
     print(f"{figures['device']}, {path}, {args.rows} rows up to {args.max_len} tokens, "
           f"{'bf16 autocast' if args.bf16 else 'float32'}; the default sdpa kernel: {kernel}\n")
     print("| compared | max abs Δ log p | mean abs Δ log p | gradient relative Δ |")
     print("|---|---:|---:|---:|")
     for label, key, grad in (("default vs math", "default_vs_math", "grad_rel_default_vs_math"),
                              ("default vs float32 math", "default_vs_fp32", "grad_rel_default_vs_fp32"),
-                             ("math vs float32 math", "math_vs_fp32", "grad_rel_math_vs_fp32")):
+                             ("math vs float32 math", "math_vs_fp32", "grad_rel_math_vs_fp32"),
+                             (f"packed ({figures['packed_kernel']}) vs unpacked", "packed_vs_unpacked", None),
+                             ("packed vs float32 math", "packed_vs_fp32", None)):
         high, mean = figures[f"logp_gap_{key}"]
-        print(f"| {label} | {high:.2e} | {mean:.2e} | {figures[grad]:.2e} |")
+        print(f"| {label} | {high:.2e} | {mean:.2e} | {figures[grad]:.2e} |" if grad else
+              f"| {label} | {high:.2e} | {mean:.2e} | - |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 H100_GIB = 79.2                 # what torch reports for an H100 80GB: the dry run's default card
 R15 = "configs/qwen2.5-math-1.5b"
 R7 = "configs/qwen2.5-7b-instruct-1m"
-NEEDS = ("torch", "transformers", "datasets", "math_verify", "yaml", "safetensors", "tqdm", "tensorboard")
+NEEDS = ("torch", "transformers", "peft", "datasets", "math_verify", "yaml", "safetensors", "tqdm", "tensorboard")
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ SECTIONS = (
             "loop, transformers' static-cache generate, plain generate; ms per step, compiles, CUDA-graph skips",
             480, True, (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
     Section("numerics", "log-probs and gradients of the 1.5B: the default attention kernel against sdpa's math "
-            "kernel (bf16 autocast), both against float32", 180, True, (QWEN15,),
+            "kernel (bf16 autocast), both against float32; packed rows (varlen) against unpacked", 180, True, (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
     Section("prm", "PSPO*'s PRM (BERT-base size) scoring 48 completions x 20 steps: batched vs one at a time",
             120, True),
@@ -416,6 +416,9 @@ def key_figures(name: str, f: dict):
                f"{f['grad_rel_default_vs_math']:.1e}")
         yield ("vs float32: default / math max |Δ log p|",
                f"{f['logp_gap_default_vs_fp32'][0]:.1e} / {f['logp_gap_math_vs_fp32'][0]:.1e}")
+        if "logp_gap_packed_vs_unpacked" in f:
+            yield (f"packed ({f['packed_kernel']}) vs unpacked / vs float32: max |Δ log p|",
+                   f"{f['logp_gap_packed_vs_unpacked'][0]:.1e} / {f['logp_gap_packed_vs_fp32'][0]:.1e}")
     elif name == "prm" and f:
         yield ("steps/s batched / one at a time s / batched s", f"{f['steps_per_s']:,.0f} / "
                f"{f['one_at_a_time_s']:.2f} / {f['batched_s']:.2f}")
@@ -540,6 +543,11 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.out, exist_ok=True)
     ctx = Context(out=os.path.abspath(args.out), models=args.models, runs="/tmp/pspo-gpu-runs", small=args.small)
     ctx.summary = {"env": env, "smoke": None, "sections": {}, "not_measured": []}
+    earlier = read_json(os.path.join(ctx.out, "summary.json"))      # calls into one OUT add up (10-minute calls)
+    if earlier:
+        ctx.summary["sections"] = {k: v for k, v in earlier.get("sections", {}).items() if k not in names}
+        ctx.summary["not_measured"] = [n for n in earlier.get("not_measured", [])
+                                       if n.split(":")[0] not in names and not n.startswith(("vLLM", "smoke"))]
     if importlib.util.find_spec("vllm") is None:
         ctx.summary["not_measured"].append("vLLM's ms per step and the sync check on a GPU: vLLM is not installed")
     if env["gpu"] is not None:

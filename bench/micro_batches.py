@@ -26,8 +26,8 @@ dense bf16 peak (from its name: H100 or H200 989, A100 312; or --peak-tflops); t
 checkpointing recomputes is not counted. --json writes the figures to a file (the GPU check's). The optimizer is AdamW (fused on a GPU, as
 train.py builds it) at lr 0, so the weights stay as built while its state is allocated as in
 training. --profile traces one more token-budget update with torch.profiler and prints where
-the GPU's time went (and which attention kernel ran: cudnn, flash, efficient): GEMMs (and the share of
-them in float32), attention, elementwise/reductions,
+the GPU's time went in one update of the last mode timed (and which attention kernel ran: cudnn, flash,
+efficient): GEMMs (and the share of them in float32), attention, elementwise/reductions,
 other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU; the
 profiler's own overhead counts there too, so idle is an upper bound).
 """
@@ -77,7 +77,8 @@ def skewed_batch(n: int, vocab: int, seed: int = 0, max_completion: int = 512,
     return input_ids, attention, mask, torch.randn(n, generator=g), completions
 
 
-PEAK_TFLOPS = (("h100", 989.0), ("h200", 989.0), ("gh200", 989.0), ("a100", 312.0))   # dense bf16, by name
+PEAK_TFLOPS = (("h100 pcie", 756.0), ("h100", 989.0), ("h200", 989.0), ("gh200", 989.0),
+               ("a100", 312.0))                         # dense bf16 by name, the first match wins
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -86,12 +87,15 @@ def peak_tflops(device_name: str) -> float | None:
     return next((tflops for key, tflops in PEAK_TFLOPS if key in low), None)
 
 
-def update_flops(matmul_params: int, tokens: int, lengths: list[int], layers: int, attn_width: int) -> float:
+def update_flops(body_params: int, tokens: int, lengths: list[int], layers: int, attn_width: int,
+                 head_params: int = 0, head_tokens: int = 0) -> float:
     """FLOPs of one update (forward 1x, backward 2x) over sequences of `lengths` (prompt + completion):
-    6 x the matrix-multiply parameters (the input embedding is a lookup: not counted) x real tokens,
-    plus causal attention, 6 x layers x attn_width x L^2 per sequence (QK^T and AV, 2 L^2 d / 2 each
-    forward, causal half). Checkpointing's recomputed forward is not counted (docs/gpu.md)."""
-    return 6.0 * matmul_params * tokens + 6.0 * layers * attn_width * sum(n * n for n in lengths)
+    6 x the decoder's matrix-multiply parameters (body_params: no embedding, which is a lookup, and no
+    head) x real tokens, plus the output head, 6 x head_params x the tokens it scores (head_tokens: the
+    completion tokens), plus causal attention, 6 x layers x attn_width x L^2 per sequence (QK^T and AV,
+    2 L^2 d / 2 each forward, causal half). Checkpointing's recomputed forward is not counted (docs/gpu.md)."""
+    return (6.0 * body_params * tokens + 6.0 * head_params * head_tokens
+            + 6.0 * layers * attn_width * sum(n * n for n in lengths))
 
 
 def mfu(flops: float, seconds: float, peak_tflops: float) -> float:
@@ -224,7 +228,10 @@ def main(argv: list[str]) -> None:
     policy = build_policy(folder, False, 2048, args.bf16, args.checkpointing).to(device)
     vocab = policy.lm.config.vocab_size
     params = sum(p.numel() for p in policy.parameters())
-    matmul_params = params - policy.lm.get_input_embeddings().weight.numel()   # a lookup, no FLOPs
+    embed, head = policy.lm.get_input_embeddings().weight, policy.lm.get_output_embeddings().weight
+    # the decoder's matmuls: no embedding (a lookup) and no head (it scores completion tokens only;
+    # tied to the embedding, parameters() counts it once)
+    matmul_params = params - embed.numel() - (0 if head is embed else head.numel())
     batch = skewed_batch(args.sequences, vocab, max_completion=args.max_completion, max_prompt=args.max_prompt)
     input_ids, attention, mask, advantages = (t.to(device) for t in batch[:4])
     lengths = batch[4]
@@ -257,12 +264,12 @@ def main(argv: list[str]) -> None:
     heads = lm_config.num_attention_heads
     attn_width = heads * (getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads)
     flops = update_flops(matmul_params, int(attention.sum()), attention.sum(1).tolist(),
-                         lm_config.num_hidden_layers, attn_width)
+                         lm_config.num_hidden_layers, attn_width, head.numel(), int(mask.sum()))
     print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
           f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters, "
-          f"{matmul_params / 1e9:.3f}B without the input embedding); {where}; bf16 {'on' if args.bf16 else 'off'}, "
+          f"{matmul_params / 1e9:.3f}B in the decoder's matmuls, the head apart); {where}; bf16 {'on' if args.bf16 else 'off'}, "
           f"checkpointing {'on' if args.checkpointing else 'off'}; median of {args.reps}; MFU: "
-          + (f"{flops / 1e12:,.0f} TFLOPs per update (matmuls + causal attention) / time / {peak:g} TFLOP/s"
+          + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal attention) / time / {peak:g} TFLOP/s"
              if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + "\n")
     print("| mode | micro-batches | padded share | update s | real tokens/s |"
           + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else ""))

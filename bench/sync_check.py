@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -64,6 +65,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     path = sharpened(args.model or ensure_tiny_model(), args.sharpen)
+    try:
+        return check(path, args)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)                   # a full copy of the model
+
+
+def check(path: str, args) -> int:
+    """The three gaps on the sharpened model at `path`; 0 when the tolerance tells stale from synced."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]

@@ -126,6 +126,9 @@ class VLLMEngine:
         self.lora_rank, self.lora_version, self.lora_request = lora_rank, 0, None
         self.lora_dir = tempfile.mkdtemp(prefix="pspo-adapter-") if lora_rank else ""
         if lora_rank:
+            if lora_rank > VLLM_LORA_RANKS[-1]:
+                raise ModelError(f"model.lora.rank: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
+                                 f"{lora_rank}; use rollout.engine=hf or a smaller rank")
             weakref.finalize(self, shutil.rmtree, self.lora_dir, True)       # the adapter versions written
             extra.update(enable_lora=True, max_loras=1,
                          max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora_rank))

@@ -2,7 +2,9 @@
 
 <output_dir>/checkpoint-<step>/
     config.json, generation_config.json, model.safetensors, tokenizer files   (from_pretrained)
-    optimizer.pt      full AdamW state (tensors, numbers, lists only)
+      or, with LoRA (model.lora.rank > 0): adapter_config.json, adapter_model.safetensors (peft's
+      format, PeftModel.from_pretrained on the base), tokenizer files
+    optimizer.pt      full AdamW state (tensors, numbers, lists only; with LoRA, the adapters')
     trainer_state.pt  step, scheduler, sampler (uniform order or PPS priorities + RNG), ERS statistics,
                       generated_tokens so far, SPO-tree's replay buffer, the method and sampler mode
     rng-rank<r>.pt    rank r's torch RNG states, and a digest of the trainer state as rank r held it

@@ -353,8 +353,8 @@ class Config:
 
 
 ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
-COMPILES = ("auto", "always", "never")
-REPORT_TO = ("tensorboard", "wandb", "none")  # train.report_to, comma-separated      # rollout.compile, resolved by rollout.compile_enabled
+COMPILES = ("auto", "always", "never")      # rollout.compile, resolved by rollout.compile_enabled
+REPORT_TO = ("tensorboard", "wandb", "none")  # train.report_to, comma-separated
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -555,6 +555,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(lo.target_modules == "all-linear" or (all(n.isidentifier() for n in names) and names),
           "model.lora.target_modules", "all-linear or module names separated by commas (q_proj,v_proj)",
           lo.target_modules)
+    # the log-prob head reads lm_head's weight itself (token_logprobs.py): an adapter there would be ignored
+    check(not {"lm_head", "embed_tokens", "wte", "word_embeddings"} & set(names), "model.lora.target_modules",
+          "decoder layers only (the output head and the embeddings are not adapted)", lo.target_modules)
 
 
 def validate_method(cfg: Config) -> None:

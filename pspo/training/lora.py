@@ -15,6 +15,7 @@ full-weight model that transformers and vLLM load as a plain one.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -55,9 +56,25 @@ def add_adapters(lm: torch.nn.Module, lora: LoraConfig):
     return peft_model
 
 
-def load_adapter_weights(peft_model, path: str) -> None:
-    """A checkpoint's adapter (peft's file) into the injected adapters, before sharding."""
+def load_adapter_weights(peft_model, path: str, lora: LoraConfig | None = None) -> None:
+    """A checkpoint's adapter (peft's file) into the injected adapters, before sharding; with `lora`, its
+    adapter_config.json must match model.lora's rank, alpha and target modules (one line if not)."""
     from peft import set_peft_model_state_dict
+    if lora is not None:
+        try:
+            with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+                saved = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise LoraError(f"{path}/{ADAPTER_CONFIG}: cannot read it ({first_line(e, 200)})") from None
+        targets = saved.get("target_modules")
+        targets = "all-linear" if targets == "all-linear" else ",".join(sorted(targets or []))
+        want = "all-linear" if lora.target_modules == "all-linear" else \
+            ",".join(sorted(n.strip() for n in lora.target_modules.split(",")))
+        for key, theirs, ours in (("rank", saved.get("r"), lora.rank), ("alpha", saved.get("lora_alpha"), lora.alpha),
+                                  ("target_modules", targets, want)):
+            if theirs != ours and not (key == "target_modules" and want == "all-linear"):
+                raise LoraError(f"model.lora.{key}: the checkpoint {path} was trained with {theirs}, this run has "
+                                f"{ours}; resume with the same setting")
     file = os.path.join(path, ADAPTER_WEIGHTS)
     try:
         state = load_file(file)
@@ -116,12 +133,13 @@ def merged_folder(checkpoint: str, out: str) -> str:
     and save a plain full-weight transformers folder (weights, config, tokenizer) at `out`."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import json
     with open(os.path.join(checkpoint, ADAPTER_CONFIG)) as f:
         base = json.load(f).get("base_model_name_or_path") or ""
-    if not os.path.isdir(base):
-        raise LoraError(f"{checkpoint}/{ADAPTER_CONFIG}: its base model {base!r} is not a local folder")
-    lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    try:                                          # a local folder, or a hub id (its cache, or a download)
+        lm = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - missing, not cached offline, rejected: one line
+        raise LoraError(f"{checkpoint}/{ADAPTER_CONFIG}: cannot load its base model {base!r} "
+                        f"({first_line(e, 200)})") from None
     merged = PeftModel.from_pretrained(lm, checkpoint).merge_and_unload()
     merged.save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint if os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
@@ -129,17 +147,20 @@ def merged_folder(checkpoint: str, out: str) -> str:
     return out
 
 
-def merged_for_eval(checkpoint: str, is_main: bool, barrier) -> str:
+def merged_for_eval(checkpoint: str, barrier) -> str:
     """eval.py on a LoRA checkpoint: the merged model in a temporary folder named after the checkpoint and
-    this launch (rank 0 writes it, every rank reads it after `barrier()`); the caller removes it when done."""
+    this launch (each node's local rank 0 writes it, every rank reads it after `barrier()`); the caller's
+    local rank 0 removes it when done."""
     import hashlib
     import shutil
     import tempfile
-    # the ranks of one launch share the folder (torchrun's run id), two evaluations never do
-    launch = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
+    # the ranks of one launch on one node share the folder (their parent is torchrun's agent), two
+    # evaluations never do; each node writes its own copy (its /tmp is its own)
+    torchrun = "LOCAL_RANK" in os.environ
+    launch = os.getppid() if torchrun else os.getpid()
     key = hashlib.sha1(f"{os.path.abspath(checkpoint)}:{launch}".encode()).hexdigest()[:12]
     out = os.path.join(tempfile.gettempdir(), f"pspo-merged-{key}")
-    if is_main:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         shutil.rmtree(out, ignore_errors=True)
         merged_folder(checkpoint, out)
     barrier()

@@ -188,7 +188,7 @@ class MetricsLogger:
             self.writer = SummaryWriter(os.path.join(output_dir, "tb"),
                                         purge_step=resume_step + 1 if resume_step else None)
         if "wandb" in sinks:
-            self.wandb = _wandb_run(output_dir, run_config or {}, project)
+            self.wandb = _wandb_run(output_dir, run_config or {}, project, resume_step > 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -213,11 +213,12 @@ class MetricsLogger:
                 self.wandb.finish()
 
 
-def _wandb_run(output_dir: str, run_config: dict, project: str):
-    """A W&B run for this output folder: a new one, or (a resumed run) the one its id file names."""
+def _wandb_run(output_dir: str, run_config: dict, project: str, resumed: bool):
+    """A W&B run for this output folder: a resumed run continues the one its id file names; a fresh
+    run starts a new one (and writes its id)."""
     import wandb
     id_file = os.path.join(output_dir, "wandb_id.txt")
-    if os.path.isfile(id_file):
+    if resumed and os.path.isfile(id_file):
         with open(id_file) as f:
             run_id = f.read().strip()
     else:

@@ -181,6 +181,22 @@ def check_plain_head(lm: torch.nn.Module) -> None:
                              "transformed after lm_head); pspo supports plain lm_head logits only")
 
 
+def check_packing(policy: Policy, train) -> None:
+    """Packed micro-batches (train.packing with a token budget) need the packed attention function, which
+    build_policy installs in place of sdpa, and full causal attention: refuse another attention
+    implementation or sliding-window layers in one line rather than let sequences see each other."""
+    if not (train.packing and train.micro_batch_tokens > 0):
+        return
+    config = policy.lm.config
+    if config._attn_implementation != PACKED_ATTENTION:
+        raise ModelError(f"train.packing: packed sequences need sdpa attention, {type(policy.lm).__name__} runs "
+                         f"{config._attn_implementation!r}; set train.packing=false")
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
+                                                                              or []):
+        raise ModelError(f"train.packing: {type(policy.lm).__name__} has sliding-window attention layers, which "
+                         "packed rows do not support; set train.packing=false")
+
+
 def disable_dropout(lm: torch.nn.Module) -> None:
     """Dropout off everywhere, as RL fine-tuning codes do: the update runs in train mode (for
     checkpointing) while π_old, π_ref and generation run in eval mode, and dropout would make the

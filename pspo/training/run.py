@@ -21,7 +21,7 @@ from pspo.training.config import Config, save_config, to_dict
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
 from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, trainable_share
-from pspo.training.model import Policy, build_policy
+from pspo.training.model import Policy, build_policy, check_packing
 from pspo.training.optim import adopt_optim_config
 
 MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
@@ -44,11 +44,18 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
     policy = build_policy(base_path if lora else path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,
                           bf16=m.bf16, gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
     if lora and resumed:
-        load_adapter_weights(policy.peft, path)                         # the checkpoint resumed
+        load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed
+    check_packing(policy, cfg.train)
     trainable, total = trainable_share(policy)
     print0(f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
            + (f", LoRA rank {m.lora.rank} on {m.lora.target_modules}" if lora else ""))
     policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
+    if lora and dist_.world_size > 1:
+        # FSDP2 reads which parameters train at its first forward; the reference's (adapters off) would
+        # record them frozen, so the policy's own runs first
+        with torch.no_grad():
+            ids = torch.ones(1, 2, dtype=torch.long, device=dist_.device)
+            policy(ids, torch.ones_like(ids), 1, 1.0)
     if not cfg.algo.needs_reference:
         return policy, None
     if lora:

@@ -102,3 +102,15 @@ def test_the_small_rehearsal_runs_the_bench_sections(tmp_path):
     modes = summary["sections"]["update"]["figures"]["checkpointing"]["modes"]
     assert set(modes) == {"token budget", "packed"} and modes["packed"]["padded_share"] == 0
     assert not os.path.exists(tmp_path / "models")                           # the models are removed
+
+
+def test_calls_into_one_out_add_up(tmp_path, monkeypatch):
+    # a check split over two calls: the second call's summary keeps the first call's sections
+    (tmp_path / "summary.json").write_text(json.dumps({"sections": {"update": {"status": "ok", "seconds": 1.0,
+                                                                              "figures": {}}},
+                                                       "not_measured": ["decode: timed out"]}))
+    monkeypatch.setattr(gpu_check, "run_section", lambda section, ctx, gib: ctx.summary["sections"].update(
+        {section.name: {"status": "ok", "seconds": 2.0, "figures": {}}}))
+    assert gpu_check.main([str(tmp_path), "decode", "--small", "--models", str(tmp_path / "m")]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["sections"]) == {"update", "decode"} and "decode: timed out" not in summary["not_measured"]

@@ -111,8 +111,15 @@ def test_bf16_base_float32_adapters_with_checkpointing(tiny_model_path):
     assert any(float(g.abs().max()) > 0 for g in grads.values())
     # the static decoder shares the bf16 base instead of copying it
     twin, pairs = decode_twin(policy.lm, bf16=True)
-    assert pairs and all("lora" in str(type(p)) or p.dtype == torch.float32 for _, p in pairs)
+    assert pairs and all(p.dtype == torch.float32 for _, p in pairs)      # only the float32 adapters copied
     assert twin.model.layers[0].mlp.down_proj.base_layer.weight is policy.lm.model.layers[0].mlp.down_proj.base_layer.weight
+
+
+def test_unknown_target_modules_are_one_line(tiny_model_path):
+    from pspo.training.lora import LoraError
+    with pytest.raises(LoraError, match="model.lora.target_modules: ") as e:
+        lora_policy(tiny_model_path, targets="foo_proj")
+    assert "\n" not in str(e.value)
 
 
 def test_lora_settings_are_validated_in_one_line():
@@ -123,6 +130,8 @@ def test_lora_settings_are_validated_in_one_line():
                               ("--model.lora.dropout=1", "model.lora.dropout: expected in [0, 1)"),
                               ("--model.lora.target_modules=q proj", "model.lora.target_modules: expected"),
                               ("--model.lora.rnak=4", "model.lora.rnak: unknown key, expected one of rank"),
-                              ("--model.lora=4", "model.lora: expected a mapping")]:
+                              ("--model.lora=4", "model.lora: expected a mapping"),
+                              ("--model.lora.target_modules=q_proj,lm_head", "model.lora.target_modules: expected "
+                               "decoder layers only")]:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
             load_config(None, [override])

@@ -116,7 +116,7 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
     prompts = [p for p in ids[mine] for _ in range(3)]
     _, attention = batch_inputs(prompts, rollout.completion_ids[rows], rollout.mask[rows],
                                 tokenizer.pad_token_id)
-    plan = plan_micro_batches(attention, rollout.mask[rows], 64, 40)
+    plan = plan_micro_batches(attention, rollout.mask[rows], 64, 40, packing=True)     # as the update plans
     policy = distributed.shard(build_policy(path, False, 64, False, False), 2)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -164,11 +164,15 @@ def test_skewed_workload_and_mfu_of_the_bench():
     # 2 layers, query width 128: 6 x 2 x 128 x (600^2 + 400^2) = 1536 x 520,000 = 7.9872e8; sum 6.00079872e12
     flops = bench.update_flops(1_000_000_000, 1_000, [600, 400], 2, 128)
     assert flops == pytest.approx(6.00079872e12, rel=1e-12)
+    # plus a head of 1e8 parameters scoring 300 completion tokens: 6 x 1e8 x 300 = 1.8e11
+    assert bench.update_flops(1_000_000_000, 1_000, [600, 400], 2, 128, 100_000_000, 300) == \
+        pytest.approx(6.00079872e12 + 1.8e11, rel=1e-12)
     # 6e12 FLOPs in 1 s on a 1000 TFLOP/s GPU: 0.006; 9e12 in 0.1 s on 989: 9e13 / 989e12 = 0.0910
     assert abs(bench.mfu(6e12, 1.0, 1000.0) - 0.006) < 1e-15
     assert bench.mfu(9e12, 0.1, 989.0) == pytest.approx(0.0910010, rel=1e-6)
     assert bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and bench.peak_tflops("NVIDIA H200") == 989.0
     assert bench.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0 and bench.peak_tflops("NVIDIA L4") is None
+    assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
     input_ids, attention, mask, advantages, lengths = bench.skewed_batch(48, 100, max_completion=3584, max_prompt=512)
     assert 10 <= int(lengths.min()) and int(lengths.max()) <= 3584 and int(lengths.max()) == mask.shape[1]
     prompts = attention.sum(1) - mask.sum(1)                            # left-padded prompts of 85..512 tokens

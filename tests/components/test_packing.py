@@ -168,3 +168,16 @@ def test_varlen_call_adapts_to_the_torch_version(monkeypatch, version):
     out = packed_attention._varlen(q, k, v, offsets, 5, 0.5)
     torch.testing.assert_close(out, _causal_per_sequence(q, k, v, [0, 5, 6, 9], 0.5))
     assert len(calls) == 1
+
+
+def test_packing_refuses_attention_that_would_mix_sequences(tiny_model_path):
+    # packed rows rely on the packed attention function; eager attention (or sliding-window layers) would let
+    # a sequence attend to the one packed before it: refused in one line at start-up
+    from pspo.training.model import ModelError, check_packing
+    policy = build_policy(tiny_model_path, False, 64, False, False)
+    train = load_config(None, ["--train.micro_batch_tokens=64"]).train
+    check_packing(policy, train)                                            # sdpa -> the packed function
+    policy.lm.config._attn_implementation = "eager"
+    with pytest.raises(ModelError, match="train.packing: packed sequences need sdpa attention"):
+        check_packing(policy, train)
+    check_packing(policy, load_config(None, ["--train.micro_batch_tokens=64", "--train.packing=false"]).train)

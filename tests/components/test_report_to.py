@@ -43,10 +43,14 @@ def test_wandb_gets_every_metric_and_a_resumed_run_continues_it(tmp_path, monkey
     assert (step, values, finish) == (1, {"loss": 0.5}, "finish")            # NaN: left out, as in TensorBoard
     assert not os.path.exists(os.path.join(out, "tb"))                      # report_to: wandb alone
     assert json.loads(open(os.path.join(out, "metrics.jsonl")).read())["loss"] == 0.5
-    # a resumed run continues the same W&B run (its id kept in the output folder)
+    # a resumed run continues the same W&B run (its id kept in the output folder); a fresh run in the
+    # same folder starts a new one
     again = MetricsLogger(out, True, resume_step=1, report_to="tensorboard,wandb")
     again.close()
     assert fake.calls[3][1]["id"] == init["id"] and os.path.isdir(os.path.join(out, "tb"))
+    fresh = MetricsLogger(out, True, report_to="wandb")
+    fresh.close()
+    assert fake.calls[5][1]["id"] != init["id"]
 
 
 def test_report_to_is_validated_in_one_line(monkeypatch):

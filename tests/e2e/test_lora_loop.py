@@ -71,6 +71,17 @@ def test_a_lora_run_resumes_exactly(four_steps, lora_run, tmp_path):
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
 
 
+def test_resuming_under_other_lora_settings_is_one_line(four_steps, lora_run, tmp_path):
+    from pspo.training.lora import LoraError
+    out = str(tmp_path / "run")
+    shutil.copytree(four_steps, out)
+    for override, message in (("--model.lora.alpha=8", "model.lora.alpha: the checkpoint"),
+                              ("--model.lora.rank=4", "model.lora.rank: the checkpoint")):
+        with pytest.raises(LoraError) as e:
+            lora_run(out, "--train.max_steps=5", "--train.resume=auto", override)
+        assert str(e.value).startswith(message) and "trained with" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_resuming_under_the_other_setting_is_one_line(four_steps, launch_train, tiny_model_path, tmp_path):
     out = str(tmp_path / "run")
     shutil.copytree(four_steps, out)
@@ -96,8 +107,11 @@ def test_eval_reads_an_adapter_checkpoint(four_steps, run_main, tmp_path):
 
 
 def test_lora_under_fsdp2_on_two_ranks(lora_run, tmp_path):
+    # a bf16 base with float32 adapters in one FSDP2 unit, and the reference (adapters off) scored before
+    # the policy's first forward of a step (β > 0, one iteration: no π_old pass): FSDP2 must still see the
+    # adapters as trainable
     out = str(tmp_path / "fsdp")
-    lora_run(out, "--train.max_steps=2", "--train.save_steps=2", nproc=2)
+    lora_run(out, "--train.max_steps=2", "--train.save_steps=2", "--model.bf16=true", nproc=2)
     adapter = load_file(os.path.join(out, "checkpoint-2", "adapter_model.safetensors"))
     assert adapter and all("lora_" in k for k in adapter)
     assert metrics(out)[2]["kl"] > 0
