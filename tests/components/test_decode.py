@@ -211,3 +211,12 @@ def test_compiled_step_equals_the_eager_loop(tiny):
         seeds = sequence_seeds(7, step, torch.arange(len(prompts)), n)
         eager = static.generate(prompts, n, 1.0, 1.0, 12, seeds)
         assert_same_rollout(compiled.generate(prompts, n, 1.0, 1.0, 12, seeds), eager)
+
+
+def test_transformers_static_cache_generate_equals_generate(tiny):
+    # HFEngine(loop="generate-static"): transformers' own StaticCache of max_len positions (the GPU check's
+    # decode section times it against the static loop); in float32 the same tokens and log-probs as generate
+    tokenizer, policy, _, reference, ids = tiny
+    engine = HFEngine(policy, tokenizer, batch_size=64, max_len=64, loop="generate-static")
+    seeds = sequence_seeds(5, 0, torch.arange(len(ids)), 2)
+    assert_same_rollout(engine.generate(ids, 2, 1.0, 1.0, 10, seeds), reference.generate(ids, 2, 1.0, 1.0, 10, seeds))
