@@ -25,6 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.micro_batches import attention_backend  # noqa: E402
 from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
 from pspo.training.logprobs import score_logprobs  # noqa: E402
 from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
@@ -55,7 +56,7 @@ def score(policy, ids, attention, width: int, backend: SDPBackend | None, bf16: 
 
 
 def default_kernel(policy, ids, attention, width: int, bf16: bool) -> str:
-    """The attention kernel sdpa picks by default, from the profiler (CUDA) or 'cpu'."""
+    """The attention kernel sdpa picks by default, from the profiler's kernel names (CUDA) or 'cpu'."""
     if ids.device.type != "cuda":
         return "cpu"
     from torch.profiler import ProfilerActivity, profile
@@ -63,11 +64,9 @@ def default_kernel(policy, ids, attention, width: int, bf16: bool) -> str:
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         policy(ids, attention, width, 1.0)
         torch.cuda.synchronize()
-    names = [e.key.lower() for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    for kernel, keys in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient"))):
-        if any(k in n for n in names for k in keys):
-            return kernel
-    return "math (no fused attention kernel seen)"
+    kernels = [(e.key, e.self_device_time_total) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return attention_backend(kernels)                  # cudnn, flash, efficient, or math (none of those)
 
 
 def gaps(a, b, valid) -> tuple[float, float]:

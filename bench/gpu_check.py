@@ -231,8 +231,9 @@ def environment() -> dict:
         if importlib.util.find_spec(mod):
             env[mod] = getattr(importlib.import_module(mod), "__version__", "installed")
     try:                                   # PSPO_COMMIT: a copy of the tree without .git
-        env["commit"] = os.environ.get("PSPO_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True, timeout=10).stdout.strip() or None
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10) if not os.environ.get("PSPO_COMMIT") else None
+        env["commit"] = os.environ.get("PSPO_COMMIT") or git.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         env["commit"] = None
     return env
@@ -298,8 +299,8 @@ def run_child(argv: list[str], log, limit: float) -> str:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the child's process group (torchrun passes it on to its workers, which run in a
-    session of their own), then SIGKILL after 10 s."""
+    """SIGTERM to the child's process group (torchrun passes it on to its workers, which it starts
+    apart from that group), then SIGKILL after 10 s."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=10)
@@ -371,8 +372,10 @@ def markdown(summary: dict) -> str:
              "| section | status | s | figure | value |", "|---|---|---:|---|---|"]
     smoke_ = summary.get("smoke") or {}
     if smoke_:
-        lines.append(f"| smoke | ok | | bf16 matmul / compile / sdpa kernels | {smoke_.get('bf16_matmul_tflops', 0):.0f} "
-                     f"TFLOP/s / {smoke_.get('compile_s', 0):.1f} s / {', '.join(smoke_.get('sdpa_kernels', []))[:80]} |")
+        kernels = ", ".join(smoke_.get("sdpa_kernels", []))[:80]
+        lines.append(f"| smoke | ok | | bf16 matmul / compile / sdpa kernels | "
+                     f"{smoke_.get('bf16_matmul_tflops', 0):.0f} TFLOP/s / {smoke_.get('compile_s', 0):.1f} s / "
+                     f"{kernels} |")
     for name, s in summary["sections"].items():
         rows = list(key_figures(name, s.get("figures") or {})) or [("-", "-")]
         if s.get("plan_gib"):
@@ -436,7 +439,8 @@ def key_figures(name: str, f: dict):
                 yield (f"step {i}: tree growth share", f"{r['mc_gen_s'] / r['step_time_s']:.0%}")
             if "sync_gap_mean" in r:
                 yield (f"step {i}: weight sync s / sync gap mean / engine gap mean",
-                       f"{r.get('weight_sync_s', 0):.2f} / {r['sync_gap_mean']:.2e} / {r.get('engine_gap_mean', 0):.2e}")
+                       f"{r.get('weight_sync_s', 0):.2f} / {r['sync_gap_mean']:.2e} / "
+                       f"{r.get('engine_gap_mean', 0):.2e}")
 
 
 def write_summary(ctx: Context) -> None:

@@ -17,12 +17,12 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.rollout import random_model  # noqa: E402
 from pspo.engines.sampling import sequence_seeds  # noqa: E402
 from pspo.engines.vllm_engine import VLLMEngine, sync_gap  # noqa: E402
 from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
@@ -32,28 +32,13 @@ from pspo.training.lora import merged_params  # noqa: E402
 from pspo.training.model import build_policy, load_tokenizer  # noqa: E402
 
 
-def random_model(size: str) -> str:
-    """A random (LAYERS,HIDDEN) Qwen2 with the tiny model's tokenizer, in a temporary folder."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    layers, hidden = (int(x) for x in size.split(","))
-    tokenizer = load_tokenizer(ensure_tiny_model(), False)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    path = tempfile.mkdtemp(prefix="pspo-bench-model-")
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def measure(path: str, rank: int, repeats: int) -> list[tuple[str, float, float, int, float]]:
     """(mode, sync s, first generation s, bytes, largest sync gap) per mode."""
     tokenizer = load_tokenizer(path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("test")[:4]]
-    policy = build_policy(path, False, 2048, False, False, lora=load_config(None, [f"--model.lora.rank={rank}"]).model.lora)
+    lora = load_config(None, [f"--model.lora.rank={rank}"]).model.lora
+    policy = build_policy(path, False, 2048, False, False, lora=lora)
     rows = []
     for mode in ("adapter", "merged"):
         engine = VLLMEngine(path, tokenizer, max_model_len=256, seed=0, lora_rank=rank if mode == "adapter" else 0)
@@ -95,7 +80,8 @@ def main(argv: list[str]) -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for label, path in (("tiny (1M)", ensure_tiny_model()), (f"random {args.random}", random_model(args.random))):
         for mode, sync, first, size, gap in measure(path, args.rank, args.repeats):
-            print(f"| {label} | {mode} | {sync:.3f} | {first:.3f} | {sync + first:.3f} | {size / 1e6:.2f} | {gap:.1e} |")
+            print(f"| {label} | {mode} | {sync:.3f} | {first:.3f} | {sync + first:.3f} | {size / 1e6:.2f} "
+                  f"| {gap:.1e} |")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ of the update (allocated and reserved, AdamW state included) and the model FLOPs
 update's FLOPs (6 x the matrix-multiply parameters x real tokens, the input embedding being a
 lookup, plus causal attention, 6 x layers x query width x L^2 per sequence) / time / the GPU's
 dense bf16 peak (from its name: H100 or H200 989, A100 312; or --peak-tflops); the forward that
-checkpointing recomputes is not counted. --json writes the figures to a file (the GPU check's). The optimizer is AdamW (fused on a GPU, as
-train.py builds it) at lr 0, so the weights stay as built while its state is allocated as in
-training. --profile traces one more token-budget update with torch.profiler and prints where
-the GPU's time went in one update of the last mode timed (and which attention kernel ran: cudnn, flash,
-efficient): GEMMs (and the share of them in float32), attention, elementwise/reductions,
-other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU; the
+checkpointing recomputes is not counted. --json writes the figures to a file (the GPU check's).
+The optimizer is AdamW (fused on a GPU, as train.py builds it) at lr 0, so the weights stay as
+built while its state is allocated as in training. --profile traces one more update of the last
+mode timed (packed by default) with torch.profiler and prints where the GPU's time went (and which
+attention kernel ran: cudnn, flash, efficient): GEMMs (and the share of them in float32),
+attention, elementwise/reductions, other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU; the
 profiler's own overhead counts there too, so idle is an upper bound).
 """
 from __future__ import annotations
@@ -140,8 +140,10 @@ def attention_backend(kernels: list[tuple[str, float]]) -> str:
     """Which attention implementation the GPU ran, from its kernels' names (the most time first):
     cudnn, flash, efficient (memory-efficient), math (none of those: softmax and GEMMs); a name may
     hold two words (cudnn's flash kernels): the first listed wins."""
-    names = [name.lower() for name, _ in sorted(kernels, key=lambda k: -k[1]) if kernel_kind(name) == "attention"]
-    for backend, keys in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient", "mem_eff"))):
+    names = [name.lower() for name, _ in sorted(kernels, key=lambda k: -k[1])
+             if kernel_kind(name) == "attention"]
+    for backend, keys in (("cudnn", ("cudnn",)), ("flash", ("flash",)),
+                          ("efficient", ("fmha", "efficient", "mem_eff"))):
         if any(k in name for name in names for k in keys):
             return backend
     return "math" if not names else "other: " + names[0][:60]
@@ -177,7 +179,8 @@ def plan_table(args) -> None:
                                                   max_prompt=args.max_prompt)
     budget = args.budget or args.micro * attention.shape[1]
     print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens (median "
-          f"{int(lengths.median())}), prompts up to {args.max_prompt}; token budget {budget}, fixed {args.micro} rows\n")
+          f"{int(lengths.median())}), prompts up to {args.max_prompt}; token budget {budget}, "
+          f"fixed {args.micro} rows\n")
     print("| mode | micro-batches | positions | real tokens | padded share |")
     print("|---|---:|---:|---:|---:|")
     real = int(attention.sum())
@@ -267,9 +270,11 @@ def main(argv: list[str]) -> None:
                          lm_config.num_hidden_layers, attn_width, head.numel(), int(mask.sum()))
     print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
           f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters, "
-          f"{matmul_params / 1e9:.3f}B in the decoder's matmuls, the head apart); {where}; bf16 {'on' if args.bf16 else 'off'}, "
+          f"{matmul_params / 1e9:.3f}B in the decoder's matmuls, the head apart); {where}; "
+          f"bf16 {'on' if args.bf16 else 'off'}, "
           f"checkpointing {'on' if args.checkpointing else 'off'}; median of {args.reps}; MFU: "
-          + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal attention) / time / {peak:g} TFLOP/s"
+          + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal "
+             f"attention) / time / {peak:g} TFLOP/s"
              if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + "\n")
     print("| mode | micro-batches | padded share | update s | real tokens/s |"
           + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else ""))
@@ -306,7 +311,8 @@ def main(argv: list[str]) -> None:
             lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
         profile = dict(shares, attention_backend=attention_backend(kernels))
         print(f"\nprofile of one {names[-1]} update (share of wall time):")
-        print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle | attention kernels |")
+        print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle "
+              "| attention kernels |")
         print("|---:|---:|---:|---:|---:|---:|---|")
         print(f"| {shares['gemm']:.0%} | {shares['gemm_fp32']:.0%} | {shares['attention']:.0%} | "
               f"{shares['elementwise']:.0%} | {shares['other']:.0%} | {shares['idle']:.0%} | "

@@ -43,9 +43,10 @@ class HFEngine:
     shape bucket: rows up to `batch_size`, cache length a multiple of `max_len`, the longest prompt +
     max_new_tokens; 0 = each call's own). loop "generate": transformers `generate` with a dynamic
     cache ("generate-static": with transformers' own StaticCache of max(max_len, the call's length)
-    positions, which `generate` compiles on CUDA; bench/rollout.py compares the three), through the `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's
-    parameters are gathered; `synced` (FSDP2) forces it and keeps ranks stepping together (a rank
-    that finishes early keeps running dummy forwards until all are done).
+    positions, which `generate` compiles on CUDA; bench/rollout.py compares the three), through the
+    `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's parameters are
+    gathered; `synced` (FSDP2) forces it and keeps ranks stepping together (a rank that finishes
+    early keeps running dummy forwards until all are done).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int, synced: bool = False,

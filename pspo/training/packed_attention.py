@@ -15,6 +15,7 @@ Called without them (generation, unpacked scoring) it is transformers' sdpa atte
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import sys
@@ -40,13 +41,14 @@ class Packed:
 
 
 _varlen_failed: list[str] = []       # why varlen_attn failed in this process, once it has
+HAS_VARLEN = importlib.util.find_spec("torch.nn.attention.varlen") is not None     # torch >= 2.10
 
 
 def packed_kernel(device_type: str, dtype: torch.dtype) -> str:
     """The kernel packed attention runs with: "varlen" (CUDA, bf16/fp16, torch >= 2.10, and it has not
     failed here), else "sdpa per sequence". The one place the choice is made; train.py logs it at
     start-up."""
-    varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None and not _varlen_failed
+    varlen = HAS_VARLEN and not _varlen_failed
     if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and varlen:
         return "varlen"
     return "sdpa per sequence"
@@ -86,7 +88,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scal
     """varlen_attn, causal, across torch versions: 2.10 takes is_causal, later ones a (left, right)
     window; GQA through enable_gqa where it exists, else the KV heads repeated."""
     from torch.nn.attention.varlen import varlen_attn
-    params = inspect.signature(varlen_attn).parameters
+    params = _parameters(varlen_attn)
     extra: dict = {"scale": scale}
     if "window_size" in params:
         extra["window_size"] = (-1, 0)                                  # causal
@@ -100,6 +102,12 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int, scal
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     offsets = offsets.to(torch.int32)
     return varlen_attn(q, k, v, offsets, offsets, longest, longest, **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> frozenset[str]:
+    """A function's parameter names, read once (the attention function runs in every layer)."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

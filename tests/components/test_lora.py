@@ -112,7 +112,8 @@ def test_bf16_base_float32_adapters_with_checkpointing(tiny_model_path):
     # the static decoder shares the bf16 base instead of copying it
     twin, pairs = decode_twin(policy.lm, bf16=True)
     assert pairs and all(p.dtype == torch.float32 for _, p in pairs)      # only the float32 adapters copied
-    assert twin.model.layers[0].mlp.down_proj.base_layer.weight is policy.lm.model.layers[0].mlp.down_proj.base_layer.weight
+    down, twin_down = policy.lm.model.layers[0].mlp.down_proj, twin.model.layers[0].mlp.down_proj
+    assert twin_down.base_layer.weight is down.base_layer.weight
 
 
 def test_unknown_target_modules_are_one_line(tiny_model_path):

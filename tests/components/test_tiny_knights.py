@@ -21,7 +21,6 @@ from pspo.training.config import load_config
 from pspo.tasks.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.tasks.knights_reward import knights_people, knights_reward
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_KNIGHTS_QUICK, resolve_model_path
-from pspo.offline.tiny import build_once
 from pspo.offline.tiny_knights import (FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS,
                                        build_knights_tokenizer, ensure_tiny_knights_model,
                                        greedy_accuracy_by_size, knights_completion, lr_factor,
@@ -151,6 +150,16 @@ def test_the_untrained_twin_is_the_builds_start(knights_standin_path, tmp_path):
         assert json.load(f)["warmup_steps"] == 0
 
 
+def greedy_rewards(tokenizer, model, puzzles, max_new_tokens: int) -> tuple[list[str], list[float]]:
+    """Greedy answers of `model` to the puzzles under the chat template, and their K&K rewards."""
+    prompts = [format_prompt(tokenizer, ex.problem, "") for ex in puzzles]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return texts, [knights_reward(p, t, ex.answer) for p, t, ex in zip(prompts, texts, puzzles)]
+
+
 def _same_tokenizer_and_architecture(path: str, twin: str) -> None:
     """What the rehearsals on the twin rely on: its tokenizer and architecture are the build's."""
     built, stand_in = (AutoTokenizer.from_pretrained(p) for p in (path, twin))
@@ -177,13 +186,7 @@ def test_the_presets_quick_base_builds_loads_and_writes_the_layout(knights_stand
     # format (reward -1, -0.5 or 3, never -3)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    test = builtin_knights("test", test_per_size=2)
-    prompts = [format_prompt(tokenizer, ex.problem, "") for ex in test]
-    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=80)
-    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    scores = [knights_reward(p, t, ex.answer) for p, t, ex in zip(prompts, texts, test)]
+    texts, scores = greedy_rewards(tokenizer, model, builtin_knights("test", test_per_size=2), 80)
     assert sum(s != -3.0 for s in scores) >= 12, list(zip(texts, scores))[:4]
 
 
@@ -226,12 +229,7 @@ def test_writes_the_layout_with_the_puzzles_names(tiny_knights_model_path):
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     assert model.config.max_position_embeddings >= 256 + 80          # the presets' prompt + answer
     test = [ex for ex in builtin_knights("test", test_per_size=10) if knights_people(ex.answer) <= 3]
-    prompts = [format_prompt(tokenizer, ex.problem, "") for ex in test]
-    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=60)
-    texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    scores = [knights_reward(p, t, ex.answer) for p, t, ex in zip(prompts, texts, test)]
+    texts, scores = greedy_rewards(tokenizer, model, test, 60)
     # the format passes (no -3) and many answers parse: every name of the puzzle, one role each (3 or
     # -0.5). Version 4 parses all 20 (3 right); a model that does not copy names parses none.
     assert -3.0 not in scores, list(zip(texts, scores))[:4]
