@@ -136,3 +136,26 @@ def test_lora_settings_are_validated_in_one_line():
                                "decoder layers only")]:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
             load_config(None, [override])
+
+
+def test_merged_weights_are_w_plus_scaled_b_a_hand_worked(tiny_model_path):
+    # rank 4, alpha 32: scale alpha / r = 8. Layer 0's q_proj with A = 0 but A[0, 0] = 1 and B = 0 but
+    # B[0, 0] = 2: B A is 0 but (B A)[0, 0] = 2 x 1 = 2, so the merged weight is W + 8 x 2 = W + 16 at [0, 0]
+    # and W everywhere else; under the plain transformers name (no base_layer); no adapter tensors
+    from pspo.training.lora import merged_params
+    policy = lora_policy(tiny_model_path)
+    q = policy.lm.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.zero_()
+        q.lora_A["default"].weight[0, 0] = 1.0
+        q.lora_B["default"].weight[0, 0] = 2.0
+    merged = dict(merged_params(policy.lm))
+    base = q.base_layer.weight.detach()
+    want = base.clone()
+    want[0, 0] += 16.0
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], want)
+    assert not any("lora_" in n or "base_layer" in n for n in merged)
+    assert torch.equal(merged["model.layers.1.self_attn.q_proj.weight"],
+                       policy.lm.model.layers[1].self_attn.q_proj.base_layer.weight.detach())

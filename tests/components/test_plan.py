@@ -413,3 +413,18 @@ def test_lora_plan_counts_the_adapters_and_no_reference():
     same = load_config(config, ["--train.micro_batch_tokens=36864"], 1)
     full = plan.make_plan(load_config("configs/qwen2.5-math-1.5b/pspo.yaml", [], 1), a, 1, int(79.2 * GiB), "vllm")
     assert plan.make_plan(same, a, 1, int(79.2 * GiB), "vllm").peak < full.peak - 20 * GiB
+
+
+def test_a_packed_micro_batch_is_planned_as_the_rows_that_hold_its_budget():
+    # 1.5B recipe: sequences of 512 + 3584 = 4096 tokens. A budget of 5000: unpacked, a micro-batch holds
+    # floor(5000 / 4096) = 1 full-length row; packed, it holds up to 5000 tokens of any lengths, planned as
+    # ceil(5000 / 4096) = 2 full rows (a budget that is a multiple of 4096 plans the same either way)
+    config = "configs/qwen2.5-math-1.5b/grpo.yaml"
+    acts = {}
+    for packing in ("true", "false"):
+        cfg = load_config(config, ["--train.micro_batch_tokens=5000", f"--train.packing={packing}"], 1)
+        a, _ = plan.load_arch(cfg.model.name_or_path, config)
+        rows = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "vllm").rows
+        acts[packing] = next(text for key, text, _, _ in rows if key == "acts")
+    assert acts["true"].startswith("activations, 2 x 4096 tokens")
+    assert acts["false"].startswith("activations, 1 x 4096 tokens")
