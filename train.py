@@ -34,10 +34,10 @@ from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, load_prm, prm_metrics
-from pspo.rewards import Score
+from pspo.rewards import Score, gather_scores, reward_scorer
 from pspo.rollout import CountingEngine, build_engine, engine_name
 from pspo.sampler import UniformSampler, build_sampler, importance_weights, sampler_metrics, sampler_mode
-from pspo.tasks.data import DataError, PromptSet
+from pspo.tasks.data import DataError, PromptSet, prompt_sets
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.training import checkpoint, distributed
 from pspo.training.checkpoint import CheckpointError
@@ -49,15 +49,14 @@ from pspo.training.micro_batches import TokenRows, micro_batch_line, token_rows
 from pspo.training.model import ModelError, check_context, load_model_config, load_tokenizer
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
-from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, every, gather_scores, load_models,
-                               non_finite_error, open_folder, prompt_sets, resume, reward_scorer, summary,
-                               timings)
+from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, every, load_models, non_finite_error,
+                               open_folder, resume, summary, timings)
 from pspo.update import policy_update
 
 
 def main(argv: list[str]) -> None:
     if "--plan" in argv:                          # memory plan only: no GPU, no download (docs/gpu.md)
-        print0(plan_cli(argv))
+        print0(plan_cli(argv, resolve=resolve_model_path))
         return
     dist_ = distributed.init_distributed()
     if len(argv) < 2 or argv[0] != "--config":
@@ -243,7 +242,8 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
                   r.max_new_tokens)
     engine = engine_name(r.engine)
-    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine))   # PlanError: cannot fit
+    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine,      # PlanError: cannot fit
+                        resolve=resolve_model_path))
     t = cfg.train
     print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, dist_.device.type, m.bf16))
     prm = load_prm(cfg, dist_.device)
@@ -263,7 +263,7 @@ def setup(cfg: Config, dist_: Dist) -> Run:
                               max_prompt_len=max(len(p) for p in train.ids + evals.ids), seed=cfg.train.seed,
                               world_size=dist_.world_size, bf16=m.bf16)
     counter = CountingEngine(generation)
-    score = reward_scorer(cfg, train, reward_pool, prm)
+    score = reward_scorer(cfg.reward, train, reward_pool, prm)
     B_local = cfg.train.prompts_per_step // dist_.world_size
     problems = [ex.problem for ex in train.examples]
     context = Context(cfg=cfg, policy=policy, ref=ref, engine=counter, train_ids=train.ids, problems=problems,

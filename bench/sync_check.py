@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pspo.engines.sampling import sequence_seeds  # noqa: E402
-from pspo.engines.tokens import batch_inputs  # noqa: E402
+from pspo.training.tokens import batch_inputs  # noqa: E402
 from pspo.engines.vllm_engine import VLLMEngine, sync_gap  # noqa: E402
 from pspo.offline.tiny import ensure_tiny_model  # noqa: E402
 from pspo.tasks.data import builtin_arithmetic, format_prompt  # noqa: E402

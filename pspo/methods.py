@@ -58,7 +58,7 @@ from pspo.is_correction import correction_weights, mismatch_sums
 from pspo.training.logprobs import score_policy
 from pspo.training.metrics import AdvantageSums, MethodStats, RolloutSums
 from pspo.rewards import RewardResult, Score
-from pspo.engines.tokens import Rollout
+from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import TokenRows, UpdateBatch
 
 if TYPE_CHECKING:                 # SPO's machinery is imported by the SPO methods alone, when they run

@@ -7,8 +7,8 @@ process reward (`prm`, docs/related.md §C) is a model's, scored beside them on 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/tasks/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
 right) and `format` the K&K tag check, so the logged accuracy and format rates, the data check
-(`check_gold_answer`) and evaluation mean the same for both tasks, and a K&K preset sets
-reward.accuracy 0 and reward.knights 1.
+(pspo/tasks/data.py: `check_gold_answer`) and evaluation mean the same for both tasks, and a K&K
+preset sets reward.accuracy 0 and reward.knights 1.
 
 Every reward function is a pure function (prompt, completion, gold) -> float. `score_completions`
 runs them on a batch, in the calling process or in a pool of worker processes
@@ -39,7 +39,6 @@ its functions and guard, and start in ~0.7 s without torch instead of ~2 s with 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import re
 from collections.abc import Callable
@@ -48,15 +47,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from math_verify import parse, verify
 
-from pspo.tasks.golds import GoldAnswerError, answer_latex, gold_latex
+from pspo.tasks.golds import answer_latex, parse_gold
 from pspo.tasks.knights_reward import assistant_turn, knights_format_ok, knights_people, knights_reward
 from pspo.tasks.reward_pool import RewardFn, RewardPool, score_calls
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-# Our guard replaces math-verify's, so its "timeout is disabled" notice is noise (one per rank).
-logging.getLogger("math_verify").setLevel(logging.ERROR)
+    from pspo.tasks.data import PromptSet
+    from pspo.training.config import RewardConfig
 
 MAX_ANSWER_CHARS = 300       # characters of the answer part math-verify sees (a 300-char sum: ~0.5 s)
 MAX_BRACKET_DEPTH = 10       # deeper ( [ { nesting in the answer part scores 0 without parsing
@@ -64,24 +63,6 @@ COSINE_MAX_LEN = 1000        # L_max of the cosine reward, characters (§5)
 
 
 # ---- accuracy --------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=4096)
-def _parse_gold(gold: str) -> tuple:
-    # A parse holding only strings is math-verify's fallback for LaTeX it could not read
-    # (`\\frac{1}{` -> ['\\frac{1}{']): it would match by string equality alone, so it counts as unparsed.
-    parsed = parse(gold_latex(gold), parsing_timeout=None)
-    if not any(not isinstance(item, str) for item in parsed):
-        shown = gold if len(gold) <= 200 else gold[:200] + "..."
-        raise GoldAnswerError(f"gold answer {shown!r} does not parse with math-verify "
-                              "(expected a number or a LaTeX expression)")
-    return tuple(parsed)
-
-
-def check_gold_answer(gold: str) -> None:
-    """Raise GoldAnswerError if `gold` does not parse (run over a data set before training)."""
-    if knights_people(gold) is None:
-        _parse_gold(gold)
-
 
 def _answer_part(completion: str) -> str:
     """What math-verify sees of a completion: from the last \\boxed on, or the tail; capped."""
@@ -113,7 +94,7 @@ def _parse_answer(answer: str) -> tuple:
 @functools.lru_cache(maxsize=65536)
 def _is_correct(answer: str, gold: str) -> bool:
     """The pure, memoized check: verify(parse(gold), parse(answer)). Gold first: it is the target."""
-    target = _parse_gold(gold)                          # raises GoldAnswerError before any 0.0
+    target = parse_gold(gold)                           # raises GoldAnswerError before any 0.0
     predicted = _parse_answer(answer_latex(answer, gold))
     return bool(predicted) and verify(list(target), list(predicted), timeout_seconds=None)
 
@@ -242,3 +223,28 @@ def score_completions(prompts: list[str], completions: list[str], golds: list[st
         if weight != 0:                                  # 0 * a logged value never enters the sum
             rewards += weight * components[name]
     return RewardResult(rewards, components, failures)
+
+
+def reward_scorer(reward: RewardConfig, train: PromptSet, pool: RewardPool,
+                  prm: StepReward | None) -> Score:
+    """The run's score(rows, texts): the rewards of completions of these train rows under the config's
+    reward section, in the pool's workers. Accuracy and format are always scored (logged even at
+    weight 0; on K&K golds they are the K&K exact match and tag check); cosine, knights and the
+    process reward (`prm`, docs/related.md §C) only when weighted."""
+    weights = {"accuracy": reward.accuracy, "format": reward.format}
+    optional = ("cosine", "knights", "prm")
+    weights.update({k: getattr(reward, k) for k in optional if getattr(reward, k)})
+
+    def score(rows: list[int], texts: list[str]) -> RewardResult:
+        prompts, golds = [train.texts[i] for i in rows], [train.examples[i].answer for i in rows]
+        return score_completions(prompts, texts, golds, weights, reward.timeout_s, pool, prm)
+    return score
+
+
+def gather_scores(scored: RewardResult, G: int) -> tuple[Tensor, Tensor]:
+    """This rank's rewards and accuracies (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
+    state sees the whole batch on every rank. Collective."""
+    from pspo.training import distributed                # torch: not in the reward workers' import
+    rewards = distributed.all_gather_rows(scored.rewards.view(-1, G))
+    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(-1, G))
+    return rewards, accuracy

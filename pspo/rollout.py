@@ -1,7 +1,7 @@
 """Rollout: the contract between the loop and a generation engine, and the choice of engine.
 
 The loop talks to an engine through two methods. `generate(prompt_ids, n, temperature, top_p,
-max_new_tokens, seeds, prefix_ids=None) -> Rollout` (pspo/engines/tokens.py): n completions per
+max_new_tokens, seeds, prefix_ids=None) -> Rollout` (pspo/training/tokens.py): n completions per
 prompt in prompt-major order (prompt p, sample j -> row p·n + j), each with its tokens, its mask (up
 to and including the stop token), log softmax(z/T) of every sampled token (docs/methods.md §1),
 whether it hit its token budget, and its text. With `prefix_ids` it continues partial completions
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from pspo.engines import vllm_engine
-from pspo.engines.tokens import Rollout
+from pspo.training.tokens import Rollout
 from pspo.training.metrics import GenerationCounts
 
 

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pspo.engines.sampling import column_keys, draw
-from pspo.engines.tokens import bucket
+from pspo.training.tokens import bucket
 
 STATIC_ATTENTION = "pspo_static"      # the twin's config._attn_implementation
 DONE_CHECK_STEPS = 16                 # on CUDA, look whether every row is done once per this many steps

@@ -16,7 +16,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from pspo.engines.decode import Decoder
 from pspo.engines.sampling import perturbed_logits
-from pspo.engines.tokens import Rollout, continuation_inputs, left_pad, stop_token_ids
+from pspo.training.tokens import Rollout, continuation_inputs, left_pad, stop_token_ids
 
 
 class _GumbelSampler(LogitsProcessor):

@@ -35,7 +35,7 @@ from pspo.training import distributed
 from pspo.training.config import error_line
 from pspo.training.model import ModelError
 from pspo.engines.sampling import sequence_seeds
-from pspo.engines.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
+from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
 
 # Set before vLLM is first imported (its logging is configured at import): build the engine in
 # this process (the weight-sync iterator cannot cross a process boundary), and keep its per-step

@@ -34,9 +34,6 @@ WEIBULL_KAPPA = 1.5
 WEIBULL_LAMBDA = 8.0
 WEIBULL_C = 10.735
 
-PRM_SPLITS = ("reference", "lines")            # prm.split: split_reference | split_lines
-PRM_SHAPINGS = ("wrs", "weibull", "none")      # prm.shaping: g·ff(g, n) | g·w(n) | g
-
 
 def split_reference(text: str) -> list[str]:
     """The released code's step split (§C, "Steps"), exactly: the text before the first marker is dropped;

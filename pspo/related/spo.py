@@ -39,7 +39,7 @@ from pspo.related.spo_segments import (add_children, chain_advantages, mc_values
                                        select_cuts, tree_advantages, tree_edges, tree_values, unique_prefixes)
 from pspo.training.logprobs import score_policy
 from pspo.training.metrics import ChainSums, RolloutSums, TreeSums
-from pspo.engines.tokens import Rollout
+from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import TokenRows, token_rows
 from pspo.engines.sampling import child_seeds, prefix_seeds
 

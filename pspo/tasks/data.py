@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pspo.tasks import knights, knights_files
 from pspo.training.distributed import print0
 from pspo.tasks.example import DataError, Example
-from pspo.tasks.golds import gold_text
-from pspo.training.config import SYSTEM_PROMPTS, error_line
+from pspo.tasks.golds import GoldAnswerError, gold_text, parse_gold
+from pspo.tasks.knights_reward import knights_people
+from pspo.training.config import SYSTEM_PROMPTS, Config, error_line
 
 BUILTIN_ARITHMETIC = "builtin:arithmetic"
 BUILTIN_SPLITS = ("train", "test")
@@ -201,13 +202,34 @@ class PromptSet:
     skipped: int = 0               # rows left out: no usable problem or gold answer + prompts too long
 
 
+def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
+    """The run's train and eval prompts (the config's data section), formatted and tokenized; rows
+    without a usable gold and prompts over data.max_prompt_tokens are left out and reported."""
+    d = cfg.data
+    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
+                         d.max_train_examples or None, people=d.people)
+    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
+                       d.bad_gold)
+    if not d.eval:
+        return train, PromptSet([], [], [])
+    rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
+    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
+                             d.bad_gold)
+
+
+def check_gold_answer(gold: str) -> None:
+    """Raise GoldAnswerError unless `gold` is a K&K solution or parses with math-verify: the check each
+    row passes before it is used (golds.py; the rewards score such a gold, docs/methods.md §5)."""
+    if knights_people(gold) is None:
+        parse_gold(gold)
+
+
 def prompt_set(label: str, examples: list[Example], tokenizer, system_prompt: str, max_prompt_tokens: int,
                bad_gold: str = "skip") -> PromptSet:
     """The usable rows of `examples` with their prompts, tokenized once (module docstring).
 
     `label` names the dataset in reports and errors, e.g. "data.train knoveleng/open-rs".
     bad_gold: "skip" (report in one line, leave out) | "error" (DataError at the first bad row)."""
-    from pspo.rewards import GoldAnswerError, check_gold_answer   # math-verify is slow to import
     usable, bad = [], []                    # row numbers; "row (why)" of each unusable row
     for row, ex in enumerate(examples):
         why = ("no problem text" if not ex.problem.strip()

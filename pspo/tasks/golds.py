@@ -16,9 +16,14 @@ tests/components/test_golds.py scores every form above with right and wrong boxe
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import re
 from typing import Any
+
+# The reward guard (reward_pool.py) replaces math-verify's, so its "timeout is disabled" notice is noise
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _E_NOTATION = r"(-?\d+(?:\.\d+)?)[eE]([+-]?\d+)"                        # 7.2e-7, 3E8, -1.5e+03
 _GOLD_E_NOTATION = re.compile(_E_NOTATION)
@@ -60,6 +65,20 @@ def gold_latex(gold: str) -> str:
     if _UNESCAPED_DOLLAR.search(gold) or any(mark in gold for mark in ("\\boxed", "\\(", "\\[")):
         return gold                                                     # already delimited
     return f"${gold}$"
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_gold(gold: str) -> tuple:
+    """math-verify's parse of a gold answer (as `gold_latex` gives it); GoldAnswerError when it does not
+    parse. A parse holding only strings is math-verify's fallback for LaTeX it could not read
+    (`\\frac{1}{` -> ['\\frac{1}{']): it would match by string equality alone, so it counts as unparsed."""
+    from math_verify import parse                   # slow to import: loaded with the first gold parsed
+    parsed = parse(gold_latex(gold), parsing_timeout=None)
+    if not any(not isinstance(item, str) for item in parsed):
+        shown = gold if len(gold) <= 200 else gold[:200] + "..."
+        raise GoldAnswerError(f"gold answer {shown!r} does not parse with math-verify "
+                              "(expected a number or a LaTeX expression)")
+    return tuple(parsed)
 
 
 def answer_latex(answer: str, gold: str) -> str:

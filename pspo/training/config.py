@@ -26,7 +26,6 @@ from pspo.advantages import WHITENINGS
 from pspo.is_correction import IS_CORRECTIONS
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import IS_NORMS, PRIORITIES
-from pspo.related.process_reward import PRM_SHAPINGS, PRM_SPLITS
 
 
 class ConfigError(ValueError):
@@ -151,6 +150,12 @@ class RewardConfig:
     # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
     # threads)
     workers: int = -1
+
+
+# PSPO*'s names live here rather than beside their functions in related/process_reward.py: the
+# related methods build on this folder, so the config cannot import them
+PRM_SPLITS = ("reference", "lines")            # prm.split: process_reward.split_reference | split_lines
+PRM_SHAPINGS = ("wrs", "weibull", "none")      # prm.shaping: g·ff(g, n) | g·w(n) | g (shaped_reward)
 
 
 @dataclass

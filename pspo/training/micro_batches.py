@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pspo.engines.tokens import batch_inputs
+from pspo.training.tokens import batch_inputs
 from pspo.training import distributed
 from pspo.training.packed_attention import Packed, packed_kernel
 

@@ -63,17 +63,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from pspo.training.config import Config, ConfigError, error_line, first_line, load_config
-from pspo.offline.builtin import resolve_model_path
 from pspo.training.model import load_model_config
-from pspo.engines.tokens import bucket
+from pspo.training.tokens import bucket
 
 GiB = 2**30
+Resolve = Callable[[str], str]      # a model name -> its folder (offline/builtin.py: resolve_model_path)
 OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
 # PyTorch's caching allocator: reserved / the plan's tensors - 1 (the docstring: at most 0.19 seen)
 ALLOCATOR_SLACK = 0.2
@@ -134,11 +135,10 @@ def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
                 sum(p.numel() for p in layer.parameters()))
 
 
-def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = False) -> tuple[Arch, str]:
-    """(Arch, where its config.json came from), offline. Looked for in order: a local folder;
-    builtin:tiny (built if missing); a hub id in the local Hugging Face cache; the stand-in
-    `model_config.json` next to the YAML config_file."""
-    path = resolve_model_path(name_or_path)
+def load_arch(path: str, config_file: str, trust_remote_code: bool = False) -> tuple[Arch, str]:
+    """(Arch, where its config.json came from), offline. `path`: model.name_or_path resolved (a built-in
+    name is its cached folder). Looked for in order: a local folder; a hub id in the local Hugging
+    Face cache; the stand-in `model_config.json` next to the YAML config_file."""
     standin = os.path.join(os.path.dirname(os.path.abspath(config_file)), "model_config.json")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -149,9 +149,9 @@ def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = Fal
         # The stand-in describes the model its recipe folder is named for (configs/qwen2.5-math-1.5b/
         # <-> Qwen/Qwen2.5-Math-1.5B): another hub id must not borrow it and get a wrong plan.
         recipe_model = os.path.basename(os.path.dirname(os.path.abspath(config_file))).lower()
-        if (os.path.isfile(standin) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name_or_path)
-                and name_or_path.rsplit("/", 1)[1].lower() == recipe_model):
-            candidates.append((standin, f"{os.path.relpath(standin)} (stand-in for {name_or_path})"))
+        if (os.path.isfile(standin) and re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", path)
+                and path.rsplit("/", 1)[1].lower() == recipe_model):
+            candidates.append((standin, f"{os.path.relpath(standin)} (stand-in for {path})"))
     for source, label in candidates:
         try:
             config = AutoConfig.from_pretrained(source, local_files_only=True,
@@ -165,7 +165,7 @@ def load_arch(name_or_path: str, config_file: str, trust_remote_code: bool = Fal
     fallback = ""
     if not os.path.isfile(standin):
         fallback = f" (a hub id falls back to {os.path.relpath(standin)}: absent)"
-    raise PlanError(f"model.name_or_path: no config.json for {name_or_path!r}: not a local folder nor in the "
+    raise PlanError(f"model.name_or_path: no config.json for {path!r}: not a local folder nor in the "
                     f"local Hugging Face cache{fallback}")
 
 
@@ -177,14 +177,14 @@ class PRMArch:
     intermediate: int
 
 
-def load_prm_arch(cfg: Config, local_only: bool) -> tuple[PRMArch | None, str]:
+def load_prm_arch(cfg: Config, *, local_only: bool, resolve: Resolve) -> tuple[PRMArch | None, str]:
     """(PRMArch, "") of prm.model's config.json, or (None, why) when reward.prm is 0 or it cannot be read
     (local_only: the `--plan` command, no download)."""
     if cfg.reward.prm == 0:
         return None, ""
     remote = cfg.prm.trust_remote_code
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(cfg.prm.model), local_files_only=local_only,
+        config = AutoConfig.from_pretrained(resolve(cfg.prm.model), local_files_only=local_only,
                                             trust_remote_code=remote)
         with torch.device("meta"):                                      # shapes only, no memory
             model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote)
@@ -525,9 +525,10 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.device, engine: str) -> str:
+def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.device, engine: str, *,
+                  resolve: Resolve) -> str:
     """train.py's start-up: the plan in one line; on CUDA, PlanError when it cannot fit. engine: the
-    resolved rollout.engine ("vllm" or "hf", rollout.engine_name).
+    resolved rollout.engine ("vllm" or "hf", rollout.engine_name); resolve: as for `plan_cli`.
 
     On CPU it is printed against the host's memory for information only: the plan models GPU
     kernels and vLLM's GPU share, and host memory is shared with everything else (and swap).
@@ -539,7 +540,7 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
         return f"memory plan: unavailable ({error_line(e, 200)})"
     on_gpu = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
-    plan = make_plan(cfg, a, world_size, total, engine, load_prm_arch(cfg, False)[0])
+    plan = make_plan(cfg, a, world_size, total, engine, load_prm_arch(cfg, local_only=False, resolve=resolve)[0])
     if on_gpu and cfg.train.memory_check:
         check_fits(plan, cfg)
         return one_line(plan)
@@ -548,8 +549,10 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
     return one_line(plan) + " (CPU run: not enforced)"
 
 
-def plan_cli(argv: list[str]) -> str:
-    """`train.py --config X --plan [--gpus=N] [--gpu_gib=G] [overrides]` -> the table."""
+def plan_cli(argv: list[str], *, resolve: Resolve) -> str:
+    """`train.py --config X --plan [--gpus=N] [--gpu_gib=G] [overrides]` -> the table. resolve: a model
+    name -> its folder, building a built-in model once (offline/builtin.py's resolve_model_path, handed
+    in: the offline builders stand above this folder); anything else as given."""
     gpus, gpu_gib, rest = DEFAULT_GPUS, DEFAULT_GPU_GIB, []
     joined: list[str] = []                          # "--gpus 4" -> "--gpus=4"
     for arg in argv:
@@ -571,9 +574,9 @@ def plan_cli(argv: list[str]) -> str:
     if len(rest) < 2 or rest[0] != "--config" or gpus < 1 or not gpu_gib > 0:
         raise ConfigError(USAGE)
     cfg = load_config(rest[1], rest[2:], gpus)
-    a, source = load_arch(cfg.model.name_or_path, rest[1], cfg.model.trust_remote_code)
+    a, source = load_arch(resolve(cfg.model.name_or_path), rest[1], cfg.model.trust_remote_code)
     engine = "vllm" if cfg.rollout.engine == "auto" else cfg.rollout.engine          # auto on a GPU
-    prm, missing = load_prm_arch(cfg, local_only=True)
+    prm, missing = load_prm_arch(cfg, local_only=True, resolve=resolve)
     plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
     plan.notes += [missing] if missing else []
     title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"

@@ -1,6 +1,5 @@
-"""A training run's machinery around the loop (train.py): its models, prompts and reward scoring, the
-resume of a checkpoint, its folder, and the rules that end a step (timings, when to evaluate and
-save, when to stop).
+"""A training run's machinery around the loop (train.py): its models, the resume of a checkpoint, its
+folder, and the rules that end a step (timings, when to evaluate and save, when to stop).
 
 A refused run writes nothing: every check that can refuse it (the model, its context, the memory
 plan, the PRM, the data, the sampler, the checkpoint to resume and the engine) runs before
@@ -12,9 +11,6 @@ import os
 
 import torch
 
-from pspo.rewards import RewardResult, Score, score_completions
-from pspo.tasks.data import PromptSet, load_examples, prompt_set
-from pspo.tasks.reward_pool import RewardPool
 from pspo.training import checkpoint, distributed
 from pspo.training.checkpoint import CheckpointError
 from pspo.training.config import Config, save_config, to_dict
@@ -63,44 +59,6 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
     ref = build_policy(base_path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
                        gradient_checkpointing=False, trainable=False)
     return policy, distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
-
-
-def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
-    """The train and eval prompts, formatted and tokenized; rows without a usable gold and prompts
-    over data.max_prompt_tokens are left out and reported."""
-    d = cfg.data
-    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
-                         d.max_train_examples or None, people=d.people)
-    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                       d.bad_gold)
-    if not d.eval:
-        return train, PromptSet([], [], [])
-    rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                             d.bad_gold)
-
-
-def reward_scorer(cfg: Config, train: PromptSet, pool: RewardPool, prm) -> Score:
-    """score(rows, texts): the rewards of completions of these train rows (docs/methods.md §5), in the
-    pool's workers. Accuracy and format are always scored (logged even at weight 0; on K&K golds they
-    are the K&K exact match and tag check, rewards.py); cosine, knights and the process reward (`prm`,
-    docs/related.md §C) only when weighted."""
-    weights = {"accuracy": cfg.reward.accuracy, "format": cfg.reward.format}
-    optional = ("cosine", "knights", "prm")
-    weights.update({k: getattr(cfg.reward, k) for k in optional if getattr(cfg.reward, k)})
-
-    def score(rows: list[int], texts: list[str]) -> RewardResult:
-        prompts, golds = [train.texts[i] for i in rows], [train.examples[i].answer for i in rows]
-        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, pool, prm)
-    return score
-
-
-def gather_scores(scored: RewardResult, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rewards and accuracies (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
-    state sees the whole batch on every rank. Collective."""
-    rewards = distributed.all_gather_rows(scored.rewards.view(-1, G))
-    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(-1, G))
-    return rewards, accuracy
 
 
 def resume(path: str, cfg: Config, dist_: Dist, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,

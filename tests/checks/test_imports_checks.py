@@ -8,6 +8,8 @@
 - The math (the formulas the docs state) imports nothing of the project but other math; the config
   imports nothing but the math (the names its formulas accept).
 - The machinery in the folders never imports the loop's steps at the top (LOOP_STEPS).
+- The rooms stand in layers (LAYERS): a module imports only modules of its own layer or a lower one,
+  so no import climbs back up, between folders as between files.
 """
 import ast
 import os
@@ -26,6 +28,12 @@ FOLDERS = {"engines", "tasks", "related", "training", "offline"}
 MATH = {"advantages", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction",
         "related.spo_segments", "related.process_reward", "training.token_logprobs"}
 LOOP_STEPS = {"sampler", "rollout", "methods", "update", "evaluation"}
+# Lowest first: the paper's formulas; the training infrastructure (config, processes, the model, token
+# rows); the tasks and the engines built on it; the rewards on the tasks and the models built offline
+# (trained on the tasks); the related methods on all of these; the loop's steps; the method choice.
+LAYERS = [{"advantages", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction"},
+          {"training"}, {"tasks", "engines"}, {"rewards", "offline"}, {"related"},
+          {"sampler", "rollout", "update", "evaluation"}, {"methods"}]
 
 
 def module_files() -> dict[str, str]:
@@ -118,6 +126,15 @@ def test_the_math_imports_only_math_and_the_config_no_component():
     for module in MATH:
         assert imports[module] <= MATH, (module, imports[module] - MATH)
     assert imports["training.config"] <= MATH, imports["training.config"] - MATH
+
+
+def test_the_rooms_stand_in_layers_and_no_import_climbs_back_up():
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    imports = project_imports()
+    assert {m.split(".")[0] for m in imports} == set(layer), set(layer) ^ {m.split(".")[0] for m in imports}
+    climbs = {(m, d) for m, deps in imports.items() for d in deps
+              if layer[d.split(".")[0]] > layer[m.split(".")[0]]}
+    assert climbs == set(), sorted(climbs)
 
 
 def test_the_machinery_never_imports_the_loops_steps():

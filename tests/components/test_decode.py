@@ -15,7 +15,7 @@ from pspo.training.model import build_policy, load_tokenizer
 from pspo.engines.hf_engine import HFEngine
 from pspo.rollout import compile_enabled
 from pspo.engines.sampling import gumbel_noise
-from pspo.engines.tokens import batch_inputs
+from pspo.training.tokens import batch_inputs
 from pspo.engines.sampling import prefix_seeds, sequence_seeds
 
 

@@ -3,7 +3,8 @@ both ways by the real math-verify: natural right boxed answers get 1.0, near mis
 import pytest
 
 from pspo.tasks.golds import answer_latex, gold_latex, gold_text
-from pspo.rewards import accuracy_reward, check_gold_answer
+from pspo.rewards import accuracy_reward
+from pspo.tasks.data import check_gold_answer
 
 # (gold as the dataset stores it, right boxed answers, wrong boxed answers)
 ANSWER_FORMS = [

@@ -11,7 +11,7 @@ from pspo.rollout import CountingEngine
 from pspo.training.metrics import GenerationCounts
 from pspo.engines.hf_engine import HFEngine, _GumbelSampler
 from pspo.engines.sampling import gumbel_noise, outside_nucleus as _outside_nucleus
-from pspo.engines.tokens import batch_inputs, continuation_inputs
+from pspo.training.tokens import batch_inputs, continuation_inputs
 from pspo.engines.sampling import child_seeds, prefix_seeds, sequence_seeds
 
 

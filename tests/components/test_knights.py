@@ -18,8 +18,10 @@ from pspo.training.distributed import Dist
 from pspo.evaluation import evaluate
 from pspo.tasks.knights import (KNIGHTS_INSTRUCTION, SIZES, Puzzle, builtin_knights, puzzles, solutions,
                                 warmup_examples)
-from pspo.rewards import (REWARD_FUNCTIONS, GoldAnswerError, accuracy_reward, check_gold_answer,
-                          format_reward, knights_people, knights_reward, score_completions)
+from pspo.rewards import (REWARD_FUNCTIONS, accuracy_reward, format_reward, knights_people, knights_reward,
+                          score_completions)
+from pspo.tasks.data import check_gold_answer
+from pspo.tasks.golds import GoldAnswerError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLES = os.path.join(ROOT, "data", "samples")

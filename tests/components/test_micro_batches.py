@@ -10,7 +10,7 @@ import torch
 from pspo.training.config import load_config
 from pspo.training.model import build_policy
 from pspo.training.micro_batches import plan_micro_batches
-from pspo.engines.tokens import batch_inputs
+from pspo.training.tokens import batch_inputs
 from test_policy_modes import CPU, REWARDS, method_update, rollout_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

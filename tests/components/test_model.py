@@ -66,7 +66,7 @@ def test_auto_engine_is_transformers_without_a_gpu(monkeypatch):
 def test_a_chat_turns_end_stops_generation_even_when_eos_is_another_token(tiny_model_path):
     # Qwen2.5-Math-1.5B's eos is <|endoftext|> but its ChatML turns end with <|im_end|>: both stop.
     from pspo.training.model import load_tokenizer
-    from pspo.engines.tokens import stop_token_ids
+    from pspo.training.tokens import stop_token_ids
     tokenizer = load_tokenizer(tiny_model_path)
     vocab = tokenizer.get_vocab()
     tokenizer.eos_token = "<|endoftext|>"

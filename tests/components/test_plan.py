@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
+from pspo.offline.builtin import resolve_model_path
 from pspo.training import plan
 from pspo.training.config import load_config
 from pspo.training.token_logprobs import token_logprobs
@@ -158,7 +159,8 @@ def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
     assert "\n" not in str(e.value) and "train.micro_batch_size" in str(e.value)
     plan.check_fits(plan.make_plan(cfg, a, 1, 80 * GiB, "hf"), cfg)     # fits: no error
     monkeypatch.setattr(plan, "host_memory", lambda: 2**20)
-    line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"), "hf")  # CPU: printed, never stops
+    # CPU: printed, never stops
+    line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"), "hf", resolve=resolve_model_path)
     assert "does not fit" in line and "not enforced" in line and "\n" not in line
 
 
@@ -178,7 +180,8 @@ def run_plan(*args: str, home: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_plan_cli_on_the_recipe(tmp_path):
     out = tmp_path / "run"
-    text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"])
+    text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"],
+                         resolve=resolve_model_path)
     for row in ("parameters (fp32, 1/8)", "AdamW", "activations", "log-prob head", "vLLM", "total: update"):
         assert row in text
     assert "verdict: peak" in text and "fits" in text and "does not fit" not in text
@@ -210,12 +213,13 @@ def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
     # only because vLLM sleeps during the update (its 0.3 x 80 = 24 GiB is freed); on 1 GPU the
     # whole 7.6B x 16 bytes of fp32 params + grads + AdamW (113 GiB) alone does not fit.
     preset = "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml"
-    text = plan.plan_cli(["--config", preset, "--plan"])
+    text = plan.plan_cli(["--config", preset, "--plan"], resolve=resolve_model_path)
     assert "7.616B parameters" in text and "asleep in update" in text
     assert "fits" in text and "does not fit" not in text
-    one = plan.plan_cli(["--config", preset, "--plan", "--gpus", "1"])           # "--gpus 1" == "--gpus=1"
+    one = plan.plan_cli(["--config", preset, "--plan", "--gpus", "1"],          # "--gpus 1" == "--gpus=1"
+                        resolve=resolve_model_path)
     assert "on 1 GPUs" in one and "does not fit" in one
-    assert one == plan.plan_cli(["--config", preset, "--plan", "--gpus=1"])
+    assert one == plan.plan_cli(["--config", preset, "--plan", "--gpus=1"], resolve=resolve_model_path)
 
 
 def test_step_shape_counts_what_each_method_generates():

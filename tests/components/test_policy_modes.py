@@ -17,7 +17,7 @@ from pspo.training.model import build_policy, load_tokenizer
 from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
 from pspo.engines.hf_engine import HFEngine
-from pspo.engines.tokens import Rollout, batch_inputs
+from pspo.training.tokens import Rollout, batch_inputs
 from pspo.engines.sampling import sequence_seeds
 from pspo.training.micro_batches import token_rows
 from pspo.update import policy_update

@@ -18,7 +18,7 @@ from transformers import (AutoModelForSequenceClassification, BertModel, PreTrai
 
 from pspo.training import plan
 from pspo.related import prm as prm_module
-from pspo.offline.builtin import TINY_PRM
+from pspo.offline.builtin import TINY_PRM, resolve_model_path
 from pspo.training.config import ConfigError, load_config
 from pspo.training.plan import GiB, PRMArch
 from pspo.related.prm import load_prm, prm_metrics
@@ -204,7 +204,7 @@ def test_plan_counts_the_prm(tiny_prm_path):
     # the tiny PRM: hidden 32, intermediate 64; weights bf16 2 B each; the forward of prm.batch_tokens
     # 16384 tokens: 16384 x 2 B x (6·32 + 2·64) = 10485760 B
     cfg = prm_config("--rollout.engine=hf", "--algo.beta=0")
-    arch, why = plan.load_prm_arch(cfg, local_only=True)
+    arch, why = plan.load_prm_arch(cfg, local_only=True, resolve=resolve_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_prm_path)
     assert why == "" and arch == PRMArch(sum(p.numel() for p in model.parameters()), 32, 64)
     a = plan.arch_from_config(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -213,15 +213,18 @@ def test_plan_counts_the_prm(tiny_prm_path):
     rows = {key: (b, phase) for key, _, b, phase in plan.make_plan(cfg, a, 1, 80 * GiB, "hf", arch).rows}
     assert rows["prm"] == (2 * arch.params, "both") and rows["prm_acts"] == (10485760, "generation")
     assert "prm" not in {key for key, *_ in without.rows}
-    absent, why = plan.load_prm_arch(prm_config(model="no/such-prm"), local_only=True)
+    absent, why = plan.load_prm_arch(prm_config(model="no/such-prm"), local_only=True,
+                                        resolve=resolve_model_path)
     assert absent is None and "prm.model 'no/such-prm': not counted" in why
 
 
 def test_plan_command_on_the_gpu_preset_says_what_it_did_not_count(tmp_path):
     preset = os.path.join(ROOT, "configs", "qwen2.5-math-1.5b", "pspo_star.yaml")
-    text = plan.plan_cli(["--config", preset, "--plan", f"--train.output_dir={tmp_path}"])
+    text = plan.plan_cli(["--config", preset, "--plan", f"--train.output_dir={tmp_path}"],
+                         resolve=resolve_model_path)
     assert "prm.model 'pspo-prm': not counted" in text
-    counted = plan.plan_cli(["--config", preset, "--plan", f"--prm.model={TINY_PRM}"])
+    counted = plan.plan_cli(["--config", preset, "--plan", f"--prm.model={TINY_PRM}"],
+                            resolve=resolve_model_path)
     assert "process reward model (0.0M, bf16" in counted and "PRM forward, 16384 tokens" in counted
 
 

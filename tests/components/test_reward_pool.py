@@ -16,7 +16,8 @@ import pytest
 
 from pspo import rewards
 from pspo.tasks.reward_pool import GRACE_S, RewardPool, resolve_workers
-from pspo.rewards import GoldAnswerError, score_completions
+from pspo.rewards import score_completions
+from pspo.tasks.golds import GoldAnswerError
 
 KK_GOLD = "(1) Michael is a knight\n(2) Zoey is a knave"
 KK_RIGHT = "<think>r</think><answer>(1) Michael is a knight\n(2) Zoey is a knave</answer>"

@@ -1,7 +1,7 @@
 """The sync check's gap, on a stand-in engine and trainer with hand-set log-probs (no vLLM needed)."""
 import torch
 
-from pspo.engines.tokens import Rollout
+from pspo.training.tokens import Rollout
 from pspo.engines.vllm_engine import sync_gap
 
 

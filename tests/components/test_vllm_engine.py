@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh 
 
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.model import build_policy, load_tokenizer
-from pspo.engines.tokens import batch_inputs
+from pspo.training.tokens import batch_inputs
 from pspo.engines.sampling import prefix_seeds, sequence_seeds
 from pspo.offline.tiny import ensure_tiny_model
 from pspo.training.model import ModelError

@@ -119,7 +119,7 @@ def test_a_context_the_model_cannot_hold_is_one_line(tmp_path, tiny_model_path, 
 SMALL_GPU = """
 import runpy, sys
 from pspo.training import plan
-def startup_check(cfg, model_path, world_size, device, engine):
+def startup_check(cfg, model_path, world_size, device, engine, resolve):
     arch = plan.arch_from_config(plan.load_model_config(model_path))
     plan.check_fits(plan.make_plan(cfg, arch, world_size, 2 ** 20, engine, None), cfg)
 plan.startup_check = startup_check

@@ -13,7 +13,7 @@ from pspo.training.config import ConfigError, load_config
 from pspo.training.distributed import Dist
 from pspo.is_correction import correction_weights, log_ratios, mismatch_sums
 from pspo.methods import Advantages, Context, MethodState, StepRollouts, update_batch, weigh
-from pspo.engines.tokens import Rollout
+from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import TokenRows
 
 # Two completions, T = 3; the second has 2 tokens (padding at t = 2, where the engine reports 0

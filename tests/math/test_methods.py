@@ -9,7 +9,7 @@ from pspo.training.config import ADVANTAGES, load_config
 from pspo.training.distributed import Dist
 from pspo.methods import Context, MethodState, StepRollouts, method_for, score_first, update_batch
 from pspo.rewards import RewardResult
-from pspo.engines.tokens import Rollout
+from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import token_rows
 
 CPU = Dist(0, 1, torch.device("cpu"))

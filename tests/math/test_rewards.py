@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from pspo import rewards
-from pspo.rewards import (GoldAnswerError, accuracy_reward, check_gold_answer, cosine_reward,
-                          format_reward, score_completions)
+from pspo.rewards import accuracy_reward, cosine_reward, format_reward, score_completions
+from pspo.tasks.data import check_gold_answer
+from pspo.tasks.golds import GoldAnswerError, parse_gold
 
 
 def clear_memo() -> None:
-    for cached in (rewards._is_correct, rewards._parse_answer, rewards._parse_gold):
+    for cached in (rewards._is_correct, rewards._parse_answer, parse_gold):
         cached.cache_clear()
 
 
