@@ -36,7 +36,7 @@ from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, load_prm, prm_metrics
 from pspo.rewards import Score, gather_scores, reward_scorer
 from pspo.rollout import CountingEngine, build_engine, engine_name
-from pspo.sampler import UniformSampler, build_sampler, importance_weights, sampler_metrics, sampler_mode
+from pspo.sampler import UniformSampler, build_sampler, sampler_metrics, sampler_mode
 from pspo.tasks.data import DataError, PromptSet, prompt_sets
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.training import checkpoint, distributed
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     while run.step < cfg.train.max_steps:
         clock = StepClock()
         with clock("bookkeeping_s"):
-            indices, is_weights = run.sampler.sample(B)                         # (B,), (B,) same on all ranks
+            indices, _ = run.sampler.sample(B)                                  # (B,) the same on all ranks
         local = indices[run.mine].tolist()                                      # this rank's prompts
         rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
         seeds = sequence_seeds(cfg.train.seed, run.step, torch.arange(B)[run.mine], G)   # (N,)
@@ -79,8 +79,8 @@ def main(argv: list[str]) -> None:
         with clock("reward_s"):
             scored = run.score(rows, rollout.texts)                             # this rank's, (N,) each
             rewards, accuracy = gather_scores(scored, G)                        # (B, G) each, every rank's
-        with clock("bookkeeping_s"):                                # PPS: priorities, IS weights (B, G)
-            is_weights = importance_weights(run.sampler, cfg, indices, is_weights, rewards, accuracy)
+        with clock("bookkeeping_s"):                        # PPS update: priorities from |A|, IS weights
+            is_weights = run.sampler.update(indices, rewards, accuracy)             # (B, G)
         with clock("advantages_s"):
             step = StepRollouts(step=run.step, indices=indices, rows=rows, seeds=seeds, rollout=rollout,
                                 scored=scored, rewards=rewards, is_weights=is_weights,

@@ -36,7 +36,7 @@ def touched(n: int, batch: int, groups: int = 8, **options) -> PrioritySampler:
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         idx, _ = s.sample(batch)
-        s.update(idx, torch.rand(batch, groups, generator=g) * 0.5, torch.rand(batch, groups, generator=g).round())
+        s.set_priorities(idx, torch.rand(batch, groups, generator=g) * 0.5, torch.rand(batch, groups, generator=g).round())
     return s
 
 
@@ -61,7 +61,7 @@ def main() -> None:
             g = torch.Generator().manual_seed(1)
             sample = median_ms(lambda: s.sample(batch))
             adv = torch.rand(batch, G, generator=g) * 0.5
-            update = median_ms(lambda: s.update(s.sample(batch)[0], adv)) - sample
+            update = median_ms(lambda: s.set_priorities(s.sample(batch)[0], adv)) - sample
             p = s.probabilities()
             multinomial = median_ms(lambda: torch.multinomial(p, batch, replacement=False, generator=g), repeats=20)
             print(f"{n:>10} {batch:>4} {sample:>10.3f} {update:>10.3f} {multinomial:>15.3f}")
@@ -83,10 +83,10 @@ def main() -> None:
         s = touched(n, batch, **options)
         if "skip" in options:
             s.zero_streak[: n // 2] = 3
-        step = median_ms(lambda: s.update(s.sample(batch)[0], adv, acc))
+        step = median_ms(lambda: s.set_priorities(s.sample(batch)[0], adv, acc))
         print(f"{name:>42} {step:>19.3f}")
     r = ReferenceSampler(n, seed=0)
-    step = median_ms(lambda: r.update(r.sample(batch)[0], adv), repeats=200)
+    step = median_ms(lambda: r.set_priorities(r.sample(batch)[0], adv), repeats=200)
     epoch = median_ms(lambda: ReferenceSampler(n, seed=0).sample(batch), repeats=5)
     print(f"{'reference (pps.mode), per step':>42} {step:>19.3f}")
     print(f"{'reference: one epoch draw of N rows':>42} {epoch:>19.3f}")

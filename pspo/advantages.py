@@ -2,7 +2,7 @@
 
 GRPO:      A_i = (r_i - μ) / (s + ε)     μ, s = mean and sample std (Bessel, G-1) of the group
 Dr. GRPO:  A_i =  r_i - μ                (scale = False)
-ERS (§2):  A_i = (r_i - m_q) / (sqrt(v_q) + ε)   m_q, v_q = the prompt's smoothed statistics
+(ERS's advantage from the smoothed statistics, §2, is ema_stats.smoothed_advantages.)
 One value per completion; the loss broadcasts it over the completion's tokens.
 
 REINFORCE++ (§6, docs/related.md §A), one value per token:
@@ -47,19 +47,6 @@ def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> 
         std = rewards.std(dim=1, keepdim=True)               # (B, 1)  sample std (G-1)
         centered = centered / (std + eps)
     return centered.masked_fill(zero_variance(rewards)[:, None], 0.0)
-
-
-def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = True,
-                        eps: float = 1e-4) -> Tensor:
-    """ERS advantage, docs/methods.md §2, from the smoothed (m_q, sqrt(v_q)) after this step's update.
-
-    rewards (B, G), mean (B,), std (B,) -> (B, G). On a prompt's first visit (or with α = 1)
-    m_q = μ and sqrt(v_q) = s, so this is exactly `group_advantages`.
-    """
-    centered = rewards - mean[:, None]                       # (B, G)  r_i - m_q
-    if not scale:
-        return centered
-    return centered / (std[:, None] + eps)
 
 
 def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:

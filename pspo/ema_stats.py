@@ -7,6 +7,10 @@ visit count. With a = alpha, the weight on the current group's statistics (μ, s
     later visits:  m_q <- a·μ + (1-a)·m_q
                    v_q <- a·s² + (1-a)·v_q + a(1-a)·(μ - m_q_old)²     (two-part mixture variance)
 
+and the group's advantages use the smoothed statistics after this step's update (`smoothed_advantages`):
+
+    A_i = (r_i - m_q) / (sqrt(v_q) + ε)        (Dr. GRPO, without the std scaling: r_i - m_q)
+
 Departure from the reference code, on purpose: the cross term uses the current μ and the old m_q
 (the textbook variance of a mixture), where the reference uses the smoothed μ̃; and we store a
 variance and take its square root for the std (the reference divides by the variance).
@@ -24,6 +28,19 @@ import torch
 from torch import Tensor
 
 from pspo.advantages import zero_variance
+
+
+def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = True,
+                        eps: float = 1e-4) -> Tensor:
+    """ERS advantage, docs/methods.md §2, from the smoothed (m_q, sqrt(v_q)) after this step's update.
+
+    rewards (B, G), mean (B,), std (B,) -> (B, G). On a prompt's first visit (or with α = 1)
+    m_q = μ and sqrt(v_q) = s, so this is exactly `group_advantages`.
+    """
+    centered = rewards - mean[:, None]                       # (B, G)  r_i - m_q
+    if not scale:
+        return centered
+    return centered / (std[:, None] + eps)
 
 
 def prompt_key(text: str) -> int:

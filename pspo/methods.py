@@ -49,11 +49,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pspo.advantages import group_advantages, reinforce_pp_advantages, smoothed_advantages, zero_variance
+from pspo.advantages import group_advantages, reinforce_pp_advantages, zero_variance
 from pspo.training import distributed
 from pspo.training.config import Config, RolloutConfig
 from pspo.training.distributed import Dist
-from pspo.ema_stats import EMAStats
+from pspo.ema_stats import EMAStats, smoothed_advantages
 from pspo.is_correction import correction_weights, mismatch_sums
 from pspo.training.logprobs import score_policy
 from pspo.training.metrics import AdvantageSums, MethodStats, RolloutSums

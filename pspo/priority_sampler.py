@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pspo.advantages import group_advantages
+
 PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: a statistic of |A| | p̂(1-p̂)
 IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
 
@@ -58,14 +60,15 @@ class PrioritySampler:
 
     alpha α, beta β (at the first draw) and beta_end (at draw total_steps; None keeps β), eps ε_p;
     priority (PRIORITIES) and its posterior_decay λ; is_norm (IS_NORMS); uniform_mix u; skip with
-    skip_rho ρ and skip_min s_min; seed of the draws.
+    skip_rho ρ and skip_min s_min; seed of the draws; scale_rewards and adv_eps: the algo section's,
+    for the raw GRPO |A| a group's rewards give (docs/methods.md §1).
     """
 
     def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None,
                  total_steps: int = 1, is_norm: str = "batch_max", uniform_mix: float = 0.0,
                  posterior_decay: float = 1.0, skip: bool = False, skip_rho: float = 0.5,
-                 skip_min: float = 0.01):
+                 skip_min: float = 0.01, scale_rewards: bool = True, adv_eps: float = 1e-4):
         if priority not in PRIORITIES:
             raise ValueError(f"pps.priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
         if is_norm not in IS_NORMS:
@@ -78,6 +81,7 @@ class PrioritySampler:
             raise ValueError(f"pps.uniform_mix: expected a value in [0, 1), got {uniform_mix}")
         self.is_norm, self.uniform_mix, self.decay = is_norm, uniform_mix, posterior_decay
         self.skip, self.skip_rho, self.skip_min = skip, skip_rho, skip_min
+        self.scale_rewards, self.adv_eps = scale_rewards, adv_eps
         self.beta_end = beta if beta_end is None else beta_end
         self.total_steps = max(1, total_steps)
         self.size = 1 << max(0, (num_prompts - 1).bit_length())                 # S, a power of two ≥ N
@@ -242,7 +246,18 @@ class PrioritySampler:
                 "repeat_frac": repeat, "revisit_frac": self._last["revisit"],
                 "skipped": float(self._last["skipped"])}
 
-    def update(self, indices: Tensor, abs_advantages: Tensor, successes: Tensor | None = None) -> Tensor:
+    def update(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+        """The step's scores -> the scored prompts' priorities, and the batch's IS weights per completion.
+
+        indices (B,) as `sample` drew them; rewards and accuracy (B, G) of every rank. The priority
+        comes from the raw GRPO |A| of each group (whatever advantage the method trains on, ERS's
+        included), or from the accuracy r̂ in [0, 1] with priority = posterior. Returns (B, G): the
+        weights the draw gave, one per completion, which multiply the policy-gradient term.
+        """
+        abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
+        return self.set_priorities(indices, abs_advantages, accuracy if self.priority == "posterior" else None)
+
+    def set_priorities(self, indices: Tensor, abs_advantages: Tensor, successes: Tensor | None = None) -> Tensor:
         """Set the scored prompts' priorities and return the batch's IS weights per completion (B, G).
 
         abs_advantages (B, G) ≥ 0, the raw GRPO |A|: p_q = (stat_i |A_i| + ε)^α; `successes` (B, G)
@@ -255,7 +270,7 @@ class PrioritySampler:
         weights = self._weights_for(len(indices), a.shape[1])                  # (B, G)
         if self.priority == "posterior":                                         # §3b: decayed Beta counts
             if successes is None:
-                raise ValueError("pps.priority=posterior: update needs the completions' successes")
+                raise ValueError("pps.priority=posterior: set_priorities needs the completions' successes")
             r = successes.detach().double().cpu().clamp(0, 1)                   # (B, G)
             self.posterior_a[indices] = self.decay * self.posterior_a[indices] + r.sum(1)
             self.posterior_b[indices] = self.decay * self.posterior_b[indices] + (1 - r).sum(1)
@@ -288,7 +303,7 @@ class PrioritySampler:
         if weights is None:
             return torch.ones(batch, groups)
         if len(weights) != batch:
-            raise ValueError(f"PrioritySampler.update: {batch} prompts scored, but the last sample drew "
+            raise ValueError(f"PrioritySampler.set_priorities: {batch} prompts scored, but the last sample drew "
                              f"{len(weights)}; update the prompts of the last sample")
         return weights[:, None].expand(batch, groups).clone()
 

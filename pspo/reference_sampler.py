@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pspo.advantages import group_advantages
 from pspo.priority_sampler import check_resumed_prompts
 
 PRIORITY_EPS, PROB_EPS, WEIGHT_EPS = 1e-6, 1e-8, 1e-8        # the reference code's constants
@@ -37,10 +38,11 @@ PRIORITY_EPS, PROB_EPS, WEIGHT_EPS = 1e-6, 1e-8, 1e-8        # the reference cod
 
 class ReferenceSampler:
     def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, seed: int = 0,
-                 leaf_of: Tensor | None = None):
+                 leaf_of: Tensor | None = None, scale_rewards: bool = True, adv_eps: float = 1e-4):
         if num_prompts < 1:
             raise ValueError("ReferenceSampler: the dataset has no prompts")
         self.num_prompts, self.alpha, self.beta = num_prompts, alpha, beta
+        self.scale_rewards, self.adv_eps = scale_rewards, adv_eps        # the raw GRPO |A| (§1)
         self.leaf_of = torch.arange(num_prompts) if leaf_of is None else leaf_of.long().clone()   # (N,)
         self.tree = torch.ones(num_prompts, dtype=torch.float64)     # p_q per row: 1 at the start
         self.order = torch.zeros(0, dtype=torch.int64)               # this epoch's N draws
@@ -73,7 +75,13 @@ class ReferenceSampler:
         self._last = {"indices": indices}
         return indices, torch.ones(batch_size)
 
-    def update(self, indices: Tensor, abs_advantages: Tensor, successes: Tensor | None = None) -> Tensor:
+    def update(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+        """The step's scores (B, G) -> the priorities from each completion's raw GRPO |A|, and the
+        weights per completion (B, G); `accuracy` is not read (the reference has no posterior)."""
+        abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
+        return self.set_priorities(indices, abs_advantages)
+
+    def set_priorities(self, indices: Tensor, abs_advantages: Tensor) -> Tensor:
         """Write the priorities completion by completion (prompt-major, as the reference loops) and
         return each completion's weight right after its own write. abs_advantages (B, G) -> (B, G)."""
         a = abs_advantages.detach().double().cpu()

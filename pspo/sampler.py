@@ -1,17 +1,17 @@
 """The run's prompt sampler: `build_sampler` picks uniform sampling (`UniformSampler`, below), PPS
 (priority_sampler.py, docs/methods.md §3 and §3b) or the released code's sampler (reference_sampler.py,
-§3a) from the config; `importance_weights` hands it the step's scores and returns the IS weights
-(docs/methods.md §4); `sampler_metrics` its diagnostics.
+§3a) from the config; `sampler_metrics` gives its diagnostics.
 
-The loop asks the sampler for the step's prompt indices and importance weights; the three samplers
-answer the same call and keep their state in `state_dict` for exact resume.
+The three samplers answer the loop's two calls alike: `sample(B)` -> the step's prompt indices (B,)
+(and their draw's weights); `update(indices, rewards, accuracy)` -> after scoring, the PPS update
+(priorities) and the importance weights per completion (B, G), all ones for uniform sampling. Each
+keeps its state in `state_dict` for exact resume.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from pspo.advantages import group_advantages
 from pspo.training.config import Config, ConfigError
 from pspo.priority_sampler import PrioritySampler, check_resumed_prompts
 from pspo.reference_sampler import ReferenceSampler
@@ -21,7 +21,7 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
     """The run's sampler over the train set's problems: uniform epochs, PPS (§3 with the §3b
     options) or, with pps.mode=reference, the released code's (§3a; duplicate problems share the
     first row's priority). `label` names the data set in errors."""
-    N, B, p, seed = len(problems), cfg.train.prompts_per_step, cfg.pps, cfg.train.seed
+    N, B, p, a, seed = len(problems), cfg.train.prompts_per_step, cfg.pps, cfg.algo, cfg.train.seed
     if not p.enabled:
         return UniformSampler(N, seed)
     if B > N:
@@ -31,35 +31,19 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
     if p.mode == "reference":
         first_row: dict[str, int] = {}
         leaf_of = torch.tensor([first_row.setdefault(problem, i) for i, problem in enumerate(problems)])
-        return ReferenceSampler(N, alpha=p.alpha, beta=p.beta, seed=seed, leaf_of=leaf_of)
+        return ReferenceSampler(N, alpha=p.alpha, beta=p.beta, seed=seed, leaf_of=leaf_of,
+                                scale_rewards=a.scale_rewards, adv_eps=a.adv_eps)
     return PrioritySampler(N, alpha=p.alpha, beta=p.beta, eps=p.eps, seed=seed,
                            beta_end=None if p.beta_end == -1 else p.beta_end,   # pps.beta_end -1: constant β
                            total_steps=cfg.train.max_steps, priority=p.priority,
                            posterior_decay=p.posterior_decay, is_norm=p.is_norm, uniform_mix=p.uniform_mix,
-                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min)
+                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min,
+                           scale_rewards=a.scale_rewards, adv_eps=a.adv_eps)
 
 
 def sampler_mode(cfg: Config) -> str:
     """The sampler a run trains with: uniform, or PPS's paper or reference mode (recorded in checkpoints)."""
     return cfg.pps.mode if cfg.pps.enabled else "uniform"
-
-
-def importance_weights(sampler, cfg: Config, indices: Tensor, weights: Tensor, rewards: Tensor,
-                       accuracy: Tensor) -> Tensor:
-    """The step's importance weights per completion, (B, G), after the sampler has seen the scores.
-
-    indices (B,) and weights (B,) as `sample` returned them; rewards and accuracy (B, G) of every
-    rank. Uniform: the sampled weights (all 1). PPS (docs/methods.md §3): the scored prompts'
-    priorities are set from the raw GRPO |A| (priority: posterior, from the accuracy r̂ in [0, 1])
-    and the sampler returns the IS weights w (§3a: one per completion). The weight multiplies the
-    policy-gradient term of whichever advantage method runs.
-    """
-    if not cfg.pps.enabled:
-        return weights[:, None].expand_as(rewards)
-    a = cfg.algo
-    abs_advantages = group_advantages(rewards, a.scale_rewards, a.adv_eps).abs()       # (B, G)
-    successes = accuracy if cfg.pps.priority == "posterior" else None
-    return sampler.update(indices, abs_advantages, successes)
 
 
 def sampler_metrics(sampler, cfg: Config) -> dict[str, float]:
@@ -106,6 +90,10 @@ class UniformSampler:
                 self.epoch, self.position = self.epoch + 1, 0
         indices = torch.cat(taken)
         return indices, torch.ones(batch_size)
+
+    def update(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+        """Nothing to learn from the scores: importance weights all 1, (B, G) as rewards."""
+        return torch.ones(rewards.shape)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts,

@@ -84,7 +84,9 @@ def test_the_saved_adapter_loads_in_peft_and_merged(tiny_model_path, tmp_path):
     merged = merged_folder(folder, str(tmp_path / "merged"))
     assert not is_adapter(merged) and os.path.isfile(os.path.join(merged, "model.safetensors"))
     plain = build_policy(merged, False, 64, False, False, trainable=False)
-    torch.testing.assert_close(logprobs(plain, ids, attention, mask), trainer, atol=1e-5, rtol=0)
+    # W + (α/r)·B·A rounds once in float32 where the adapter path adds two products: log-probs near -9
+    # differ by ~1e-5 depending on the kernels' thread split, an unmerged adapter by far more
+    torch.testing.assert_close(logprobs(plain, ids, attention, mask), trainer, atol=5e-5, rtol=0)
 
 
 def test_a_mismatched_adapter_is_refused_in_one_line(tiny_model_path, tmp_path):

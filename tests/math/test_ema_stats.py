@@ -1,8 +1,8 @@
 """ERS: per-prompt EMA reward statistics and smoothed advantages (docs/methods.md §2)."""
 import torch
 
-from pspo.advantages import group_advantages, smoothed_advantages
-from pspo.ema_stats import EMAStats, prompt_key
+from pspo.advantages import group_advantages
+from pspo.ema_stats import EMAStats, prompt_key, smoothed_advantages
 
 
 def test_first_visit_is_grpo():

@@ -139,7 +139,7 @@ def test_pspo_with_ers_and_pps_on_at_once():
     #   the unseen p2 keeps the running max, which starts at 1.0 and .81218 does not raise.
     # Visit 2, rewards p0 [1, 1]: ERS gives A = .44713 for both (test_grpo_with_ers_smooths_the_second_visit),
     #   but the raw GRPO group is all-equal: |A| = 0, so p0's priority drops to 2.5119e-4 (not .44713^.6 = .61693).
-    from pspo.sampler import build_sampler, importance_weights
+    from pspo.sampler import build_sampler
     cfg, step, ctx = step_and_context("grpo", torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
     cfg.ers.enabled, cfg.ers.alpha = True, 0.5
     cfg.pps.enabled, cfg.pps.alpha, cfg.pps.eps = True, 0.6, 1e-6
@@ -147,12 +147,12 @@ def test_pspo_with_ers_and_pps_on_at_once():
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
     ctx.state = method.state
     first = method.advantages(step, ctx)
-    importance_weights(sampler, cfg, step.indices, torch.ones(2), step.rewards, step.rewards)
+    sampler.update(step.indices, step.rewards, step.rewards)
     torch.testing.assert_close(first.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
     torch.testing.assert_close(sampler.priorities(), torch.tensor([0.81218, 2.5119e-4, 1.0], dtype=torch.float64),
                                atol=1e-5, rtol=1e-4)
     step.rewards = torch.tensor([[1.0, 1], [1, 1]])
     second = method.advantages(step, ctx)
-    importance_weights(sampler, cfg, step.indices, torch.ones(2), step.rewards, step.rewards)
+    sampler.update(step.indices, step.rewards, step.rewards)
     torch.testing.assert_close(second.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
     assert float(sampler.priorities()[0]) == pytest.approx(2.5119e-4, rel=1e-4)

@@ -28,7 +28,7 @@ def test_uniform_mix_probabilities_and_weights_hand_worked():
     #   batch_max (all 4 drawn): / 1.38675 = [1, .78680, .66953, .59275]
     # without the mix the same priorities give [1, .70711, .57735, .5] (test_priority_sampler.py)
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0, uniform_mix=0.2)
-    s.update(torch.arange(4), rows(1, 2, 3, 4))
+    s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
     assert s._mix_constant() == pytest.approx(0.625, abs=1e-12)
     torch.testing.assert_close(s.probabilities(), torch.tensor([.13, .21, .29, .37], dtype=torch.float64))
     idx, w = s.sample(4)
@@ -37,11 +37,11 @@ def test_uniform_mix_probabilities_and_weights_hand_worked():
     st = s.batch_stats()
     assert st["is_max"] == pytest.approx(1.38675, abs=1e-5) and st["is_min"] == pytest.approx(.82199, abs=1e-5)
     # update returns the last sample's weights, one per completion (B, G): each group shares its prompt's
-    out = s.update(idx, rows(1, 2, 3, 4))
+    out = s.set_priorities(idx, rows(1, 2, 3, 4))
     assert out.shape == (4, 4) and torch.equal(out, w[:, None].expand(4, 4))
     # is_norm=none keeps the raw (N·P')^-β
     n = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0, uniform_mix=0.2, is_norm="none")
-    n.update(torch.arange(4), rows(1, 2, 3, 4))
+    n.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
     idx, w = n.sample(4)
     torch.testing.assert_close(w, torch.tensor([1.38675, 1.09109, .92848, .82199])[idx], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"pps.uniform_mix: expected a value in \[0, 1\), got 1"):
@@ -58,7 +58,7 @@ def test_uniform_mix_draws_follow_p_plus_c_chi_square():
     #   {1,2}: (13/48)(31/35) + (31/48)(13/17) = .239881 + .493873 = .733754
     # 6,000 samples; chi-square 2 dof < 13.82 (p = .001).
     s = PrioritySampler(3, alpha=1.0, eps=0.0, uniform_mix=0.25, seed=0)
-    s.update(torch.arange(3), rows(0.0, 1.0, 3.0))
+    s.set_priorities(torch.arange(3), rows(0.0, 1.0, 3.0))
     assert s.priorities().tolist() == [0.0, 1.0, 3.0]
     n = 6_000
     pairs, firsts = torch.zeros(3), torch.zeros(3)
@@ -70,7 +70,7 @@ def test_uniform_mix_draws_follow_p_plus_c_chi_square():
     assert chi2(pairs, [.055574, .210673, .733754], n) < 13.82, pairs
     # without the mix prompt 0 would never come: the pair {1,2} every time
     plain = PrioritySampler(3, alpha=1.0, eps=0.0, seed=0)
-    plain.update(torch.arange(3), rows(0.0, 1.0, 3.0))
+    plain.set_priorities(torch.arange(3), rows(0.0, 1.0, 3.0))
     assert all(sorted(plain.sample(2)[0].tolist()) == [1, 2] for _ in range(50))
 
 
@@ -84,10 +84,10 @@ def test_posterior_update_over_two_visits_hand_worked():
     #   priority 4.75·1.75 / 6.5² = 8.3125/42.25 = .196746   (an all-correct group: not abandoned)
     s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=0.5)
     assert s.priorities().tolist() == [0.25, 0.25, 0.25]
-    s.update(torch.tensor([1]), torch.tensor([[.75, .25, .25, .25]]), torch.tensor([[1., 0, 0, 0]]))
+    s.set_priorities(torch.tensor([1]), torch.tensor([[.75, .25, .25, .25]]), torch.tensor([[1., 0, 0, 0]]))
     assert (s.posterior_a[1].item(), s.posterior_b[1].item()) == (1.5, 3.5)
     assert s.priorities()[1].item() == pytest.approx(0.21, abs=1e-12)
-    s.update(torch.tensor([1]), torch.zeros(1, 4), torch.ones(1, 4))
+    s.set_priorities(torch.tensor([1]), torch.zeros(1, 4), torch.ones(1, 4))
     assert (s.posterior_a[1].item(), s.posterior_b[1].item()) == (4.75, 1.75)
     assert s.priorities()[1].item() == pytest.approx(0.196746, abs=1e-6)
     # the others are untouched: counts 1, 1 and the prior's .25 (the running max, never exceeded)
@@ -95,14 +95,14 @@ def test_posterior_update_over_two_visits_hand_worked():
     # α = .6, ε = 1e-6 shape it as (p̂(1-p̂) + ε)^α: visit 1 -> (.21 + 1e-6)^.6 = .392042, prior .435276
     t = PrioritySampler(2, priority="posterior", posterior_decay=0.5)
     assert t.priorities()[1].item() == pytest.approx(0.435276, abs=1e-6)
-    t.update(torch.tensor([0]), torch.zeros(1, 4), torch.tensor([[1., 0, 0, 0]]))
+    t.set_priorities(torch.tensor([0]), torch.zeros(1, 4), torch.tensor([[1., 0, 0, 0]]))
     assert t.priorities()[0].item() == pytest.approx(0.392042, abs=1e-6)
     # successes are clamped to [0, 1], and the posterior needs them
     u = PrioritySampler(1, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=1.0)
-    u.update(torch.tensor([0]), torch.zeros(1, 2), torch.tensor([[2.0, -1.0]]))     # -> [1, 0]
+    u.set_priorities(torch.tensor([0]), torch.zeros(1, 2), torch.tensor([[2.0, -1.0]]))     # -> [1, 0]
     assert (u.posterior_a[0].item(), u.posterior_b[0].item()) == (2.0, 2.0)
-    with pytest.raises(ValueError, match="update needs the completions' successes"):
-        u.update(torch.tensor([0]), torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="set_priorities needs the completions' successes"):
+        u.set_priorities(torch.tensor([0]), torch.zeros(1, 2))
 
 
 def test_posterior_priorities_drive_the_draws_chi_square():
@@ -110,7 +110,7 @@ def test_posterior_priorities_drive_the_draws_chi_square():
     # prompt 1 scored [1,1,1,1]: a=5, b=1, p̂=5/6, 5/36; prompt 2 unseen: the prior's 1/4 = 9/36.
     # P = [8, 5, 9]/22 = [.36364, .22727, .40909]. 6,000 first draws; chi-square 2 dof < 13.82.
     s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=1.0, seed=0)
-    s.update(torch.tensor([0, 1]), torch.tensor([[.75, .25, .25, .25], [0., 0, 0, 0]]),
+    s.set_priorities(torch.tensor([0, 1]), torch.tensor([[.75, .25, .25, .25], [0., 0, 0, 0]]),
              torch.tensor([[1., 0, 0, 0], [1., 1, 1, 1]]))
     torch.testing.assert_close(s.probabilities(), torch.tensor([8 / 22, 5 / 22, 9 / 22], dtype=torch.float64))
     n = 6_000
@@ -128,15 +128,15 @@ def test_zero_variance_streak_counts_and_resets():
     # zero_streak: consecutive groups with every |A| = 0; any non-zero |A| resets it to 0.
     s = PrioritySampler(3, alpha=1.0, eps=0.0)
     assert s.zero_streak.tolist() == [0, 0, 0]
-    s.update(torch.tensor([0, 1]), torch.tensor([[0., 0, 0, 0], [0., 1, 0, 1]]))
+    s.set_priorities(torch.tensor([0, 1]), torch.tensor([[0., 0, 0, 0], [0., 1, 0, 1]]))
     assert s.zero_streak.tolist() == [1, 0, 0]
-    s.update(torch.tensor([0, 1]), torch.zeros(2, 4))
+    s.set_priorities(torch.tensor([0, 1]), torch.zeros(2, 4))
     assert s.zero_streak.tolist() == [2, 1, 0]
-    s.update(torch.tensor([1, 0]), torch.tensor([[0., 0, 0, 0], [0., .5, 0, 0]]))   # one non-zero |A|: mixed
+    s.set_priorities(torch.tensor([1, 0]), torch.tensor([[0., 0, 0, 0], [0., .5, 0, 0]]))   # one non-zero |A|: mixed
     assert s.zero_streak.tolist() == [0, 2, 0]
     # the posterior counts the streak from |A| too, not from the successes
     p = PrioritySampler(2, priority="posterior")
-    p.update(torch.tensor([0, 1]), torch.tensor([[0., 0], [.5, .5]]), torch.tensor([[1., 1], [1., 0]]))
+    p.set_priorities(torch.tensor([0, 1]), torch.tensor([[0., 0], [.5, .5]]), torch.tensor([[1., 1], [1., 0]]))
     assert p.zero_streak.tolist() == [1, 0]
 
 
@@ -211,7 +211,7 @@ def test_skip_takes_the_skipped_back_when_the_prompts_run_out(mix):
     # first 3 skipped come back, so sample(3) still returns 3 distinct prompts and 2 are counted
     # as skipped. The trees (priorities and live counts) are restored afterwards.
     s = PrioritySampler(5, alpha=1.0, eps=0.0, skip=True, skip_rho=1e-3, skip_min=1e-12, uniform_mix=mix, seed=0)
-    s.update(torch.arange(5), rows(1, 2, 3, 4, 5))
+    s.set_priorities(torch.arange(5), rows(1, 2, 3, 4, 5))
     s.zero_streak[:] = 5
     tree, count = s.tree.clone(), s.count.clone()
     for _ in range(30):
@@ -228,7 +228,7 @@ def test_skip_takes_the_skipped_back_when_the_prompts_run_out(mix):
         assert s.batch_stats()["skipped"] == 2                             # 4 skipped, 2 of them taken back
     # too few drawable prompts even with the skipped ones back: an error, trees restored
     z = PrioritySampler(3, alpha=1.0, eps=0.0, skip=True, skip_rho=1e-3, skip_min=1e-12)
-    z.update(torch.arange(3), rows(1.0, 0.0, 0.0))
+    z.set_priorities(torch.arange(3), rows(1.0, 0.0, 0.0))
     z.zero_streak[:] = 5
     before = z.tree.clone()
     with pytest.raises(ValueError, match="2 distinct prompts asked, but only 1 have a priority above 0"):
@@ -251,7 +251,7 @@ def test_state_round_trip_with_the_new_options(tmp_path):
         idx, _ = s.sample(5)
         succ = (torch.rand(5, 4, generator=g) < 0.5).double()
         succ[step % 5] = 0.0                                               # a zero-variance group each step
-        s.update(idx, grpo_abs(succ), succ)
+        s.set_priorities(idx, grpo_abs(succ), succ)
     assert int(s.zero_streak.max()) >= 1 and not torch.all(s.posterior_a == 1)
     torch.save(s.state_dict(), tmp_path / "pps.pt")
     t = PrioritySampler(12, **opts, seed=99)
@@ -263,7 +263,7 @@ def test_state_round_trip_with_the_new_options(tmp_path):
         assert torch.equal(i1, i2) and torch.equal(w1, w2)
         assert s.batch_stats() == t.batch_stats()
         succ = (torch.rand(5, 4, generator=g) < 0.3).double()
-        u1, u2 = s.update(i1, grpo_abs(succ), succ), t.update(i2, grpo_abs(succ), succ)
+        u1, u2 = s.set_priorities(i1, grpo_abs(succ), succ), t.set_priorities(i2, grpo_abs(succ), succ)
         assert torch.equal(u1, u2) and torch.equal(s.priorities(), t.priorities())
         assert torch.equal(s.zero_streak, t.zero_streak)
 

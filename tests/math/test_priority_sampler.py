@@ -15,7 +15,7 @@ def test_probabilities_and_normalized_weights_hand_worked():
     # β=.5: (N·P)^-β = [.4,.8,1.2,1.6]^-.5 = [1.58114, 1.11803, .91287, .79057]
     # normalized by the batch max (all 4 drawn): [1, .70711, .57735, .5]
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
-    s.update(torch.arange(4), rows(1, 2, 3, 4))
+    s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
     torch.testing.assert_close(s.probabilities(), torch.tensor([.1, .2, .3, .4], dtype=torch.float64))
     idx, w = s.sample(4)
     assert sorted(idx.tolist()) == [0, 1, 2, 3]
@@ -29,7 +29,7 @@ def test_is_norm_mean_and_none_hand_worked():
     raw = torch.tensor([1.58114, 1.11803, .91287, .79057])
     for norm, expected in (("none", raw), ("mean", torch.tensor([1.43655, 1.01579, .82939, .71827]))):
         s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0, is_norm=norm)
-        s.update(torch.arange(4), rows(1, 2, 3, 4))
+        s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
         idx, w = s.sample(4)
         torch.testing.assert_close(w, expected[idx], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="pps.is_norm: expected one of batch_max, mean, none, got 'max'"):
@@ -39,14 +39,14 @@ def test_is_norm_mean_and_none_hand_worked():
 def test_alpha_and_eps_shape_the_priority():
     # α=.6, ε=1e-6: mean |A| = [0, .5, 2] -> (x+1e-6)^.6 = [2.5e-4, .65975, 1.51572]
     s = PrioritySampler(3, alpha=0.6, eps=1e-6)
-    s.update(torch.arange(3), torch.tensor([[0., 0], [1., 0], [2., 2]]))
+    s.set_priorities(torch.arange(3), torch.tensor([[0., 0], [1., 0], [2., 2]]))
     torch.testing.assert_close(s.priorities(), torch.tensor([2.5119e-4, .65975, 1.51572], dtype=torch.float64),
                                atol=1e-5, rtol=0)
     # max_abs / last_abs read the group differently: [1,0] -> max 1, last 0
     m = PrioritySampler(1, alpha=1.0, eps=0.0, priority="max_abs")
-    m.update(torch.tensor([0]), torch.tensor([[1., 0]]))
+    m.set_priorities(torch.tensor([0]), torch.tensor([[1., 0]]))
     last = PrioritySampler(1, alpha=1.0, eps=0.0, priority="last_abs")
-    last.update(torch.tensor([0]), torch.tensor([[1., 0]]))
+    last.set_priorities(torch.tensor([0]), torch.tensor([[1., 0]]))
     assert m.priorities().item() == 1.0 and last.priorities().item() == 0.0
 
 
@@ -54,19 +54,19 @@ def test_unseen_prompts_carry_the_running_max():
     # N=3, α=1, ε=0. Start: all 1.0. Prompt 0 gets 3 -> the max rises to 3, unseen 1, 2 follow.
     s = PrioritySampler(3, alpha=1.0, eps=0.0)
     assert s.priorities().tolist() == [1.0, 1.0, 1.0]
-    s.update(torch.tensor([0]), rows(3))
+    s.set_priorities(torch.tensor([0]), rows(3))
     assert s.priorities().tolist() == [3.0, 3.0, 3.0]
     # prompt 0's group goes all-correct (|A| = 0): its priority falls, the running max stays 3
-    s.update(torch.tensor([0]), rows(0))
+    s.set_priorities(torch.tensor([0]), rows(0))
     torch.testing.assert_close(s.probabilities(), torch.tensor([0, .5, .5], dtype=torch.float64))
-    s.update(torch.tensor([1]), rows(2))                                 # seen prompts keep their own
+    s.set_priorities(torch.tensor([1]), rows(2))                                 # seen prompts keep their own
     assert s.priorities().tolist() == [0.0, 2.0, 3.0]
 
 
 def test_draws_follow_the_priorities_chi_square():
     # priorities 1..10 (α=1): P = k/55. 10^5 draws; chi-square with 9 dof < 27.88 (p = .001).
     s = PrioritySampler(10, alpha=1.0, eps=0.0, seed=0)
-    s.update(torch.arange(10), rows(*range(1, 11)))
+    s.set_priorities(torch.arange(10), rows(*range(1, 11)))
     n = 100_000
     counts = torch.bincount(s._draw(n), minlength=10).double()
     expected = torch.arange(1, 11, dtype=torch.float64) / 55 * n
@@ -84,7 +84,7 @@ def test_sample_without_replacement_follows_successive_sampling_chi_square():
     #   {1,2}: (2/6)(3/4) + (3/6)(2/3) = 1/4 + 1/3   = 0.58333
     # and the first index alone is p_i/6 = 1/6, 2/6, 3/6. 6,000 samples; chi-square, 2 dof < 13.82 (p = .001).
     s = PrioritySampler(3, alpha=1.0, eps=0.0, seed=0)
-    s.update(torch.arange(3), rows(1.0, 2.0, 3.0))
+    s.set_priorities(torch.arange(3), rows(1.0, 2.0, 3.0))
     n = 6_000
     pairs, firsts = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     for _ in range(n):
@@ -103,14 +103,14 @@ def test_sample_refuses_more_prompts_than_have_a_priority():
     # With eps = 0 a prompt can reach priority 0 and is never drawn: asking for more distinct
     # prompts than have p > 0 is an error, not an endless loop. Priorities [1, 0, 0]: 1 drawable.
     s = PrioritySampler(3, alpha=1.0, eps=0.0)
-    s.update(torch.arange(3), rows(1.0, 0.0, 0.0))
+    s.set_priorities(torch.arange(3), rows(1.0, 0.0, 0.0))
     assert s.sample(1)[0].tolist() == [0]
     before = s.tree.clone()
     with pytest.raises(ValueError, match="2 distinct prompts asked, but only 1 have a priority above 0"):
         s.sample(2)
     assert torch.equal(s.tree, before)                      # prompt 0's priority is back
     none = PrioritySampler(2, alpha=1.0, eps=0.0)
-    none.update(torch.arange(2), rows(0.0, 0.0))
+    none.set_priorities(torch.arange(2), rows(0.0, 0.0))
     with pytest.raises(ValueError, match="but only 0 have a priority above 0"):
         none.sample(1)
 
@@ -139,7 +139,7 @@ def test_beta_anneals_linearly():
 
 def test_state_dict_round_trip(tmp_path):
     s = PrioritySampler(50, seed=3)
-    s.update(torch.arange(10), torch.rand(10, 4, generator=torch.Generator().manual_seed(0)))
+    s.set_priorities(torch.arange(10), torch.rand(10, 4, generator=torch.Generator().manual_seed(0)))
     s.sample(8)
     torch.save(s.state_dict(), tmp_path / "pps.pt")
     t = PrioritySampler(50, seed=99)
@@ -155,7 +155,7 @@ def test_batch_stats_hand_worked():
     #   ess = (Σw)²/Σw² = 4.40261² / (2.5 + 1.25 + .83333 + .625) = 19.38298 / 5.20833 = 3.72153
     #   entropy = -Σ P ln P / ln 4 = (.23026 + .32189 + .36119 + .36652) / 1.38629 = .92322
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
-    s.update(torch.arange(4), rows(1, 2, 3, 4))
+    s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
     s.sample(4)
     st = s.batch_stats()
     assert abs(st["is_max"] - 1.58114) < 1e-5 and abs(st["is_min"] - 0.79057) < 1e-5
@@ -176,7 +176,7 @@ def test_repeat_fraction_counts_redrawn_duplicates():
     # Prompt 0's leaf is then 0, so round 2's single draw is prompt 1. Draws 3, kept 2:
     # repeat_frac = 1 - 2/3 = 1/3.
     s = PrioritySampler(2, alpha=1.0, eps=0.0, seed=0)
-    s.update(torch.arange(2), rows(1.0, 1e-3))
+    s.set_priorities(torch.arange(2), rows(1.0, 1e-3))
     indices, _ = s.sample(2)
     assert sorted(indices.tolist()) == [0, 1]
     assert s.batch_stats()["repeat_frac"] == pytest.approx(1 / 3)
@@ -187,8 +187,8 @@ def test_sampling_with_mass_on_few_prompts_is_bounded_and_restores_the_tree():
     # against ~1). Every round keeps at least one new prompt, so at most B rounds of draws happen:
     # the raw draws are at most B + B(B-1)/2 = 5050 (each round draws what is still missing).
     s = PrioritySampler(100, alpha=0.6, seed=3)
-    s.update(torch.arange(50), torch.zeros(50, 4))          # floor: (0 + 1e-6) ** 0.6
-    s.update(torch.arange(50, 100), torch.ones(50, 4))      # 1.0
+    s.set_priorities(torch.arange(50), torch.zeros(50, 4))          # floor: (0 + 1e-6) ** 0.6
+    s.set_priorities(torch.arange(50, 100), torch.ones(50, 4))      # 1.0
     before = s.tree.clone()
     indices, weights = s.sample(100)
     assert sorted(indices.tolist()) == list(range(100))
@@ -201,10 +201,34 @@ def test_update_of_another_batch_than_the_last_sample_is_an_error():
     # The last sample drew 2 prompts; an update of 3 would hand out weights of other prompts (or,
     # silently, all ones). Before any sample, update returns ones (priorities set directly).
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
-    assert s.update(torch.arange(3), rows(1, 2, 3)).tolist() == [[1.0] * 4] * 3
+    assert s.set_priorities(torch.arange(3), rows(1, 2, 3)).tolist() == [[1.0] * 4] * 3
     idx, w = s.sample(2)
     before = s.priorities()
     with pytest.raises(ValueError, match=r"3 prompts scored, but the last sample drew 2"):
-        s.update(torch.arange(3), rows(4, 4, 4))
+        s.set_priorities(torch.arange(3), rows(4, 4, 4))
     torch.testing.assert_close(s.priorities(), before)                                  # nothing changed
-    torch.testing.assert_close(s.update(idx, rows(1, 2)), w[:, None].expand(2, 4))     # the drawn batch: its weights
+    torch.testing.assert_close(s.set_priorities(idx, rows(1, 2)), w[:, None].expand(2, 4))     # the drawn batch: its weights
+
+
+def test_update_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worked():
+    # rewards [1, 0]: μ = .5, s = .70711; GRPO |A| = .5 / (.70711 + 1e-4) = .70700 for both completions,
+    # p = (.70700 + 1e-6)^.6 = exp(.6 ln .70700) = .81218. Dr. GRPO (no std scaling): |A| = .5,
+    # p = (.5 + 1e-6)^.6 = exp(.6 ln .5) = .65975. The posterior reads the accuracy [1, 0] instead:
+    # a = 1 + 1, b = 1 + 1, p̂ = .5, p = (.25 + 1e-6)^.6 = .43528.
+    for scale, expected in ((True, 0.81218), (False, 0.65975)):
+        s = PrioritySampler(2, alpha=0.6, beta=0.4, eps=1e-6, scale_rewards=scale, adv_eps=1e-4)
+        weights = s.update(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
+        assert float(s.priorities()[0]) == pytest.approx(expected, rel=1e-4)
+        assert weights.tolist() == [[1.0, 1.0]]                          # nothing drawn yet: ones
+    s = PrioritySampler(2, alpha=0.6, eps=1e-6, priority="posterior")
+    s.update(torch.tensor([0]), torch.tensor([[5.0, 5.0]]), torch.tensor([[1.0, 0.0]]))
+    assert float(s.priorities()[0]) == pytest.approx(0.43528, rel=1e-4)
+
+
+def test_uniform_sampling_weighs_every_completion_one():
+    from pspo.sampler import UniformSampler
+    s = UniformSampler(5, seed=0)
+    idx, w = s.sample(2)
+    assert w.tolist() == [1.0, 1.0]
+    rewards = torch.tensor([[1.0, 0.0, 3.0], [2.0, 2.0, 2.0]])
+    assert s.update(idx, rewards, torch.zeros(2, 3)).tolist() == [[1.0] * 3] * 2

@@ -64,15 +64,21 @@ def test_weights_and_priorities_hand_worked():
     # priorities after: [3, 1] (+1e-6): the last completion's value stays (row 0's 1 was overwritten)
     s = ReferenceSampler(2, alpha=1.0, beta=0.5)
     assert s.priorities().tolist() == [1.0, 1.0]
-    w = s.update(torch.tensor([0, 1]), torch.tensor([[1.0, 3.0], [0.0, 1.0]]))
+    w = s.set_priorities(torch.tensor([0, 1]), torch.tensor([[1.0, 3.0], [0.0, 1.0]]))
     assert w.shape == (2, 2) and w.dtype == torch.float32
     torch.testing.assert_close(w, torch.tensor([[.99999975, .8164965], [1215.6617, 1.4142132]]), rtol=1e-6, atol=0)
     torch.testing.assert_close(s.priorities(), torch.tensor([3.000001, 1.000001], dtype=torch.float64))
     torch.testing.assert_close(s.probabilities(), torch.tensor([.75, .25], dtype=torch.float64), rtol=1e-6, atol=0)
     # α = .6 shapes the written value: (0 + 1e-6)^.6 = 2.5119e-4
     t = ReferenceSampler(2, alpha=0.6, beta=0.4)
-    t.update(torch.tensor([1]), torch.zeros(1, 3))
+    t.set_priorities(torch.tensor([1]), torch.zeros(1, 3))
     assert t.priorities()[1].item() == pytest.approx(1e-6 ** 0.6, rel=1e-12)
+    # from the scores: rewards [1, 0] give the raw GRPO |A| = .5 / (.70711 + 1e-4) = .70700 per completion,
+    # so the last write is (.70700 + 1e-6)^.6 = .81218; Dr. GRPO's |A| = .5 gives .5^.6 = .65975
+    for scale, expected in ((True, 0.81218), (False, 0.65975)):
+        r = ReferenceSampler(2, alpha=0.6, beta=0.4, scale_rewards=scale, adv_eps=1e-4)
+        r.update(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
+        assert r.priorities()[0].item() == pytest.approx(expected, rel=1e-4)
 
 
 def test_update_matches_an_independent_reimplementation_of_the_released_code():
@@ -91,7 +97,7 @@ def test_update_matches_an_independent_reimplementation_of_the_released_code():
         adv = torch.rand(B, G, generator=g, dtype=torch.float64) * 2
         adv[torch.rand(B, G, generator=g) < 0.25] = 0.0
         adv[2] = 0.0                                                        # one all-zero group too
-        w = ours.update(torch.tensor(batch), adv)
+        w = ours.set_priorities(torch.tensor(batch), adv)
         expected = ref.step([problems[i] for i in batch for _ in range(G)], adv.reshape(-1).tolist())
         assert w.shape == (B, G)
         torch.testing.assert_close(w, torch.tensor(expected, dtype=torch.float32).view(B, G), rtol=2e-6, atol=0)
@@ -130,7 +136,7 @@ def test_priority_updates_change_only_the_next_epoch():
     # (P(all 5 draws = 4) = (1/(1 + 4e-6))^5 > .9999).
     a, b = ReferenceSampler(5, alpha=1.0, seed=0), ReferenceSampler(5, alpha=1.0, seed=0)
     assert torch.equal(a.sample(2)[0], b.sample(2)[0])
-    a.update(torch.arange(5), torch.tensor([[0.0, 0.0]] * 4 + [[1.0, 1.0]]))
+    a.set_priorities(torch.arange(5), torch.tensor([[0.0, 0.0]] * 4 + [[1.0, 1.0]]))
     a2, b2 = a.sample(2)[0], b.sample(2)[0]
     assert torch.equal(a2, b2) and b2.tolist() != [4, 4]          # the frozen order, not the new priorities
     a3, b3 = a.sample(2)[0], b.sample(2)[0]
@@ -143,7 +149,7 @@ def test_epoch_draws_follow_the_priorities_with_replacement_chi_square():
     # draws with replacement, P = k/10. 5,000 epochs = 20,000 draws; chi-square 3 dof < 16.27.
     # With replacement, a batch holds a repeated row with probability 1 - 4!·Πp = 1 - 24·.0024 = .9424.
     s = ReferenceSampler(4, alpha=1.0, seed=0)
-    s.update(torch.arange(4), torch.tensor([[1.0], [2.0], [3.0], [4.0]]) - 1e-6)
+    s.set_priorities(torch.arange(4), torch.tensor([[1.0], [2.0], [3.0], [4.0]]) - 1e-6)
     torch.testing.assert_close(s.probabilities(), torch.tensor([.1, .2, .3, .4], dtype=torch.float64))
     n = 5_000
     counts, repeats = torch.zeros(4), 0
@@ -170,7 +176,7 @@ def test_state_round_trip_mid_epoch(tmp_path):
     # loaded serves the same rest of the epoch, the same next epochs (RNG), the same weights.
     s = ReferenceSampler(5, seed=3)
     i, _ = s.sample(2)
-    s.update(i, torch.tensor([[0.5, 0.0], [1.5, 2.0]]))
+    s.set_priorities(i, torch.tensor([[0.5, 0.0], [1.5, 2.0]]))
     torch.save(s.state_dict(), tmp_path / "ref.pt")
     t = ReferenceSampler(5, seed=99)
     t.load_state_dict(torch.load(tmp_path / "ref.pt", weights_only=True))
@@ -180,6 +186,6 @@ def test_state_round_trip_mid_epoch(tmp_path):
         (i1, _), (i2, _) = s.sample(2), t.sample(2)
         assert torch.equal(i1, i2) and s.batch_stats() == t.batch_stats()
         adv = torch.rand(2, 2, generator=g)
-        assert torch.equal(s.update(i1, adv), t.update(i2, adv))
+        assert torch.equal(s.set_priorities(i1, adv), t.set_priorities(i2, adv))
         assert torch.equal(s.priorities(), t.priorities())
     assert s.epoch == 2
