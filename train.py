@@ -5,7 +5,7 @@
     python train.py --config X --plan [--gpus=8] [--gpu_gib=80]    # per-GPU memory plan, no GPU needed
 
 Each step (docs/methods.md): sample B prompts (uniform epochs, or PPS §3) -> G completions each ->
-rewards (§5) -> PPS priorities and importance weights -> the advantage method's token advantages
+rewards (§5) -> the PPS update (priorities, importance weights) -> the advantage method's token advantages
 (methods.py: GRPO / Dr. GRPO §1, ERS §2, REINFORCE++ and SPO in docs/related.md), with π_old / π_ref
 scored and the IS weights applied around it -> num_iterations x (micro-batched clipped-surrogate loss
 with gradient accumulation, grad-norm clip, AdamW step) -> engine sync -> log -> periodic eval ->
@@ -79,8 +79,8 @@ def main(argv: list[str]) -> None:
         with clock("reward_s"):
             scored = run.score(rows, rollout.texts)                             # this rank's, (N,) each
             rewards, accuracy = gather_scores(scored, G)                        # (B, G) each, every rank's
-        with clock("bookkeeping_s"):                        # PPS update: priorities from |A|, IS weights
-            is_weights = run.sampler.update(indices, rewards, accuracy)             # (B, G)
+        with clock("bookkeeping_s"):
+            is_weights = run.sampler.update(indices, rewards, accuracy)         # PPS: priorities; (B, G) w
         with clock("advantages_s"):
             step = StepRollouts(step=run.step, indices=indices, rows=rows, seeds=seeds, rollout=rollout,
                                 scored=scored, rewards=rewards, is_weights=is_weights,
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
             if not method.generates:
                 run.engine.release()                                            # nothing more to generate
             step.old_logp, step.ref_logp = score_first(method, step, run.context)   # what its advantages read
-            adv = method.advantages(step, run.context)                          # (N, T) token A, loss mask M
+            adv = method.advantages(step, run.context)                  # (N, T) token A, loss mask M; ERS
             if method.generates:
                 run.engine.release()                                            # SPO: after its continuations
             batch, engine_gap = update_batch(adv, step, run.context)            # π_old, π_ref; A·w_PPS·w_TIS
