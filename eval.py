@@ -85,13 +85,14 @@ def evaluate_model(cfg, flags: dict, path: str, dist_) -> dict:
     if flags.get("--benchmarks"):
         for spec in flags["--benchmarks"].split(","):
             name, source, examples = load_benchmark(spec, d.max_eval_examples or None)
-            suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, d.system_prompt,
-                                      d.max_prompt_tokens, d.bad_gold)
+            suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, system_prompt=d.system_prompt,
+                                      max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
     elif d.eval:
-        examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
-                                 d.max_eval_examples or None)
+        examples = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field,
+                                 answer_field=d.answer_field, max_examples=d.max_eval_examples or None)
         suites[f"{d.eval}:{d.eval_split}"] = prompt_set(f"data.eval {d.eval}", examples, tokenizer,
-                                                        d.system_prompt, d.max_prompt_tokens, d.bad_gold)
+                                                        system_prompt=d.system_prompt,
+                                                        max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
     else:
         raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
     policy = None

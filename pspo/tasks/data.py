@@ -75,7 +75,7 @@ def warmup_examples(num_examples: int = 500, seed: int = 1234) -> list[Example]:
     return [_arithmetic_example(a, b) for a, b in pairs[num_examples:len(pairs) - num_examples]]
 
 
-def load_examples(name: str, split: str = "train", problem_field: str = "problem",
+def load_examples(name: str, *, split: str = "train", problem_field: str = "problem",
                   answer_field: str = "answer", max_examples: int | None = None,
                   config: str | None = None, people: tuple[int, ...] = ()) -> list[Example]:
     """`builtin:arithmetic` | `builtin:knights` | a local .jsonl/.json/.parquet file | a hub dataset
@@ -201,7 +201,7 @@ class PromptSet:
     skipped: int = 0               # rows left out: no usable problem or gold answer + prompts too long
 
 
-def prompt_set(label: str, examples: list[Example], tokenizer, system_prompt: str, max_prompt_tokens: int,
+def prompt_set(label: str, examples: list[Example], tokenizer, *, system_prompt: str, max_prompt_tokens: int,
                bad_gold: str = "skip") -> PromptSet:
     """The usable rows of `examples` with their prompts, tokenized once (module docstring).
 

@@ -69,15 +69,16 @@ def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
     """The train and eval prompts, formatted and tokenized; rows without a usable gold and prompts
     over data.max_prompt_tokens are left out and reported."""
     d = cfg.data
-    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
-                         d.max_train_examples or None, people=d.people)
-    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                       d.bad_gold)
+    rows = load_examples(d.train, split=d.train_split, problem_field=d.problem_field, answer_field=d.answer_field,
+                         max_examples=d.max_train_examples or None, people=d.people)
+    train = prompt_set(f"data.train {d.train}", rows, tokenizer, system_prompt=d.system_prompt,
+                       max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
     if not d.eval:
         return train, PromptSet([], [], [])
-    rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                             d.bad_gold)
+    rows = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field, answer_field=d.answer_field,
+                         max_examples=d.max_eval_examples or None)
+    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, system_prompt=d.system_prompt,
+                             max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
 
 
 def reward_scorer(cfg: Config, train: PromptSet, pool: RewardPool, prm) -> Score:
@@ -103,7 +104,7 @@ def gather_scores(scored: RewardResult, G: int) -> tuple[torch.Tensor, torch.Ten
     return rewards, accuracy
 
 
-def resume(path: str, cfg: Config, dist_: Dist, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def resume(path: str, *, cfg: Config, dist_: Dist, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
            scheduler, sampler, method_state, sampler_mode: str) -> tuple[int, float]:
     """Load a checkpoint's optimizer, schedule, sampler and method state (methods.MethodState) into
     the run's; returns (step, generated_tokens). Refused (CheckpointError, ConfigError) for a file it
