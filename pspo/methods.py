@@ -256,12 +256,13 @@ def update_batch(adv: Advantages, s: StepRollouts, ctx: Context) -> tuple[Update
     old_logp = s.old_logp if s.old_logp is not None else old_logp
     ref_logp = s.ref_logp if s.ref_logp is not None else ref_logp
     pps = s.is_weights[ctx.mine].reshape(-1, 1)                                    # (N, 1) w_PPS
-    advantages, metrics = weigh(adv.advantages, pps, old_logp, s.rollout.logprobs, rows.mask, r)
+    advantages, metrics = weigh(adv.advantages, pps_weights=pps, old_logp=old_logp, engine_logp=s.rollout.logprobs,
+                                mask=rows.mask, r=r)
     return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, advantages,
                        old_logp if keep_old else None, ref_logp), metrics
 
 
-def weigh(advantages: Tensor, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
+def weigh(advantages: Tensor, *, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
           r: RolloutConfig) -> tuple[Tensor, dict[str, float]]:
     """The one place a method's token advantages A (N, T) are weighted: A · w_PPS (the sampler's weight of
     the completion, (N, 1), docs/methods.md §3) · w_TIS (rollout.is_correction, §7: min(π_old/π_engine,
@@ -288,9 +289,9 @@ def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> Advanta
     a = ctx.cfg.algo
     mask = s.inputs.mask                                                           # (N, T)
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    advantages = reinforce_pp_advantages(rewards.to(mask.device), mask, s.old_logp, s.ref_logp, a.kl_coef,
-                                         a.clip_score, group_size, a.whiten,
-                                         reduce_sum=distributed.all_reduce_sum)   # (N, T)
+    advantages = reinforce_pp_advantages(rewards.to(mask.device), mask, old_logp=s.old_logp, ref_logp=s.ref_logp,
+                                         kl_coef=a.kl_coef, clip_score=a.clip_score, group_size=group_size,
+                                         variance=a.whiten, reduce_sum=distributed.all_reduce_sum)   # (N, T)
     stats = MethodStats(_rollout_sums(s, ctx), _token_adv_sums(advantages, mask))
     return Advantages(advantages, mask, stats)
 
