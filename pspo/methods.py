@@ -183,9 +183,10 @@ def spo_chain(s: StepRollouts, ctx: Context) -> Advantages:
     device = ctx.dist.device
     prompts = [ctx.train_ids[i] for i in s.rows]
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, s.old_logp, prompts,
-                                                        s.rows, ctx.score, ctx.cfg, s.step, device,
-                                                        ctx.lockstep)
+    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards=rewards, old_logp=s.old_logp,
+                                                        prompt_ids=prompts, examples=s.rows, score=ctx.score,
+                                                        cfg=ctx.cfg, step=s.step, device=device,
+                                                        lockstep=ctx.lockstep)
     advantages, loss_mask = advantages.to(device), loss_mask.to(device)           # (N, T) A, M
     stats = MethodStats(_rollout_sums(s, ctx), _token_adv_sums(advantages, loss_mask), counts)
     return Advantages(advantages, loss_mask, stats)
@@ -197,8 +198,8 @@ def spo_tree(s: StepRollouts, ctx: Context) -> Advantages:
     the edges drawn from the replay buffer are trained (their π_old from when they were generated).
     The statistics of the step's completions are those of its trees' leaves."""
     local = s.indices[ctx.mine].tolist()
-    grown = ctx.state.tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step,
-                                ctx.score)
+    grown = ctx.state.tree.step(ctx.engine, ctx.policy, examples=local, rollout=s.rollout, seeds=s.seeds,
+                                scored=s.scored, step=s.step, score=ctx.score)
     stats = MethodStats(grown.leaves, _token_adv_sums(grown.advantages, grown.loss_mask), grown.counts)
     return Advantages(grown.advantages, grown.loss_mask, stats, rows=grown.rows, old_logp=grown.old_logp)
 
