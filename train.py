@@ -171,8 +171,8 @@ class Run:
         if not self.separate_engine:
             return {}
         check_ids = [self.train.ids[i] for i in local[:4]]
-        return sync_engine(self.engine.engine, self.policy, check_ids, self.step, self.cfg.rollout,
-                           self.cfg.train.seed, self.dist.device)
+        return sync_engine(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
+                           seed=self.cfg.train.seed, device=self.dist.device)
 
     def save(self) -> None:
         state = checkpoint.trainer_state(self.step, scheduler=self.scheduler, sampler=self.sampler,

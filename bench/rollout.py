@@ -74,7 +74,7 @@ def build(name: str, path: str, tokenizer, policy, args, max_len: int, device: s
         return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, max_len=max_len,
                         compile=compile_enabled(args.compile, torch.device(device)))
     from pspo.engines.vllm_engine import VLLMEngine
-    return VLLMEngine(path, tokenizer, max_len, seed=0, bf16=args.bf16)
+    return VLLMEngine(path, tokenizer, max_model_len=max_len, seed=0, bf16=args.bf16)
 
 
 def timed(engine, prompts, n: int, max_new_tokens: int, step: int):
