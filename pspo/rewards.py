@@ -205,7 +205,7 @@ class StepReward(Protocol):
     def __call__(self, completions: list[str]) -> list[float]: ...
 
 
-def score_completions(prompts: list[str], completions: list[str], golds: list[str],
+def score_completions(prompts: list[str], completions: list[str], golds: list[str], *,
                       weights: dict[str, float], timeout_s: float = 5.0,
                       pool: RewardPool | None = None, prm: StepReward | None = None) -> RewardResult:
     """Score N completions with every function named in `weights`, in `pool`'s worker processes if

@@ -92,7 +92,8 @@ def reward_scorer(cfg: Config, train: PromptSet, pool: RewardPool, prm) -> Score
 
     def score(rows: list[int], texts: list[str]) -> RewardResult:
         prompts, golds = [train.texts[i] for i in rows], [train.examples[i].answer for i in rows]
-        return score_completions(prompts, texts, golds, weights, cfg.reward.timeout_s, pool, prm)
+        return score_completions(prompts, texts, golds, weights=weights, timeout_s=cfg.reward.timeout_s, pool=pool,
+                                 prm=prm)
     return score
 
 

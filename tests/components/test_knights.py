@@ -299,7 +299,8 @@ def test_accuracy_and_format_are_the_kk_exact_match_and_tag_check_on_kk_golds():
     with pytest.raises(GoldAnswerError, match="is not a knights-and-knaves solution"):
         knights_reward("", ok, "82")
     assert REWARD_FUNCTIONS["knights"] is knights_reward
-    scored = score_completions(["", ""], [ok, wrong], [GOLD, GOLD], {"accuracy": 0.0, "format": 0.0, "knights": 1.0})
+    scored = score_completions(["", ""], [ok, wrong], [GOLD, GOLD],
+                               weights={"accuracy": 0.0, "format": 0.0, "knights": 1.0})
     assert scored.rewards.tolist() == [3.0, -1.0] and scored.components["accuracy"].tolist() == [1.0, 0.0]
     assert sum(scored.failures.values()) == 0
 

@@ -190,12 +190,12 @@ def test_score_completions_sums_the_process_reward():
     # R + 0.5·prm: completion 0 correct (1 + 0.5·2.0 = 2.0), completion 1 wrong (0 + 0.5·4.0 = 2.0)
     prompts, golds = ["q", "q"], ["2", "2"]
     completions = ["\\boxed{2}", "\\boxed{3}"]
-    result = score_completions(prompts, completions, golds, {"accuracy": 1.0, "prm": 0.5},
+    result = score_completions(prompts, completions, golds, weights={"accuracy": 1.0, "prm": 0.5},
                                prm=lambda texts: [2.0, 4.0])
     assert result.components["prm"].tolist() == [2.0, 4.0]
     assert result.rewards.tolist() == [2.0, 2.0] and "prm" not in result.failures
     with pytest.raises(ValueError, match="needs a process reward model"):
-        score_completions(prompts, completions, golds, {"prm": 1.0})
+        score_completions(prompts, completions, golds, weights={"prm": 1.0})
 
 
 # ---- the memory plan ----
