@@ -96,10 +96,10 @@ def main(argv: list[str]) -> None:
     mask = attention[:, -width:].float()
     policy.bf16 = args.bf16
     with torch.no_grad():
-        packed_logp = score_logprobs(policy, ids, attention, width, 1.0,
-                                     plan_micro_batches(attention, mask, 64, 10 ** 9, packing=True)).float()
-        unpacked_logp = score_logprobs(policy, ids, attention, width, 1.0,
-                                       plan_micro_batches(attention, mask, 64, 0)).float()
+        packed_logp = score_logprobs(policy, ids, attention, T=width, temperature=1.0,
+                                     plan=plan_micro_batches(attention, mask, 64, 10 ** 9, packing=True)).float()
+        unpacked_logp = score_logprobs(policy, ids, attention, T=width, temperature=1.0,
+                                       plan=plan_micro_batches(attention, mask, 64, 0)).float()
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())

@@ -232,7 +232,7 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
 def score_first(method: Method, s: StepRollouts, ctx: Context) -> tuple[Tensor | None, Tensor | None]:
     """(π_old, π_ref) log-probs (N, T) of the step's completions that the method's advantages read,
     each None where it does not. Collective when it scores."""
-    return score_policy(ctx.policy, ctx.ref, s.inputs, ctx.cfg, need_old=method.reads_old,
+    return score_policy(ctx.policy, ctx.ref, s.inputs, cfg=ctx.cfg, need_old=method.reads_old,
                         need_ref=method.reads_ref)
 
 
@@ -246,13 +246,13 @@ def update_batch(adv: Advantages, s: StepRollouts, ctx: Context) -> tuple[Update
     need_ref = cfg.algo.needs_reference
     if adv.rows is not None:                      # SPO-tree's edges: their own π_old, no IS weight
         rows = adv.rows
-        _, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg, need_old=False, need_ref=need_ref)
+        _, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg=cfg, need_old=False, need_ref=need_ref)
         return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, adv.advantages,
                            adv.old_logp, ref_logp), {}
     rows, r = s.inputs, cfg.rollout
     keep_old = s.old_logp is not None or cfg.algo.num_iterations > 1
     score_old = s.old_logp is None and (keep_old or r.is_correction != "none")
-    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg, need_old=score_old,
+    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg=cfg, need_old=score_old,
                                       need_ref=need_ref and s.ref_logp is None)
     old_logp = s.old_logp if s.old_logp is not None else old_logp
     ref_logp = s.ref_logp if s.ref_logp is not None else ref_logp

@@ -64,8 +64,8 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
             finite_loss = torch.ones((), dtype=torch.bool, device=dist_.device)
             totals: dict[str, Tensor] = {}
             for micro in plan:
-                logp, entropy = forward_logprobs(policy, micro, input_ids, attention_mask, T,
-                                                 temperature)             # (n, w)
+                logp, entropy = forward_logprobs(policy, micro, input_ids=input_ids, attention_mask=attention_mask,
+                                                 T=T, temperature=temperature)   # (n, w)
                 rows, cols = micro.rows, slice(0, micro.width)
                 m = lm[rows, cols] * (0.0 if micro.spare else 1.0)       # (n, w); a spare one: zero loss
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows, cols]

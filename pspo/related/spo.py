@@ -74,7 +74,7 @@ def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Te
     """The trainer's log π_old (logits / T) of completions (N, T) after `prompts`, on the CPU.
     A forward pass, micro-batched as the update's: every rank must call it together."""
     rows = token_rows(prompts, completion_ids, mask, pad_id, device)
-    old, _ = score_policy(policy, None, rows, cfg, need_old=True, need_ref=False)
+    old, _ = score_policy(policy, None, rows, cfg=cfg, need_old=True, need_ref=False)
     return old.cpu()
 
 

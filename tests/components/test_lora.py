@@ -32,7 +32,7 @@ def lora_policy(path, rank=4, bf16=False, checkpointing=False, targets="all-line
 
 
 def logprobs(model, ids, attention, mask):
-    return score_logprobs(model, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 64, 0))
+    return score_logprobs(model, ids, attention, T=T, temperature=1.0, plan=plan_micro_batches(attention, mask, 64, 0))
 
 
 def test_only_the_adapters_train(tiny_model_path):

@@ -67,8 +67,9 @@ def test_packed_plan_sizes_and_no_padding():
 @pytest.mark.parametrize("budget", [21, 30, 45, 1000])
 def test_packed_log_probs_equal_unpacked(policy, budget):
     ids, attention, mask = rows(policy.lm.config.vocab_size)
-    alone = score_logprobs(policy, ids, attention, T, 0.7, plan_micro_batches(attention, mask, 1, 0))
-    packed = score_logprobs(policy, ids, attention, T, 0.7, plan_micro_batches(attention, mask, 64, budget, True))
+    alone = score_logprobs(policy, ids, attention, T=T, temperature=0.7, plan=plan_micro_batches(attention, mask, 1, 0))
+    packed = score_logprobs(policy, ids, attention, T=T, temperature=0.7,
+                            plan=plan_micro_batches(attention, mask, 64, budget, True))
     assert float(((packed - alone).abs() * mask).max()) < 1e-5                # float32 on CPU
     assert float((packed * (1 - mask)).abs().max()) == 0.0                    # 0 past each completion
 
@@ -93,8 +94,9 @@ def test_packed_gradients_equal_unpacked(policy):
 def test_packed_bf16_autocast_stays_within_bf16_rounding(tiny_model_path):
     bf16 = build_policy(tiny_model_path, False, 64, True, False)
     ids, attention, mask = rows(bf16.lm.config.vocab_size)
-    alone = score_logprobs(bf16, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 1, 0))
-    packed = score_logprobs(bf16, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 64, 45, True))
+    alone = score_logprobs(bf16, ids, attention, T=T, temperature=1.0, plan=plan_micro_batches(attention, mask, 1, 0))
+    packed = score_logprobs(bf16, ids, attention, T=T, temperature=1.0,
+                            plan=plan_micro_batches(attention, mask, 64, 45, True))
     assert float(((packed - alone).abs() * mask).max()) < 0.05                # bf16's rounding, not a bug
 
 

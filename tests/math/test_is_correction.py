@@ -79,7 +79,7 @@ def _step(mode, monkeypatch, pps=(1.0, 0.5), old_read_first=False):
     cfg = load_config(None, [f"--rollout.is_correction={mode}", "--rollout.is_cap=2.0", "--algo.beta=0"])
     asked = []
 
-    def score_policy(policy, ref, rows, cfg, need_old, need_ref):
+    def score_policy(policy, ref, rows, *, cfg, need_old, need_ref):
         asked.append((need_old, need_ref))
         return (OLD.clone() if need_old else None), None
     monkeypatch.setattr(methods, "score_policy", score_policy)
