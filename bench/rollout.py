@@ -98,8 +98,8 @@ def check_compiled_sampler(rows: int, vocab: int) -> str:
     same, worst = 0, 0.0
     for t in range(8):
         position = torch.tensor(t, device="cuda")
-        a, la = compiled(logits, seeds, position, 1.0, 1.0, columns)
-        b, lb = draw(logits, seeds, position, 1.0, 1.0)
+        a, la = compiled(logits, seeds, position, temperature=1.0, top_p=1.0, columns=columns)
+        b, lb = draw(logits, seeds, position, temperature=1.0, top_p=1.0)
         same += int((a == b).sum())
         worst = max(worst, float((la - lb).abs().max()))
     return f"compiled sampler vs eager, {rows} rows x {vocab}, 8 positions: {same}/{8 * rows} draws equal, " \

@@ -177,7 +177,7 @@ def test_a_compile_failure_falls_back_to_the_eager_sampler_once(tiny, capsys):
     engine = HFEngine(policy, tokenizer, batch_size=64)
     calls = []
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         calls.append(1)
         raise _CompilerBug("CompilationError: Scalar -4658895280553007687 is out of range for type int32")
     engine.decoder.sample = broken
@@ -186,7 +186,7 @@ def test_a_compile_failure_falls_back_to_the_eager_sampler_once(tiny, capsys):
     err = capsys.readouterr().err
     assert calls == [1] and err.count("warning: torch.compile failed for the decoding sample") == 1
     assert "out of range for type int32); it runs eagerly" in err
-    engine.decoder.sample = lambda *args: (_ for _ in ()).throw(ValueError("a real bug"))
+    engine.decoder.sample = lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("a real bug"))
     with pytest.raises(ValueError, match="a real bug"):                        # not a compiler error: raised
         engine.generate(ids, 2, 1.0, 1.0, 12, seeds)
 
