@@ -85,23 +85,24 @@ def evaluate_model(cfg, flags: dict, path: str, dist_) -> dict:
     if flags.get("--benchmarks"):
         for spec in flags["--benchmarks"].split(","):
             name, source, examples = load_benchmark(spec, d.max_eval_examples or None)
-            suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, d.system_prompt,
-                                      d.max_prompt_tokens, d.bad_gold)
+            suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, system_prompt=d.system_prompt,
+                                      max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
     elif d.eval:
-        examples = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field,
-                                 d.max_eval_examples or None)
+        examples = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field,
+                                 answer_field=d.answer_field, max_examples=d.max_eval_examples or None)
         suites[f"{d.eval}:{d.eval_split}"] = prompt_set(f"data.eval {d.eval}", examples, tokenizer,
-                                                        d.system_prompt, d.max_prompt_tokens, d.bad_gold)
+                                                        system_prompt=d.system_prompt,
+                                                        max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
     else:
         raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
     policy = None
     if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
-        policy = build_policy(path, m.trust_remote_code, m.logprob_chunk_tokens, m.bf16, False,
-                              trainable=False)
+        policy = build_policy(path, trust_remote_code=m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,
+                              bf16=m.bf16, trainable=False)
         policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     longest = max(len(p) for suite in suites.values() for p in suite.ids)
-    engine = build_engine(cfg.rollout, policy, path, tokenizer, longest, cfg.train.seed, dist_.world_size,
-                          m.bf16)
+    engine = build_engine(cfg.rollout, policy, path, tokenizer, max_prompt_len=longest, seed=cfg.train.seed,
+                          world_size=dist_.world_size, bf16=m.bf16)
     results = {}
     for name, suite in suites.items():
         results[name] = {"n": len(suite.examples), "skipped": suite.skipped, **evaluate(

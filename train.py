@@ -170,14 +170,16 @@ class Run:
         if not self.separate_engine:
             return {}
         check_ids = [self.train.ids[i] for i in local[:4]]
-        return sync_engine(self.engine.engine, self.policy, check_ids, self.step, self.cfg.rollout,
-                           self.cfg.train.seed, self.dist.device)
+        return sync_engine(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
+                           seed=self.cfg.train.seed, device=self.dist.device)
 
     def save(self) -> None:
-        state = checkpoint.trainer_state(self.step, self.scheduler, self.sampler, self.method.state,
-                                         self.generated_tokens, self.cfg, sampler_mode(self.cfg))
-        path = checkpoint.save_checkpoint(self.cfg.train.output_dir, self.step, self.policy, self.tokenizer,
-                                          self.optimizer, state, self.dist, self.cfg.train.keep_checkpoints)
+        state = checkpoint.trainer_state(self.step, scheduler=self.scheduler, sampler=self.sampler,
+                                         method_state=self.method.state, generated_tokens=self.generated_tokens,
+                                         cfg=self.cfg, sampler_mode=sampler_mode(self.cfg))
+        path = checkpoint.save_checkpoint(self.cfg.train.output_dir, self.step, policy=self.policy,
+                                          tokenizer=self.tokenizer, optimizer=self.optimizer, trainer_state=state,
+                                          dist_=self.dist, keep=self.cfg.train.keep_checkpoints)
         print0(f"saved {path}")
 
     def end_step(self, clock: StepClock, *, advantages: Advantages, update: UpdateSums,
@@ -256,8 +258,9 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     optimizer, scheduler = build_optimizer(policy, cfg)
     step, generated_tokens = 0, 0.0
     if resume_from:
-        step, generated_tokens = resume(resume_from, cfg, dist_, policy, optimizer, scheduler, sampler,
-                                             method.state, sampler_mode(cfg))
+        step, generated_tokens = resume(resume_from, cfg=cfg, dist_=dist_, policy=policy, optimizer=optimizer,
+                                        scheduler=scheduler, sampler=sampler, method_state=method.state,
+                                        sampler_mode=sampler_mode(cfg))
     weights = base_path if m.lora.rank or not resume_from else resume_from        # LoRA: the base + adapter
     generation = build_engine(r, policy, weights, tokenizer,
                               max_prompt_len=max(len(p) for p in train.ids + evals.ids), seed=cfg.train.seed,

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = args.model or ensure_tiny_model()
-    policy = build_policy(path, False, 2048, args.bf16, False).to(device)
+    policy = build_policy(path, chunk_tokens=2048, bf16=args.bf16).to(device)
     ids, attention, width = (t.to(device) if isinstance(t, torch.Tensor) else t
                              for t in batch(args.rows, args.max_len, policy.lm.config.vocab_size))
     kernel = default_kernel(policy, ids, attention, width, args.bf16)
@@ -96,10 +96,10 @@ def main(argv: list[str]) -> None:
     mask = attention[:, -width:].float()
     policy.bf16 = args.bf16
     with torch.no_grad():
-        packed_logp = score_logprobs(policy, ids, attention, width, 1.0,
-                                     plan_micro_batches(attention, mask, 64, 10 ** 9, packing=True)).float()
-        unpacked_logp = score_logprobs(policy, ids, attention, width, 1.0,
-                                       plan_micro_batches(attention, mask, 64, 0)).float()
+        packed_logp = score_logprobs(policy, ids, attention, T=width, temperature=1.0,
+                                     plan=plan_micro_batches(attention, mask, 64, 10 ** 9, packing=True)).float()
+        unpacked_logp = score_logprobs(policy, ids, attention, T=width, temperature=1.0,
+                                       plan=plan_micro_batches(attention, mask, 64, 0)).float()
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())

@@ -188,7 +188,7 @@ def plan_case(case: PlanCase, gpu_gib: float) -> tuple[float, bool, str]:
         cut = arch.layers - case.layers
         arch = dataclasses.replace(arch, layers=case.layers, params=arch.params - cut * arch.layer_params)
     engine = "vllm" if cfg.rollout.engine in ("auto", "vllm") else "hf"
-    plan = make_plan(cfg, arch, 1, int(gpu_gib * GiB), engine)
+    plan = make_plan(cfg, arch, gpus=1, gpu_bytes=int(gpu_gib * GiB), engine=engine)
     return plan.peak / GiB, plan.fits, plan.verdict()
 
 

@@ -38,7 +38,7 @@ def measure(path: str, rank: int, repeats: int) -> list[tuple[str, float, float,
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("test")[:4]]
     lora = load_config(None, [f"--model.lora.rank={rank}"]).model.lora
-    policy = build_policy(path, False, 2048, False, False, lora=lora)
+    policy = build_policy(path, chunk_tokens=2048, lora=lora)
     rows = []
     for mode in ("adapter", "merged"):
         engine = VLLMEngine(path, tokenizer, max_model_len=256, seed=0, lora_rank=rank if mode == "adapter" else 0)
@@ -62,7 +62,8 @@ def measure(path: str, rank: int, repeats: int) -> list[tuple[str, float, float,
             start = time.perf_counter()
             engine.generate(prompts[:1], 1, 1.0, 1.0, 4, None)
             firsts.append(time.perf_counter() - start)
-        gap = sync_gap(engine, policy, prompts, 1.0, 12, sequence_seeds(0, 0, torch.arange(4), 1))[0]
+        gap = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=12,
+                       seeds=sequence_seeds(0, 0, torch.arange(4), 1))[0]
         rows.append((mode, statistics.median(syncs), statistics.median(firsts), size, gap))
         del engine
     return rows

@@ -228,7 +228,8 @@ def main(argv: list[str]) -> None:
                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
         Qwen2ForCausalLM(config).save_pretrained(folder)
         name = "random Qwen2 8 x 512"
-    policy = build_policy(folder, False, 2048, args.bf16, args.checkpointing).to(device)
+    policy = build_policy(folder, chunk_tokens=2048, bf16=args.bf16,
+                          gradient_checkpointing=args.checkpointing).to(device)
     vocab = policy.lm.config.vocab_size
     params = sum(p.numel() for p in policy.parameters())
     embed, head = policy.lm.get_input_embeddings().weight, policy.lm.get_output_embeddings().weight

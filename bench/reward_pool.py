@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     for w in sizes:                                      # start, then warm up on a throw-away batch
         t0 = time.perf_counter()
         pools[w] = RewardPool(w)
-        score_completions(*batch(2 * max(w, 1), 4, seed=-1 - w), WEIGHTS, pool=pools[w])
+        score_completions(*batch(2 * max(w, 1), 4, seed=-1 - w), weights=WEIGHTS, pool=pools[w])
         startup[w] = time.perf_counter() - t0
     times: dict[int, list[float]] = {w: [] for w in sizes}
     seed = 0
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> None:
             seed += 1
             prompts, completions, golds = batch(args.prompts, args.group, seed)
             t0 = time.perf_counter()
-            scored = score_completions(prompts, completions, golds, WEIGHTS, pool=pools[w])
+            scored = score_completions(prompts, completions, golds, weights=WEIGHTS, pool=pools[w])
             times[w].append(time.perf_counter() - t0)
             assert sum(scored.failures.values()) == 0, scored.failures
     for pool in pools.values():

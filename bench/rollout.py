@@ -74,7 +74,7 @@ def build(name: str, path: str, tokenizer, policy, args, max_len: int, device: s
         return HFEngine(policy, tokenizer, batch_size=args.prompts * args.n, max_len=max_len,
                         compile=compile_enabled(args.compile, torch.device(device)))
     from pspo.engines.vllm_engine import VLLMEngine
-    return VLLMEngine(path, tokenizer, max_len, seed=0, bf16=args.bf16)
+    return VLLMEngine(path, tokenizer, max_model_len=max_len, seed=0, bf16=args.bf16)
 
 
 def timed(engine, prompts, n: int, max_new_tokens: int, step: int):
@@ -98,8 +98,8 @@ def check_compiled_sampler(rows: int, vocab: int) -> str:
     same, worst = 0, 0.0
     for t in range(8):
         position = torch.tensor(t, device="cuda")
-        a, la = compiled(logits, seeds, position, 1.0, 1.0, columns)
-        b, lb = draw(logits, seeds, position, 1.0, 1.0)
+        a, la = compiled(logits, seeds, position, temperature=1.0, top_p=1.0, columns=columns)
+        b, lb = draw(logits, seeds, position, temperature=1.0, top_p=1.0)
         same += int((a == b).sum())
         worst = max(worst, float((la - lb).abs().max()))
     return f"compiled sampler vs eager, {rows} rows x {vocab}, 8 positions: {same}/{8 * rows} draws equal, " \
@@ -135,7 +135,7 @@ def main(argv: list[str]) -> None:
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("train")[:args.prompts]]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy = build_policy(path, False, 2048, args.bf16, False, trainable=False).to(device)
+    policy = build_policy(path, chunk_tokens=2048, bf16=args.bf16, trainable=False).to(device)
     max_len = max(args.cache_len, max(map(len, prompts)) + max(args.max_new_tokens))
     engines = {name: build(name, path, tokenizer, policy, args, max_len, device) for name in args.engines}
     where = torch.cuda.get_device_name() if device == "cuda" else f"cpu, {torch.get_num_threads()} threads"

@@ -118,7 +118,8 @@ def trl_worker(w: Workload, result_path: str) -> None:
 
     path = ensure_tiny_model()
     tokenizer = load_tokenizer(path)
-    prompts = prompt_set("data.train builtin:arithmetic", builtin_arithmetic("train"), tokenizer, "", 512)
+    prompts = prompt_set("data.train builtin:arithmetic", builtin_arithmetic("train"), tokenizer, system_prompt="",
+                         max_prompt_tokens=512)
     # TRL tokenizes a plain-text prompt with processing_class(text=...): it must give train.py's ids
     assert tokenizer(text=prompts.texts)["input_ids"] == prompts.ids, "TRL would see other prompt token ids"
     dataset = Dataset.from_dict({"prompt": prompts.texts, "answer": [ex.answer for ex in prompts.examples]})

@@ -77,7 +77,7 @@ def check(path: str, args) -> int:
     tokenizer = load_tokenizer(path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("test")[:8]]
-    policy = build_policy(path, False, 2048, args.bf16, False).to(device)
+    policy = build_policy(path, chunk_tokens=2048, bf16=args.bf16).to(device)
     engine = VLLMEngine(path, tokenizer, max_model_len=max(map(len, prompts)) + args.max_new_tokens, seed=0,
                         bf16=args.bf16)
     seeds = sequence_seeds(0, 0, torch.arange(len(prompts)), 1)
@@ -86,7 +86,7 @@ def check(path: str, args) -> int:
     peak = float((rollout.logprobs.exp() * rollout.mask).sum() / rollout.mask.sum())
     figures = {"sharpen": args.sharpen, "mean_sampled_token_prob": peak, "lr": args.lr, "steps": args.steps,
                "tol": args.tol, "bf16": args.bf16, "device": device}
-    figures["synced"] = sync_gap(engine, policy, prompts, 1.0, T, seeds)
+    figures["synced"] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
     # a real policy-gradient step on the engine's own completions: +1 on half of them, -1 on the others
     ids, att = batch_inputs(prompts, rollout.completion_ids, rollout.mask, engine.pad_id)
     ids, att, mask = ids.to(device), att.to(device), rollout.mask.to(device)
@@ -99,9 +99,9 @@ def check(path: str, args) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     policy.eval()
-    figures["stale"] = sync_gap(engine, policy, prompts, 1.0, T, seeds)
+    figures["stale"] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
     figures["sync_s"] = engine.sync_weights(policy)
-    figures["resynced"] = sync_gap(engine, policy, prompts, 1.0, T, seeds)
+    figures["resynced"] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
     caught = figures["stale"][1] > args.tol >= max(figures["synced"][1], figures["resynced"][1])
     figures["check_can_fail"] = caught
     print(f"{path}: logits x {args.sharpen:g}, mean probability of the sampled token {peak:.3f}; "

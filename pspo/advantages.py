@@ -71,7 +71,7 @@ def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum
     return ((x - mean) * torch.rsqrt(var + WHITEN_EPS)).masked_fill(~keep, 0.0).to(values.dtype)
 
 
-def reinforce_pp_returns(rewards: Tensor, mask: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
+def reinforce_pp_returns(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | None, ref_logp: Tensor | None,
                          kl_coef: float, clip_score: float, group_size: int | None = None) -> Tensor:
     """REINFORCE++ returns G_t = Σ_{t'≥t} r_t' (γ = 1), zero past the mask. (N, T)
 
@@ -102,14 +102,15 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, old_logp: Tensor | None,
     return token_rewards.flip(1).cumsum(1).flip(1) * keep                # (N, T) G_t
 
 
-def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None,
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | None, ref_logp: Tensor | None,
                             kl_coef: float, clip_score: float, group_size: int | None = None,
-                            variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:
+                            variance: str = "bessel", reduce_sum: ReduceSum) -> Tensor:
     """REINFORCE++(-baseline) token-level advantages, docs/methods.md §6 / docs/related.md §A. (N, T)
 
     The returns of `reinforce_pp_returns` (same arguments), whitened over every valid token of
     every rank's batch (`whiten`, "bessel" as PaddleNLP or "population" as OpenRLHF): every rank
     must call this together.
     """
-    returns = reinforce_pp_returns(rewards, mask, old_logp, ref_logp, kl_coef, clip_score, group_size)
+    returns = reinforce_pp_returns(rewards, mask, old_logp=old_logp, ref_logp=ref_logp, kl_coef=kl_coef,
+                                   clip_score=clip_score, group_size=group_size)
     return whiten(returns, mask, variance, reduce_sum=reduce_sum)

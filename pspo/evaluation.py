@@ -81,5 +81,5 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
 
 def _accuracy(prompts: list[str], completions: list[str], golds: list[str], timeout_s: float,
               pool: RewardPool | None) -> torch.Tensor:
-    scored = score_completions(prompts, completions, golds, {"accuracy": 1.0}, timeout_s, pool)
+    scored = score_completions(prompts, completions, golds, weights={"accuracy": 1.0}, timeout_s=timeout_s, pool=pool)
     return scored.components["accuracy"]

@@ -67,7 +67,7 @@ def sequence_weights(mask: Tensor, aggregation: str, num_seqs: int, num_tokens: 
     raise ValueError(f"algo.aggregation: expected one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
+def policy_loss(logp: Tensor, *, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor,
                 mask: Tensor, seq_weights: Tensor, beta: float, eps_low: float,
                 eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = Σ_i w_i Σ_t mask_it ℓ_it, ℓ_it = pg_it + β·kl_it (docs/methods.md §1), and stats.

@@ -183,9 +183,10 @@ def spo_chain(s: StepRollouts, ctx: Context) -> Advantages:
     device = ctx.dist.device
     prompts = [ctx.train_ids[i] for i in s.rows]
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards, s.old_logp, prompts,
-                                                        s.rows, ctx.score, ctx.cfg, s.step, device,
-                                                        ctx.lockstep)
+    advantages, loss_mask, counts = chain_advantages_of(ctx.engine, s.rollout, rewards=rewards, old_logp=s.old_logp,
+                                                        prompt_ids=prompts, examples=s.rows, score=ctx.score,
+                                                        cfg=ctx.cfg, step=s.step, device=device,
+                                                        lockstep=ctx.lockstep)
     advantages, loss_mask = advantages.to(device), loss_mask.to(device)           # (N, T) A, M
     stats = MethodStats(_rollout_sums(s, ctx), _token_adv_sums(advantages, loss_mask), counts)
     return Advantages(advantages, loss_mask, stats)
@@ -197,8 +198,8 @@ def spo_tree(s: StepRollouts, ctx: Context) -> Advantages:
     the edges drawn from the replay buffer are trained (their π_old from when they were generated).
     The statistics of the step's completions are those of its trees' leaves."""
     local = s.indices[ctx.mine].tolist()
-    grown = ctx.state.tree.step(ctx.engine, ctx.policy, local, s.rollout, s.seeds, s.scored, s.step,
-                                ctx.score)
+    grown = ctx.state.tree.step(ctx.engine, ctx.policy, examples=local, rollout=s.rollout, seeds=s.seeds,
+                                scored=s.scored, step=s.step, score=ctx.score)
     stats = MethodStats(grown.leaves, _token_adv_sums(grown.advantages, grown.loss_mask), grown.counts)
     return Advantages(grown.advantages, grown.loss_mask, stats, rows=grown.rows, old_logp=grown.old_logp)
 
@@ -231,7 +232,7 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
 def score_first(method: Method, s: StepRollouts, ctx: Context) -> tuple[Tensor | None, Tensor | None]:
     """(π_old, π_ref) log-probs (N, T) of the step's completions that the method's advantages read,
     each None where it does not. Collective when it scores."""
-    return score_policy(ctx.policy, ctx.ref, s.inputs, ctx.cfg, need_old=method.reads_old,
+    return score_policy(ctx.policy, ctx.ref, s.inputs, cfg=ctx.cfg, need_old=method.reads_old,
                         need_ref=method.reads_ref)
 
 
@@ -245,23 +246,24 @@ def update_batch(adv: Advantages, s: StepRollouts, ctx: Context) -> tuple[Update
     need_ref = cfg.algo.needs_reference
     if adv.rows is not None:                      # SPO-tree's edges: their own π_old, no IS weight
         rows = adv.rows
-        _, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg, need_old=False, need_ref=need_ref)
+        _, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg=cfg, need_old=False, need_ref=need_ref)
         return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, adv.advantages,
                            adv.old_logp, ref_logp), {}
     rows, r = s.inputs, cfg.rollout
     keep_old = s.old_logp is not None or cfg.algo.num_iterations > 1
     score_old = s.old_logp is None and (keep_old or r.is_correction != "none")
-    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg, need_old=score_old,
+    old_logp, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg=cfg, need_old=score_old,
                                       need_ref=need_ref and s.ref_logp is None)
     old_logp = s.old_logp if s.old_logp is not None else old_logp
     ref_logp = s.ref_logp if s.ref_logp is not None else ref_logp
     pps = s.is_weights[ctx.mine].reshape(-1, 1)                                    # (N, 1) w_PPS
-    advantages, metrics = weigh(adv.advantages, pps, old_logp, s.rollout.logprobs, rows.mask, r)
+    advantages, metrics = weigh(adv.advantages, pps_weights=pps, old_logp=old_logp, engine_logp=s.rollout.logprobs,
+                                mask=rows.mask, r=r)
     return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, advantages,
                        old_logp if keep_old else None, ref_logp), metrics
 
 
-def weigh(advantages: Tensor, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
+def weigh(advantages: Tensor, *, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
           r: RolloutConfig) -> tuple[Tensor, dict[str, float]]:
     """The one place a method's token advantages A (N, T) are weighted: A · w_PPS (the sampler's weight of
     the completion, (N, 1), docs/methods.md §3) · w_TIS (rollout.is_correction, §7: min(π_old/π_engine,
@@ -288,9 +290,9 @@ def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> Advanta
     a = ctx.cfg.algo
     mask = s.inputs.mask                                                           # (N, T)
     rewards = s.rewards[ctx.mine].reshape(-1)                                      # (N,) R
-    advantages = reinforce_pp_advantages(rewards.to(mask.device), mask, s.old_logp, s.ref_logp, a.kl_coef,
-                                         a.clip_score, group_size, a.whiten,
-                                         reduce_sum=distributed.all_reduce_sum)   # (N, T)
+    advantages = reinforce_pp_advantages(rewards.to(mask.device), mask, old_logp=s.old_logp, ref_logp=s.ref_logp,
+                                         kl_coef=a.kl_coef, clip_score=a.clip_score, group_size=group_size,
+                                         variance=a.whiten, reduce_sum=distributed.all_reduce_sum)   # (N, T)
     stats = MethodStats(_rollout_sums(s, ctx), _token_adv_sums(advantages, mask))
     return Advantages(advantages, mask, stats)
 

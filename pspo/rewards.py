@@ -186,7 +186,7 @@ class StepReward(Protocol):
     def __call__(self, completions: list[str]) -> list[float]: ...
 
 
-def score_completions(prompts: list[str], completions: list[str], golds: list[str],
+def score_completions(prompts: list[str], completions: list[str], golds: list[str], *,
                       weights: dict[str, float], timeout_s: float = 5.0,
                       pool: RewardPool | None = None, prm: StepReward | None = None) -> RewardResult:
     """Score N completions with every function named in `weights`, in `pool`'s worker processes if
@@ -237,7 +237,8 @@ def reward_scorer(reward: RewardConfig, train: PromptSet, pool: RewardPool,
 
     def score(rows: list[int], texts: list[str]) -> RewardResult:
         prompts, golds = [train.texts[i] for i in rows], [train.examples[i].answer for i in rows]
-        return score_completions(prompts, texts, golds, weights, reward.timeout_s, pool, prm)
+        return score_completions(prompts, texts, golds, weights=weights, timeout_s=reward.timeout_s, pool=pool,
+                                 prm=prm)
     return score
 
 

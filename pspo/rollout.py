@@ -90,7 +90,7 @@ def compile_enabled(setting: str, device: torch.device) -> bool:
     return setting == "always"
 
 
-def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_prompt_len: int, seed: int,
+def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, *, max_prompt_len: int, seed: int,
                  world_size: int, bf16: bool = False):
     """The configured engine (`rollout.engine`: auto | vllm | hf; r is the RolloutConfig).
 
@@ -103,8 +103,9 @@ def build_engine(r, policy: torch.nn.Module, model_path: str, tokenizer, max_pro
     """
     if engine_name(r.engine) == "vllm":
         lora = getattr(policy, "peft", None) is not None                   # LoRA: the base + the adapter
-        engine = vllm_engine.VLLMEngine(model_path, tokenizer, max_prompt_len + r.max_new_tokens, seed,
-                                        r.gpu_memory_utilization, r.sleep, world_size, bf16,
+        engine = vllm_engine.VLLMEngine(model_path, tokenizer, max_model_len=max_prompt_len + r.max_new_tokens,
+                                        seed=seed, gpu_memory_utilization=r.gpu_memory_utilization,
+                                        sleep=r.sleep, world_size=world_size, bf16=bf16,
                                         lora_rank=policy.peft.peft_config["default"].r if lora else 0)
         if lora:
             engine.sync_weights(policy)                                     # the current adapter (resumed)

@@ -64,14 +64,15 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
             finite_loss = torch.ones((), dtype=torch.bool, device=dist_.device)
             totals: dict[str, Tensor] = {}
             for micro in plan:
-                logp, entropy = forward_logprobs(policy, micro, input_ids, attention_mask, T,
-                                                 temperature)             # (n, w)
+                logp, entropy = forward_logprobs(policy, micro, input_ids=input_ids, attention_mask=attention_mask,
+                                                 T=T, temperature=temperature)   # (n, w)
                 rows, cols = micro.rows, slice(0, micro.width)
                 m = lm[rows, cols] * (0.0 if micro.spare else 1.0)       # (n, w); a spare one: zero loss
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows, cols]
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows, cols]
-                loss, stats = policy_loss(logp, old, ref, batch.advantages[rows, cols], m, weights[rows],
-                                          a.beta, a.eps_low, a.eps_high)
+                loss, stats = policy_loss(logp, old_logp=old, ref_logp=ref, advantages=batch.advantages[rows, cols],
+                                          mask=m, seq_weights=weights[rows], beta=a.beta, eps_low=a.eps_low,
+                                          eps_high=a.eps_high)
                 finite_loss &= torch.isfinite(loss.detach())
                 # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
                 (loss * dist_.world_size).backward()

@@ -189,11 +189,11 @@ class Decoder:
                             past_key_values=kv, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
-    def _call(self, name: str, *args):
+    def _call(self, name: str, *args, **kwargs):
         """self.step or self.sample; when compiling it fails (a compiler bug: inductor, Triton), say so once
         on stderr and run that function eagerly from then on: the same values, more kernel launches."""
         try:
-            return getattr(self, name)(*args)
+            return getattr(self, name)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - only torch.compile's own errors are caught
             if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
@@ -203,7 +203,7 @@ class Decoder:
             print(f"warning: torch.compile failed for the decoding {name} ({type(e).__name__}: "
                   f"{str(e).strip().splitlines()[-1][:200]}); it runs eagerly", file=sys.stderr)
             setattr(self, name, eager)
-            return eager(*args)
+            return eager(*args, **kwargs)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -242,7 +242,8 @@ class Decoder:
             if step > 0:
                 kv.start.fill_(width + step - 1)                               # the token drawn at step - 1
                 logits = self._call("step", tokens[:, step - 1].clone(), positions + (step - 1), key_valid, kv)
-            choice, logp = self._call("sample", logits, seeds, t, temperature, top_p, columns)
+            choice, logp = self._call("sample", logits, seeds, t, temperature=temperature, top_p=top_p,
+                                      columns=columns)
             tokens[:, step] = torch.where(done, pad, choice)                  # generate pads finished rows
             logprobs[:, step] = logp
             done |= torch.isin(choice, self.stop_ids)

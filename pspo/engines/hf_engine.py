@@ -28,7 +28,7 @@ class _GumbelSampler(LogitsProcessor):
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         t = input_ids.shape[1] - self.prompt_len                            # tokens generated so far
-        z, logp = perturbed_logits(scores, self.seeds, t, self.temperature, self.top_p)
+        z, logp = perturbed_logits(scores, self.seeds, t, temperature=self.temperature, top_p=self.top_p)
         choice = z.argmax(dim=-1)                                           # what generate picks
         self.logprobs.append(logp.gather(1, choice[:, None]).squeeze(1))
         return z

@@ -108,7 +108,7 @@ def outside_nucleus(logp: Tensor, top_p: float) -> Tensor:
     return torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
 
 
-def perturbed_logits(logits: Tensor, seeds: Tensor | None, t: int | Tensor, temperature: float,
+def perturbed_logits(logits: Tensor, seeds: Tensor | None, t: int | Tensor, *, temperature: float,
                      top_p: float, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(z, logp), (N, V) each: z's argmax is the drawn token (greedy when seeds is None), logp =
     log softmax(logits/T). z = logits/T, outside the nucleus -inf, plus the Gumbel noise of (seed, t)
@@ -122,10 +122,10 @@ def perturbed_logits(logits: Tensor, seeds: Tensor | None, t: int | Tensor, temp
     return z, logp
 
 
-def draw(logits: Tensor, seeds: Tensor | None, t: int | Tensor, temperature: float,
+def draw(logits: Tensor, seeds: Tensor | None, t: int | Tensor, *, temperature: float,
          top_p: float, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One token per row and its log softmax(logits/T): (N, V) -> (N,) long, (N,) float32 (columns:
     gumbel_noise's)."""
-    z, logp = perturbed_logits(logits, seeds, t, temperature, top_p, columns)
+    z, logp = perturbed_logits(logits, seeds, t, temperature=temperature, top_p=top_p, columns=columns)
     choice = z.argmax(dim=-1)                                               # (N,)
     return choice, logp.gather(1, choice[:, None]).squeeze(1)

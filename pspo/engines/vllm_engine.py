@@ -104,7 +104,7 @@ def startup_reason(e: BaseException, limit: int = 400) -> str:
 class VLLMEngine:
     """One in-process vLLM engine on this rank's device."""
 
-    def __init__(self, model_path: str, tokenizer, max_model_len: int, seed: int,
+    def __init__(self, model_path: str, tokenizer, *, max_model_len: int, seed: int,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1,
                  bf16: bool = False, lora_rank: int = 0):
         on_gpu = torch.cuda.is_available()
@@ -232,7 +232,7 @@ class VLLMEngine:
             self.llm.wake_up()
 
 
-def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], step: int, r,
+def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], *, step: int, r,
                 seed: int, device: torch.device) -> dict[str, float]:
     """After an optimizer step: wake the engine, load the new weights, and every
     r.sync_check_steps steps (r: the RolloutConfig) measure its log-prob gap to the trainer on one
@@ -241,7 +241,8 @@ def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[lis
     metrics = {"weight_sync_s": engine.sync_weights(policy)}
     if r.sync_check_steps and step % r.sync_check_steps == 0:
         seeds = sequence_seeds(seed + 1, step, torch.arange(len(check_ids)), 1)
-        gap_max, gap_mean = sync_gap(engine, policy, check_ids, r.temperature, r.max_new_tokens, seeds)
+        gap_max, gap_mean = sync_gap(engine, policy, check_ids, temperature=r.temperature,
+                                     max_new_tokens=r.max_new_tokens, seeds=seeds)
         metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
         metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
     return metrics
@@ -262,7 +263,7 @@ def stale_engine(metrics: dict[str, float], step: int, r) -> SyncError | None:
 
 
 @torch.no_grad()
-def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], temperature: float,
+def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], *, temperature: float,
              max_new_tokens: int, seeds: Tensor) -> tuple[float, float]:
     """(max, mean) |log π_engine − log π_trainer| over the tokens of one fresh completion per prompt.
 

@@ -91,10 +91,10 @@ def ensure_standin_model(real_config_path: str, cache_dir: str | None = None, se
     path = standin_path(real_config_path, cache_dir, seed)
     if os.path.isdir(path):
         return path
-    return build_random_model(real_config_path, path, seed, shrink=True, log=log)
+    return build_random_model(real_config_path, path, seed=seed, shrink=True, log=log)
 
 
-def build_random_model(real_config_path: str, path: str, seed: int = 0, shrink: bool = True,
+def build_random_model(real_config_path: str, path: str, *, seed: int = 0, shrink: bool = True,
                        num_layers: int | None = None, log=print) -> str:
     """A seeded random-weight model with the stand-in tokenizer, saved to `path`.
 
@@ -136,7 +136,7 @@ def build_random_model(real_config_path: str, path: str, seed: int = 0, shrink: 
     model.to(dtype)                                                  # stored like the real checkpoint (bf16)
     info = {"version": VERSION, "real_config": os.path.abspath(real_config_path), "seed": seed,
             "shrunk": shrink, "parameters": sum(p.numel() for p in model.parameters())}
-    return save_model_folder(path, model, tokenizer, "pspo_standin.json", info, log)
+    return save_model_folder(path, model, tokenizer, info_name="pspo_standin.json", info=info, log=log)
 
 
 def _truncate(config: dict, num_layers: int) -> dict:
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> None:
         print(f"pspo.offline.standin: {args.out} exists; remove it or name another folder", file=sys.stderr)
         raise SystemExit(2)
     try:
-        build_random_model(args.config, os.path.abspath(args.out), args.seed, shrink=not args.full,
+        build_random_model(args.config, os.path.abspath(args.out), seed=args.seed, shrink=not args.full,
                            num_layers=args.layers)
     except StandinError as e:
         print(f"pspo.offline.standin: {e}", file=sys.stderr)

@@ -216,7 +216,7 @@ def _build(path: str, tie_word_embeddings: bool, warmup_steps: int, seed: int, l
             "seed": seed, "parameters": sum(p.numel() for p in model.parameters()),
             "greedy_test_accuracy": accuracy, "build_seconds": round(time.perf_counter() - start, 1)}
     log(f"  tiny model built in {info['build_seconds']} s: greedy accuracy {accuracy:.3f} on builtin test")
-    return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
+    return save_model_folder(path, model, tokenizer, info_name="pspo_build.json", info=info, log=log)
 
 
 @contextlib.contextmanager
@@ -260,7 +260,7 @@ def build_once(path: str, build: Callable[[], str], log=print) -> str:
         return built
 
 
-def save_model_folder(path: str, model, tokenizer, info_name: str, info: dict, log=print) -> str:
+def save_model_folder(path: str, model, tokenizer, *, info_name: str, info: dict, log=print) -> str:
     """save_pretrained of a built model, its tokenizer and a JSON of how it was built, atomically.
 
     The folder is written under a temporary name and renamed into place, so it either is complete

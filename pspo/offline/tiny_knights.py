@@ -205,4 +205,4 @@ def _build(path: str, seed: int, warmup_steps: int, log) -> str:
         log(f"  tiny K&K model built in {time.perf_counter() - start:.0f} s: greedy accuracy by size "
             f"{info['greedy_test_accuracy_by_size']}, layout (format reward +1) {info['greedy_test_format_by_size']}")
     info["build_seconds"] = round(time.perf_counter() - start, 1)
-    return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
+    return save_model_folder(path, model, tokenizer, info_name="pspo_build.json", info=info, log=log)

@@ -168,4 +168,4 @@ def _build(path: str, seed: int, log) -> str:
             "parameters": sum(p.numel() for p in model.parameters()), "held_out_accuracy": round(accuracy, 3),
             "build_seconds": round(time.perf_counter() - start, 1)}
     log(f"built the tiny PRM in {path} in {info['build_seconds']} s: held-out accuracy {accuracy:.3f}")
-    return save_model_folder(path, model, tokenizer, "pspo_build.json", info, log)
+    return save_model_folder(path, model, tokenizer, info_name="pspo_build.json", info=info, log=log)

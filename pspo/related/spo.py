@@ -74,13 +74,13 @@ def _old_logp(policy, prompts: list[list[int]], completion_ids: Tensor, mask: Te
     """The trainer's log π_old (logits / T) of completions (N, T) after `prompts`, on the CPU.
     A forward pass, micro-batched as the update's: every rank must call it together."""
     rows = token_rows(prompts, completion_ids, mask, pad_id, device)
-    old, _ = score_policy(policy, None, rows, cfg, need_old=True, need_ref=False)
+    old, _ = score_policy(policy, None, rows, cfg=cfg, need_old=True, need_ref=False)
     return old.cpu()
 
 
 # ---- SPO-chain ----
 
-def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Tensor,
+def chain_advantages_of(engine, rollout: Rollout, *, rewards: Tensor, old_logp: Tensor,
                         prompt_ids: list[list[int]], examples: list[int], score: Score, cfg: Config,
                         step: int, device: torch.device,
                         lockstep: bool) -> tuple[Tensor, Tensor, ChainSums]:
@@ -111,7 +111,7 @@ def chain_advantages_of(engine, rollout: Rollout, rewards: Tensor, old_logp: Ten
         mc_rewards = score([examples[o] for o in owners for _ in range(s.num_mc)],
                            out.texts).rewards                             # (U*N,)
         values = mc_values(mc_rewards, s.num_mc, inverse)                 # (C,)
-    advantages, loss_mask = chain_advantages(rows, cuts, values, rewards.cpu(), probs, mask,
+    advantages, loss_mask = chain_advantages(rows, cuts, values, rewards=rewards.cpu(), probs=probs, mask=mask,
                                              reduce_sum=distributed.all_reduce_sum)   # (N, T) each
     counts = ChainSums(spo_cuts=float(len(cuts)), spo_states=float(len(owners)),
                        spo_mask_tokens=float(loss_mask.sum()))
@@ -177,7 +177,7 @@ class SPOTree:
         self.dist, self.lockstep = dist_, lockstep
         self.edges: list[Edge] = []
 
-    def step(self, engine, policy, examples: list[int], rollout: Rollout, seeds: Tensor, scored: RewardResult,
+    def step(self, engine, policy, *, examples: list[int], rollout: Rollout, seeds: Tensor, scored: RewardResult,
              step: int, score: Score) -> TreeStep:
         """Grow the trees of this rank's prompts (dataset rows `examples`) from their depth-0 completions
         (`rollout`: b0 per prompt, at most M0 tokens, generated with `seeds` and scored as `scored`),

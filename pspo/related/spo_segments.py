@@ -52,7 +52,7 @@ def probability_mask(probs: Tensor, mask: Tensor, threshold: float = PROB_THRESH
     return mask.float() * (probs < threshold)
 
 
-def segment_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tensor, probs: Tensor,
+def segment_advantages(rows: Tensor, cuts: Tensor, values: Tensor, *, rewards: Tensor, probs: Tensor,
                        mask: Tensor, threshold: float = PROB_THRESHOLD) -> Tensor:
     """Raw SPO-chain token advantages, §B chain 5-6, zero outside M. (N, T) float32
 
@@ -80,9 +80,9 @@ def segment_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tens
     return ((v_next - v_prev) * probability_mask(probs, mask, threshold)).float()   # (N, T) A_t
 
 
-def chain_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tensor, probs: Tensor,
+def chain_advantages(rows: Tensor, cuts: Tensor, values: Tensor, *, rewards: Tensor, probs: Tensor,
                      mask: Tensor, threshold: float = PROB_THRESHOLD,
-                     variance: str = "bessel", *, reduce_sum: ReduceSum) -> tuple[Tensor, Tensor]:
+                     variance: str = "bessel", reduce_sum: ReduceSum) -> tuple[Tensor, Tensor]:
     """SPO-chain advantages and loss mask, §B chain 5-7: (A, M), (N, T) each.
 
     `segment_advantages` whitened with the mean and variance ("bessel", as §B) of the M-masked
@@ -90,7 +90,7 @@ def chain_advantages(rows: Tensor, cuts: Tensor, values: Tensor, rewards: Tensor
     The loss is then a masked mean over M, not over the completion mask.
     """
     M = probability_mask(probs, mask, threshold)                          # (N, T)
-    raw = segment_advantages(rows, cuts, values, rewards, probs, mask, threshold)
+    raw = segment_advantages(rows, cuts, values, rewards=rewards, probs=probs, mask=mask, threshold=threshold)
     return whiten(raw, M, variance, reduce_sum=reduce_sum), M
 
 

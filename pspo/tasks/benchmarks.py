@@ -50,6 +50,6 @@ def load_benchmark(spec: str, max_examples: int | None = None) -> tuple[str, str
                         "(optionally name=FILE for a local copy)")
     b = BENCHMARKS[name]
     source = path or b.hub
-    rows = load_examples(source, b.split, b.problem_field, b.answer_field, max_examples,
-                         None if path else b.config)
+    rows = load_examples(source, split=b.split, problem_field=b.problem_field, answer_field=b.answer_field,
+                         max_examples=max_examples, config=None if path else b.config)
     return name, source, [Example(ex.problem, gold_answer(name, ex.answer)) for ex in rows]

@@ -76,7 +76,7 @@ def warmup_examples(num_examples: int = 500, seed: int = 1234) -> list[Example]:
     return [_arithmetic_example(a, b) for a, b in pairs[num_examples:len(pairs) - num_examples]]
 
 
-def load_examples(name: str, split: str = "train", problem_field: str = "problem",
+def load_examples(name: str, *, split: str = "train", problem_field: str = "problem",
                   answer_field: str = "answer", max_examples: int | None = None,
                   config: str | None = None, people: tuple[int, ...] = ()) -> list[Example]:
     """`builtin:arithmetic` | `builtin:knights` | a local .jsonl/.json/.parquet file | a hub dataset
@@ -206,15 +206,16 @@ def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
     """The run's train and eval prompts (the config's data section), formatted and tokenized; rows
     without a usable gold and prompts over data.max_prompt_tokens are left out and reported."""
     d = cfg.data
-    rows = load_examples(d.train, d.train_split, d.problem_field, d.answer_field,
-                         d.max_train_examples or None, people=d.people)
-    train = prompt_set(f"data.train {d.train}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                       d.bad_gold)
+    rows = load_examples(d.train, split=d.train_split, problem_field=d.problem_field, answer_field=d.answer_field,
+                         max_examples=d.max_train_examples or None, people=d.people)
+    train = prompt_set(f"data.train {d.train}", rows, tokenizer, system_prompt=d.system_prompt,
+                       max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
     if not d.eval:
         return train, PromptSet([], [], [])
-    rows = load_examples(d.eval, d.eval_split, d.problem_field, d.answer_field, d.max_eval_examples or None)
-    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, d.system_prompt, d.max_prompt_tokens,
-                             d.bad_gold)
+    rows = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field, answer_field=d.answer_field,
+                         max_examples=d.max_eval_examples or None)
+    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, system_prompt=d.system_prompt,
+                             max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
 
 
 def check_gold_answer(gold: str) -> None:
@@ -224,7 +225,7 @@ def check_gold_answer(gold: str) -> None:
         parse_gold(gold)
 
 
-def prompt_set(label: str, examples: list[Example], tokenizer, system_prompt: str, max_prompt_tokens: int,
+def prompt_set(label: str, examples: list[Example], tokenizer, *, system_prompt: str, max_prompt_tokens: int,
                bad_gold: str = "skip") -> PromptSet:
     """The usable rows of `examples` with their prompts, tokenized once (module docstring).
 

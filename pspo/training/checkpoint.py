@@ -41,7 +41,7 @@ def checkpoint_path(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"checkpoint-{step}")
 
 
-def save_checkpoint(output_dir: str, step: int, policy: torch.nn.Module, tokenizer,
+def save_checkpoint(output_dir: str, step: int, *, policy: torch.nn.Module, tokenizer,
                     optimizer: torch.optim.Optimizer, trainer_state: dict, dist_: Dist,
                     keep: int = 0) -> str:
     """Collective: every rank calls it. Returns the final checkpoint path."""
@@ -159,7 +159,7 @@ def load_trainer_state(path: str, rank: int) -> dict:
     return state
 
 
-def trainer_state(step: int, scheduler, sampler, method_state, generated_tokens: float, cfg: Config,
+def trainer_state(step: int, *, scheduler, sampler, method_state, generated_tokens: float, cfg: Config,
                   sampler_mode: str) -> dict:
     """What an exact resume needs beside the weights and AdamW: the step, the schedule, the replicated
     sampler and method state (methods.MethodState: ERS's statistics, SPO-tree's buffer), the tokens

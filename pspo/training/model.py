@@ -221,8 +221,9 @@ def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
                          f"max_position_embeddings ({limit}); lower one of them")
 
 
-def build_policy(path: str, trust_remote_code: bool, chunk_tokens: int, bf16: bool,
-                 gradient_checkpointing: bool, trainable: bool = True, lora: LoraConfig | None = None) -> Policy:
+def build_policy(path: str, *, trust_remote_code: bool = False, chunk_tokens: int, bf16: bool = False,
+                 gradient_checkpointing: bool = False, trainable: bool = True,
+                 lora: LoraConfig | None = None) -> Policy:
     """The trainable policy, or (trainable=False) a frozen reference. Both start in eval mode.
 
     The training loop switches the policy to train mode for the update only: transformers

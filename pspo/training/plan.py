@@ -211,7 +211,7 @@ def layer_saved_bytes(a: Arch, tokens: int, seq: int, bf16: bool) -> int:
     return tokens * (per_token + 4 * a.heads + 8)
 
 
-def saved_bytes(a: Arch, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
+def saved_bytes(a: Arch, *, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
     """What the forward of one micro-batch leaves saved for backward.
 
     Without checkpointing: every layer's tensors, plus the bf16 copy of its weights autocast made.
@@ -227,11 +227,11 @@ def saved_bytes(a: Arch, micro: int, seq: int, completion: int, bf16: bool, chec
     return a.layers * (layer_saved_bytes(a, tokens, seq, bf16) + copies) + head
 
 
-def activation_peak(a: Arch, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
+def activation_peak(a: Arch, *, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
     """saved_bytes, plus with checkpointing the larger of: autocast's bf16 copies of all weights
     (its cast cache lives until the forward ends) and one layer's recompute in backward (its saved
     tensors and weight copies, and the fp32 gradient in and out, 8H per token)."""
-    saved = saved_bytes(a, micro, seq, completion, bf16, checkpointing)
+    saved = saved_bytes(a, micro=micro, seq=seq, completion=completion, bf16=bf16, checkpointing=checkpointing)
     if not checkpointing:
         return saved
     copies = 2 * a.layer_params if bf16 else 0
@@ -381,7 +381,7 @@ def lora_params(a: Arch, rank: int, target_modules: str) -> int:
     return a.layers * rank * sum(sum(LORA_SHAPES[n](a)) if n in LORA_SHAPES else largest for n in names)
 
 
-def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
+def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
               prm: PRMArch | None = None) -> Plan:
     """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved); prm: the
     process reward model's shape when reward.prm != 0."""
@@ -397,7 +397,7 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
         micro = min(update_rows, max(1, -(-budget // seq) if cfg.train.packing else budget // seq))
     P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
     ckpt = m.gradient_checkpointing
-    other = activation_peak(a, micro, seq, T, m.bf16, not ckpt) / GiB
+    other = activation_peak(a, micro=micro, seq=seq, completion=T, bf16=m.bf16, checkpointing=not ckpt) / GiB
     chunk = min(m.logprob_chunk_tokens, micro * T)
     notes: list[str] = []
     lora = m.lora.rank > 0
@@ -420,8 +420,8 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
         rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad",
                      4 * (2 * a.root_params + 3 * L), "update"))
     rows.append(("acts", f"activations, {micro} x {seq} tokens, checkpointing {'on' if ckpt else 'off'} "
-                 f"({'off' if ckpt else 'on'}: {other:.1f})", activation_peak(a, micro, seq, T, m.bf16, ckpt),
-                 "update"))
+                 f"({'off' if ckpt else 'on'}: {other:.1f})",
+                 activation_peak(a, micro=micro, seq=seq, completion=T, bf16=m.bf16, checkpointing=ckpt), "update"))
     rows.append(("logp", f"log-prob head ({chunk} x {a.vocab} blocks + head grad)",
                  logprob_chunk_bytes(a, chunk, m.bf16), "update"))
     blocker = ""
@@ -474,7 +474,7 @@ def make_plan(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
     return Plan(N, gpu_bytes, rows, notes, blocker)
 
 
-def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine: str,
+def largest_token_budget(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
                          prm: PRMArch | None = None) -> int:
     """The largest train.micro_batch_tokens whose plan fits: k full-length sequences (the plan
     counts a token budget as budget // (prompt + completion) rows at full length), k up to the rows
@@ -485,7 +485,7 @@ def largest_token_budget(cfg: Config, a: Arch, gpus: int, gpu_bytes: int, engine
     best = 0
     for k in range(1, rows + 1):
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=k * seq))
-        if not make_plan(trial, a, gpus, gpu_bytes, engine, prm).fits:
+        if not make_plan(trial, a, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm).fits:
             break
         best = k * seq
     return best
@@ -540,7 +540,8 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
         return f"memory plan: unavailable ({error_line(e, 200)})"
     on_gpu = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
-    plan = make_plan(cfg, a, world_size, total, engine, load_prm_arch(cfg, local_only=False, resolve=resolve)[0])
+    plan = make_plan(cfg, a, gpus=world_size, gpu_bytes=total, engine=engine,
+                     prm=load_prm_arch(cfg, local_only=False, resolve=resolve)[0])
     if on_gpu and cfg.train.memory_check:
         check_fits(plan, cfg)
         return one_line(plan)
@@ -577,7 +578,7 @@ def plan_cli(argv: list[str], *, resolve: Resolve) -> str:
     a, source = load_arch(resolve(cfg.model.name_or_path), rest[1], cfg.model.trust_remote_code)
     engine = "vllm" if cfg.rollout.engine == "auto" else cfg.rollout.engine          # auto on a GPU
     prm, missing = load_prm_arch(cfg, local_only=True, resolve=resolve)
-    plan = make_plan(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
+    plan = make_plan(cfg, a, gpus=gpus, gpu_bytes=int(gpu_gib * GiB), engine=engine, prm=prm)
     plan.notes += [missing] if missing else []
     title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"
              f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, "
@@ -587,7 +588,7 @@ def plan_cli(argv: list[str], *, resolve: Resolve) -> str:
              f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant "
              f"{OVERHEAD_GIB:g} GiB; "
              f"update peak is an upper bound")
-    budget = largest_token_budget(cfg, a, gpus, int(gpu_gib * GiB), engine, prm)
+    budget = largest_token_budget(cfg, a, gpus=gpus, gpu_bytes=int(gpu_gib * GiB), engine=engine, prm=prm)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     this_run = cfg.train.micro_batch_tokens or f"fixed {cfg.train.micro_batch_size}"
     advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} "

@@ -37,8 +37,9 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
         raise CheckpointError(f"train.resume: {path} holds {'full weights' if lora else 'a LoRA adapter'}; "
                               f"model.lora.rank {m.lora.rank} {'needs' if lora else 'trains without'} adapters: "
                               "resume with the settings it was trained with")
-    policy = build_policy(base_path if lora else path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,
-                          bf16=m.bf16, gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
+    policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
+                          chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
+                          gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
     if lora and resumed:
         load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed
     check_packing(policy, cfg.train)
@@ -56,12 +57,12 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
         return policy, None
     if lora:
         return policy, BaseReference(policy)                            # the base: adapters off, no copy
-    ref = build_policy(base_path, m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
-                       gradient_checkpointing=False, trainable=False)
+    ref = build_policy(base_path, trust_remote_code=m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,
+                       bf16=m.bf16, trainable=False)
     return policy, distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
 
 
-def resume(path: str, cfg: Config, dist_: Dist, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def resume(path: str, *, cfg: Config, dist_: Dist, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
            scheduler, sampler, method_state, sampler_mode: str) -> tuple[int, float]:
     """Load a checkpoint's optimizer, schedule, sampler and method state (methods.MethodState) into
     the run's; returns (step, generated_tokens). Refused (CheckpointError, ConfigError) for a file it

@@ -156,7 +156,7 @@ def test_model_loading_reaches_no_builder_nor_the_knights_generator():
 def test_resolving_and_loading_a_local_model_imports_no_builder(tiny_model_path):
     code = ("import sys; from pspo.offline.builtin import resolve_model_path; "
             "from pspo.training.model import build_policy; "
-            "path = resolve_model_path(sys.argv[1]); build_policy(path, False, 64, False, False); "
+            "path = resolve_model_path(sys.argv[1]); build_policy(path, chunk_tokens=64); "
             "builders = ('pspo.tasks.knights', 'pspo.tasks.data', 'pspo.offline.tiny', "
             "'pspo.offline.tiny_knights', 'pspo.offline.tiny_prm'); "
             "loaded = [m for m in builders if m in sys.modules]; assert not loaded, loaded")

@@ -36,7 +36,7 @@ def test_every_benchmark_loads_through_its_sample(name, tiny_model_path, capsys)
     path = os.path.join(ROOT, "data", "samples", f"{name}.jsonl")
     got_name, source, examples = load_benchmark(f"{name}={path}")
     assert (got_name, source, len(examples)) == (name, path, 20)
-    prompts = prompt_set(name, examples, load_tokenizer(tiny_model_path), "r1", 512)
+    prompts = prompt_set(name, examples, load_tokenizer(tiny_model_path), system_prompt="r1", max_prompt_tokens=512)
     assert (len(prompts.examples), prompts.skipped) == (kept, skipped)
     assert {i: prompts.examples[i].answer for i in golds} == golds
     lines = capsys.readouterr().out.splitlines()

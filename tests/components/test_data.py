@@ -62,10 +62,10 @@ def test_warmup_examples_avoid_both_builtin_splits():
 
 
 def test_builtin_through_load_examples_and_its_errors():
-    assert load_examples("builtin:arithmetic", "test") == builtin_arithmetic("test")
-    assert load_examples("builtin:arithmetic", "train", max_examples=3) == builtin_arithmetic("train")[:3]
+    assert load_examples("builtin:arithmetic", split="test") == builtin_arithmetic("test")
+    assert load_examples("builtin:arithmetic", split="train", max_examples=3) == builtin_arithmetic("train")[:3]
     with pytest.raises(DataError, match=r"builtin:arithmetic: unknown split 'validation'.*train, test"):
-        load_examples("builtin:arithmetic", "validation")
+        load_examples("builtin:arithmetic", split="validation")
     with pytest.raises(DataError, match="num_examples"):
         builtin_arithmetic("train", num_examples=5000)    # 2 x 5000 > 8100: splits would overlap
     with pytest.raises(DataError, match="max_examples"):
@@ -79,7 +79,8 @@ def test_local_jsonl_with_custom_fields_coerces_answers_to_str(tmp_path):
     examples = load_examples(str(path), problem_field="question", answer_field="solution")
     assert examples == [Example("1+1?", "2"), Example("half?", "\\frac{1}{2}")]
     # a local file is one split: the split name is ignored; max_examples keeps the first rows
-    assert load_examples(str(path), "test", "question", "solution", max_examples=1) == examples[:1]
+    assert load_examples(str(path), split="test", problem_field="question", answer_field="solution",
+                         max_examples=1) == examples[:1]
 
 
 def test_local_json_array_and_parquet(tmp_path):
@@ -176,12 +177,12 @@ def test_other_names_go_to_the_hub_with_the_split(monkeypatch):
         return datasets.Dataset.from_dict({"problem": ["q"] * n, "answer": [1] * n})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert load_examples("org/math", "test") == [Example("q", "1")]
+    assert load_examples("org/math", split="test") == [Example("q", "1")]
     with pytest.raises(DataError, match=r"^org/math: cannot load split 'nope' \(ValueError: Unknown split"):
-        load_examples("org/math", "nope")
+        load_examples("org/math", split="nope")
     with pytest.raises(DataError, match=r"^org/math: the dataset \(split 'empty'\) is empty$"):
-        load_examples("org/math", "empty")
-    load_examples("org/math", "test", config="main")                    # a hub configuration (gsm8k: main)
+        load_examples("org/math", split="empty")
+    load_examples("org/math", split="test", config="main")                    # a hub configuration (gsm8k: main)
     assert calls == [("org/math", "test"), ("org/math", "nope"), ("org/math", "empty"), ("org/math", "main", "test")]
 
 
@@ -228,15 +229,16 @@ def _problem(words: int) -> str:
 def test_prompt_set_drops_prompts_over_the_limit_in_one_line(capsys):
     # problems of 3, 11, 4, 20, 5 words -> prompts of 5, 13, 6, 22, 7 tokens; limit 10 drops rows 1 and 3
     examples = [Example(_problem(n), "1") for n in (3, 11, 4, 20, 5)]
-    out = prompt_set("data.train x.jsonl", examples, _Words(), "", max_prompt_tokens=10)
+    out = prompt_set("data.train x.jsonl", examples, _Words(), system_prompt="", max_prompt_tokens=10)
     assert capsys.readouterr().out == \
         "data.train x.jsonl: dropped 2 of 5 prompts longer than data.max_prompt_tokens=10 (rows 1, 3)\n"
     assert out.examples == [examples[0], examples[2], examples[4]] and out.skipped == 2
     assert [len(ids) for ids in out.ids] == [5, 6, 7] and out.texts[0].endswith("<|im_start|>assistant\n")
     # a prompt exactly at the limit stays (5 tokens, limit 5); never truncated
-    assert prompt_set("d", examples[:1], _Words(), "", 5).ids == [[0, 1, 2, 3, 4]]
+    assert prompt_set("d", examples[:1], _Words(), system_prompt="", max_prompt_tokens=5).ids == [[0, 1, 2, 3, 4]]
     # 12 rows too long: the line names 10 of them, then "..."
-    prompt_set("d", [Example(_problem(9), "1")] * 12 + [Example("w", "1")], _Words(), "", 10)
+    prompt_set("d", [Example(_problem(9), "1")] * 12 + [Example("w", "1")], _Words(), system_prompt="",
+               max_prompt_tokens=10)
     assert capsys.readouterr().out == ("d: dropped 12 of 13 prompts longer than data.max_prompt_tokens=10 "
                                        "(rows 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ...)\n")
 
@@ -244,7 +246,8 @@ def test_prompt_set_drops_prompts_over_the_limit_in_one_line(capsys):
 def test_prompt_set_with_nothing_left_is_one_line():
     with pytest.raises(DataError, match=r"^data.eval e.jsonl: no rows left of 2 \(1 without a usable gold answer, "
                                         r"1 prompts longer than data.max_prompt_tokens=4\)$"):
-        prompt_set("data.eval e.jsonl", [Example(_problem(3), "1"), Example("w", "\\frac{2}{")], _Words(), "", 4)
+        prompt_set("data.eval e.jsonl", [Example(_problem(3), "1"), Example("w", "\\frac{2}{")], _Words(),
+                   system_prompt="", max_prompt_tokens=4)
 
 
 def test_bad_golds_skip_reports_once_and_error_names_the_row(tmp_path, capsys):
@@ -254,13 +257,15 @@ def test_bad_golds_skip_reports_once_and_error_names_the_row(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     examples = load_examples(str(path))               # missing values load as "": no crash
     assert examples[1] == Example("q1", "") and examples[3] == Example("", "3") and examples[4] == Example("q4", "0.5")
-    out = prompt_set("data.train d.jsonl", examples, _Words(), "", 512)
+    out = prompt_set("data.train d.jsonl", examples, _Words(), system_prompt="", max_prompt_tokens=512)
     assert [ex.problem for ex in out.examples] == ["q0", "q4"] and out.skipped == 3
     assert capsys.readouterr().out == (
         "data.train d.jsonl: left out 3 of 5 rows without a usable problem and gold answer (data.bad_gold=skip): "
         "rows 1 (no gold answer), 2 (gold answer '\\frac{2}{' does not parse with math-verify), 3 (no problem text)\n")
     with pytest.raises(DataError) as err:
-        prompt_set("data.train d.jsonl", examples, _Words(), "", 512, bad_gold="error")
+        prompt_set("data.train d.jsonl", examples, _Words(), system_prompt="", max_prompt_tokens=512,
+                   bad_gold="error")
     assert str(err.value) == "data.train d.jsonl: row 1: no gold answer (data.bad_gold=error; 'skip' leaves such rows out)"
     with pytest.raises(DataError, match=r"^data.train d.jsonl: row 0: gold answer '\\frac\{2\}\{' does not parse"):
-        prompt_set("data.train d.jsonl", examples[2:3], _Words(), "", 512, bad_gold="error")
+        prompt_set("data.train d.jsonl", examples[2:3], _Words(), system_prompt="", max_prompt_tokens=512,
+                   bad_gold="error")

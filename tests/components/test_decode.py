@@ -22,7 +22,7 @@ from pspo.engines.sampling import prefix_seeds, sequence_seeds
 @pytest.fixture(scope="module")
 def tiny(tiny_model_path):
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = build_policy(tiny_model_path, False, 64, False, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=64)
     problems = builtin_arithmetic("test")[:6]
     ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
            for ex in problems]
@@ -127,7 +127,7 @@ def test_bf16_twin_copies_track_the_policy(tiny_model_path):
     # model.bf16: the twin's linear weights are bf16 copies (autocast's values), refreshed before each
     # call; the embedding stays the policy's own float32 tensor; the policy's attention is untouched.
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = build_policy(tiny_model_path, False, 64, True, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=64, bf16=True)
     twin, pairs = decode_twin(policy.lm, bf16=True)
     assert twin.model.embed_tokens.weight is policy.lm.model.embed_tokens.weight
     assert twin.lm_head.weight.dtype == torch.bfloat16 and policy.lm.lm_head.weight.dtype == torch.float32
@@ -177,7 +177,7 @@ def test_a_compile_failure_falls_back_to_the_eager_sampler_once(tiny, capsys):
     engine = HFEngine(policy, tokenizer, batch_size=64)
     calls = []
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         calls.append(1)
         raise _CompilerBug("CompilationError: Scalar -4658895280553007687 is out of range for type int32")
     engine.decoder.sample = broken
@@ -186,7 +186,7 @@ def test_a_compile_failure_falls_back_to_the_eager_sampler_once(tiny, capsys):
     err = capsys.readouterr().err
     assert calls == [1] and err.count("warning: torch.compile failed for the decoding sample") == 1
     assert "out of range for type int32); it runs eagerly" in err
-    engine.decoder.sample = lambda *args: (_ for _ in ()).throw(ValueError("a real bug"))
+    engine.decoder.sample = lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("a real bug"))
     with pytest.raises(ValueError, match="a real bug"):                        # not a compiler error: raised
         engine.generate(ids, 2, 1.0, 1.0, 12, seeds)
 

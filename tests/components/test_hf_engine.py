@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pspo.tasks.data import builtin_arithmetic, format_prompt
-from pspo.training.model import Policy, build_policy, load_tokenizer
+from pspo.training.model import build_policy, load_tokenizer
 from pspo.rollout import CountingEngine
 from pspo.training.metrics import GenerationCounts
 from pspo.engines.hf_engine import HFEngine, _GumbelSampler
@@ -84,7 +84,7 @@ def test_gumbel_sampler_draws_from_softmax_over_temperature():
 @pytest.fixture(scope="module")
 def tiny(tiny_model_path):
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = build_policy(tiny_model_path, False, 64, False, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=64)
     engine = HFEngine(policy, tokenizer, batch_size=64)
     problems = builtin_arithmetic("test")[:6]
     ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"] for ex in problems]

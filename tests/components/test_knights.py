@@ -179,7 +179,7 @@ def test_the_shipped_samples_are_the_generators_rows():
 
 
 def test_builtin_and_both_file_layouts_load_through_load_examples(tmp_path):
-    assert load_examples("builtin:knights", "test", max_examples=10) == builtin_knights("test")[:10]
+    assert load_examples("builtin:knights", split="test", max_examples=10) == builtin_knights("test")[:10]
     hub_rows, paddle_rows = _sample_rows()
     hub = load_examples(os.path.join(SAMPLES, "knights.jsonl"))          # problem/answer fields ignored
     assert [ex.answer for ex in hub] == [r["solution_text_format"] for r in hub_rows]
@@ -198,10 +198,11 @@ def test_train_people_keeps_those_sizes_and_names_a_row_that_is_not_kk(tmp_path)
     assert DataConfig(train_people="2,4").people == (2, 4) and DataConfig().people == ()
     # the train split interleaves sizes 2..8, 200 each: sizes 2 and 4 keep rows 0, 2, 7, 9, 14, ...
     train = builtin_knights("train")
-    kept = load_examples("builtin:knights", "train", people=(2, 4))
+    kept = load_examples("builtin:knights", split="train", people=(2, 4))
     assert len(kept) == 400 and kept[:4] == [train[0], train[2], train[7], train[9]]
     assert {knights_people(ex.answer) for ex in kept} == {2, 4}
-    assert load_examples("builtin:knights", "train", max_examples=3, people=(3,)) == [train[1], train[8], train[15]]
+    assert (load_examples("builtin:knights", split="train", max_examples=3, people=(3,))
+            == [train[1], train[8], train[15]])
     # a file with a non-K&K row: the filter names it instead of dropping it
     (tmp_path / "mixed.jsonl").write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
     with pytest.raises(DataError, match=r"row 0's gold is not a K&K answer"):
@@ -240,12 +241,12 @@ class _NoTemplate:
 def test_a_templated_src_prompt_is_used_as_is_and_a_quiz_is_templated():
     tokenizer = _NoTemplate()
     paddle = load_examples(os.path.join(SAMPLES, "knights_paddle.jsonl"))
-    kept = prompt_set("d", paddle, tokenizer, "r1", 10_000)
+    kept = prompt_set("d", paddle, tokenizer, system_prompt="r1", max_prompt_tokens=10_000)
     assert tokenizer.templated == 0 and kept.texts == [ex.problem for ex in paddle]   # not templated again
     assert all(t.endswith("<|im_start|>assistant\n<think>") and t.count("<|im_start|>assistant") == 1
                for t in kept.texts)
     hub = load_examples(os.path.join(SAMPLES, "knights.jsonl"))
-    kept = prompt_set("d", hub, tokenizer, "", 10_000)
+    kept = prompt_set("d", hub, tokenizer, system_prompt="", max_prompt_tokens=10_000)
     assert tokenizer.templated == len(hub) and kept.texts[0].endswith("<|im_start|>assistant\n")
     assert kept.skipped == 0                                  # K&K golds pass the data check
 
@@ -300,7 +301,8 @@ def test_accuracy_and_format_are_the_kk_exact_match_and_tag_check_on_kk_golds():
     with pytest.raises(GoldAnswerError, match="is not a knights-and-knaves solution"):
         knights_reward("", ok, "82")
     assert REWARD_FUNCTIONS["knights"] is knights_reward
-    scored = score_completions(["", ""], [ok, wrong], [GOLD, GOLD], {"accuracy": 0.0, "format": 0.0, "knights": 1.0})
+    scored = score_completions(["", ""], [ok, wrong], [GOLD, GOLD],
+                               weights={"accuracy": 0.0, "format": 0.0, "knights": 1.0})
     assert scored.rewards.tolist() == [3.0, -1.0] and scored.components["accuracy"].tolist() == [1.0, 0.0]
     assert sum(scored.failures.values()) == 0
 

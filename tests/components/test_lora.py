@@ -22,7 +22,7 @@ from test_packing import P, T, rows
 def lora_policy(path, rank=4, bf16=False, checkpointing=False, targets="all-linear", seed=0):
     """A LoRA policy whose B matrices are random (peft starts them at 0, where the adapters change nothing)."""
     cfg = load_config(None, [f"--model.lora.rank={rank}", f"--model.lora.target_modules={targets}"])
-    policy = build_policy(path, False, 64, bf16, checkpointing, lora=cfg.model.lora)
+    policy = build_policy(path, chunk_tokens=64, bf16=bf16, gradient_checkpointing=checkpointing, lora=cfg.model.lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -32,7 +32,7 @@ def lora_policy(path, rank=4, bf16=False, checkpointing=False, targets="all-line
 
 
 def logprobs(model, ids, attention, mask):
-    return score_logprobs(model, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 64, 0))
+    return score_logprobs(model, ids, attention, T=T, temperature=1.0, plan=plan_micro_batches(attention, mask, 64, 0))
 
 
 def test_only_the_adapters_train(tiny_model_path):
@@ -51,7 +51,7 @@ def test_only_the_adapters_train(tiny_model_path):
 
 def test_the_reference_is_the_base_with_the_adapters_off(tiny_model_path):
     policy = lora_policy(tiny_model_path)
-    base = build_policy(tiny_model_path, False, 64, False, False, trainable=False)
+    base = build_policy(tiny_model_path, chunk_tokens=64, trainable=False)
     ids, attention, mask = rows(policy.lm.config.vocab_size)
     ref = logprobs(BaseReference(policy), ids, attention, mask)
     torch.testing.assert_close(ref, logprobs(base, ids, attention, mask), atol=1e-6, rtol=0)
@@ -83,7 +83,7 @@ def test_the_saved_adapter_loads_in_peft_and_merged(tiny_model_path, tmp_path):
     # merged into a plain transformers folder (what eval.py and vLLM load)
     merged = merged_folder(folder, str(tmp_path / "merged"))
     assert not is_adapter(merged) and os.path.isfile(os.path.join(merged, "model.safetensors"))
-    plain = build_policy(merged, False, 64, False, False, trainable=False)
+    plain = build_policy(merged, chunk_tokens=64, trainable=False)
     # W + (α/r)·B·A rounds once in float32 where the adapter path adds two products: log-probs near -9
     # differ by ~1e-5 depending on the kernels' thread split, an unmerged adapter by far more
     torch.testing.assert_close(logprobs(plain, ids, attention, mask), trainer, atol=5e-5, rtol=0)

@@ -63,8 +63,8 @@ def updated_parameters(path, batch, overrides, lr=1.0):
     step of lr .1 keeps the second one near π_old: with lr 1 the β·KL term drives its gradient norm
     to ~3000 (15 with lr .1), and the two groupings' parameters then differ by 2e-4 (2e-7 with lr .1)."""
     cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3", *overrides])
-    policy = build_policy(path, False, 64, False, False)
-    ref = build_policy(path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
+    policy = build_policy(path, chunk_tokens=64)
+    ref = build_policy(path, chunk_tokens=64, trainable=False) if cfg.algo.needs_reference else None
     optimizer = torch.optim.SGD(policy.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = copy.deepcopy([p.detach() for p in policy.parameters()])
@@ -117,7 +117,7 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
     _, attention = batch_inputs(prompts, rollout.completion_ids[rows], rollout.mask[rows],
                                 tokenizer.pad_token_id)
     plan = plan_micro_batches(attention, rollout.mask[rows], 64, 40, packing=True)     # as the update plans
-    policy = distributed.shard(build_policy(path, False, 64, False, False), 2)
+    policy = distributed.shard(build_policy(path, chunk_tokens=64), 2)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     dist_ = Dist(rank, 2, torch.device("cpu"))
@@ -144,7 +144,7 @@ def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path
     # the same update as one process with fixed micro-batches over all 12 rows
     cfg = load_config("configs/grpo.yaml", ["--optim.max_grad_norm=0", "--rollout.num_generations=3",
                                             "--train.micro_batch_size=4"])
-    policy = build_policy(tiny_model_path, False, 64, False, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=64)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     method_update(policy, None, optimizer, scheduler, batch, REWARDS, IS_WEIGHTS, cfg, CPU)
@@ -205,7 +205,7 @@ def _bf16_forward_on_rank(rank, init_file, path, out_dir):
     import torch.distributed as dist
     from pspo.training import distributed
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    policy = distributed.shard(build_policy(path, False, 64, True, False), 2, bf16=True)
+    policy = distributed.shard(build_policy(path, chunk_tokens=64, bf16=True), 2, bf16=True)
     seen = []
     mlp = policy.lm.model.layers[0].mlp
     mlp.register_forward_pre_hook(lambda module, args: seen.append(module.gate_proj.weight.dtype))

@@ -107,7 +107,7 @@ def test_scoring_is_padding_free_and_equals_each_row_alone(tiny_model_path):
     # log_softmax(logits / T)[next token] at positions p - 1 .. p + c - 2.
     from pspo.training.model import build_policy
     torch.manual_seed(0)
-    policy = build_policy(tiny_model_path, False, 4, False, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=4)
     V = policy.lm.config.vocab_size
     rows = [(torch.randint(3, V, (p,)), torch.randint(3, V, (c,))) for p, c in ((3, 4), (5, 2), (1, 3))]
     input_ids = torch.zeros(3, 9, dtype=torch.long)

@@ -24,7 +24,7 @@ P, T = 9, 12
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_path):
-    return build_policy(tiny_model_path, False, 64, False, False)
+    return build_policy(tiny_model_path, chunk_tokens=64)
 
 
 def rows(vocab: int, seed: int = 0):
@@ -67,8 +67,9 @@ def test_packed_plan_sizes_and_no_padding():
 @pytest.mark.parametrize("budget", [21, 30, 45, 1000])
 def test_packed_log_probs_equal_unpacked(policy, budget):
     ids, attention, mask = rows(policy.lm.config.vocab_size)
-    alone = score_logprobs(policy, ids, attention, T, 0.7, plan_micro_batches(attention, mask, 1, 0))
-    packed = score_logprobs(policy, ids, attention, T, 0.7, plan_micro_batches(attention, mask, 64, budget, True))
+    alone = score_logprobs(policy, ids, attention, T=T, temperature=0.7, plan=plan_micro_batches(attention, mask, 1, 0))
+    packed = score_logprobs(policy, ids, attention, T=T, temperature=0.7,
+                            plan=plan_micro_batches(attention, mask, 64, budget, True))
     assert float(((packed - alone).abs() * mask).max()) < 1e-5                # float32 on CPU
     assert float((packed * (1 - mask)).abs().max()) == 0.0                    # 0 past each completion
 
@@ -91,10 +92,11 @@ def test_packed_gradients_equal_unpacked(policy):
 
 
 def test_packed_bf16_autocast_stays_within_bf16_rounding(tiny_model_path):
-    bf16 = build_policy(tiny_model_path, False, 64, True, False)
+    bf16 = build_policy(tiny_model_path, chunk_tokens=64, bf16=True)
     ids, attention, mask = rows(bf16.lm.config.vocab_size)
-    alone = score_logprobs(bf16, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 1, 0))
-    packed = score_logprobs(bf16, ids, attention, T, 1.0, plan_micro_batches(attention, mask, 64, 45, True))
+    alone = score_logprobs(bf16, ids, attention, T=T, temperature=1.0, plan=plan_micro_batches(attention, mask, 1, 0))
+    packed = score_logprobs(bf16, ids, attention, T=T, temperature=1.0,
+                            plan=plan_micro_batches(attention, mask, 64, 45, True))
     assert float(((packed - alone).abs() * mask).max()) < 0.05                # bf16's rounding, not a bug
 
 
@@ -119,7 +121,7 @@ def test_packing_is_a_validated_setting():
 def test_packed_gradients_with_checkpointing_and_the_update(tiny_model_path):
     # transformers' gradient checkpointing recomputes each layer in backward with the same keyword
     # arguments: the packed offsets must reach the recomputed attention too
-    ckpt = build_policy(tiny_model_path, False, 64, False, True).train()
+    ckpt = build_policy(tiny_model_path, chunk_tokens=64, gradient_checkpointing=True).train()
     ids, attention, mask = rows(ckpt.lm.config.vocab_size, seed=3)
     grads = []
     for plan in (plan_micro_batches(attention, mask, 1, 0), plan_micro_batches(attention, mask, 64, 30, True)):
@@ -174,7 +176,7 @@ def test_packing_refuses_attention_that_would_mix_sequences(tiny_model_path):
     # packed rows rely on the packed attention function; eager attention (or sliding-window layers) would let
     # a sequence attend to the one packed before it: refused in one line at start-up
     from pspo.training.model import ModelError, check_packing
-    policy = build_policy(tiny_model_path, False, 64, False, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=64)
     train = load_config(None, ["--train.micro_batch_tokens=64"]).train
     check_packing(policy, train)                                            # sdpa -> the packed function
     policy.lm.config._attn_implementation = "eager"

@@ -43,7 +43,7 @@ def test_static_parts_hand_worked():
     a = plan.arch_from_config(small_config())
     assert (a.layer_params, a.root_params, a.params) == (37120, 6464, 80704)
     cfg = load_config(None, ["--algo.beta=0", "--rollout.engine=hf", "--train.prompts_per_step=8"], 4)
-    rows = {key: b for key, _, b, _ in plan.make_plan(cfg, a, 4, 80 * GiB, "hf").rows}
+    rows = {key: b for key, _, b, _ in plan.make_plan(cfg, a, gpus=4, gpu_bytes=80 * GiB, engine="hf").rows}
     # over 4 GPUs: params 4*80704/4 = 80704 B, grads the same, AdamW 2 x that = 161408;
     # FSDP2 in flight: root param + grad, 2 layers + 1 layer grad, fp32: 4*(2*6464 + 3*37120) = 497152
     assert (rows["params"], rows["grads"], rows["adam"], rows["fsdp"]) == (80704, 80704, 161408, 497152)
@@ -58,7 +58,7 @@ def test_qwen_recipe_static_numbers():
     assert a.params == 1_543_714_304 and "model_config.json" in source
     assert plan.kv_bytes_per_token(a) == 28672
     cfg = load_config(RECIPE, ["--data.max_prompt_tokens=512", "--rollout.max_new_tokens=3584"], 8)
-    p = plan.make_plan(cfg, a, 8, 80 * GiB, "vllm")
+    p = plan.make_plan(cfg, a, gpus=8, gpu_bytes=80 * GiB, engine="vllm")
     assert any("holds 193 sequences of 4096 tokens" in n for n in p.notes)
     assert dict((k, b) for k, _, b, _ in p.rows)["vllm"] == 24 * GiB
 
@@ -116,17 +116,18 @@ def test_activation_estimate_matches_saved_tensors(bf16):
     acts_ckpt, copies_ckpt, _ = measure_saved(bf16, checkpointing=True)
     weight_copies = 2 * arch.layer_params if bf16 else 0                 # 2 B x 46.8M (biases are not saved)
     per_token = (124472 if bf16 else 205880) + 13568
-    assert plan.saved_bytes(arch, b, s, 0, bf16, False) == b * s * per_token + weight_copies
-    predicted = plan.saved_bytes(arch, b, s, 0, bf16, False) - weight_copies
+    shape = dict(micro=b, seq=s, completion=0, bf16=bf16)
+    assert plan.saved_bytes(arch, **shape, checkpointing=False) == b * s * per_token + weight_copies
+    predicted = plan.saved_bytes(arch, **shape, checkpointing=False) - weight_copies
     assert abs(predicted / acts - 1) < 0.25, (predicted, acts)
     if bf16:
         assert abs(weight_copies / copies - 1) < 0.25, (weight_copies, copies)
     # checkpointed: the layer's fp32 input (4H per token) and the head only, no weight copies saved
-    predicted_ckpt = plan.saved_bytes(arch, b, s, 0, bf16, True)
+    predicted_ckpt = plan.saved_bytes(arch, **shape, checkpointing=True)
     assert abs(predicted_ckpt / acts_ckpt - 1) < 0.25 and copies_ckpt == 0, (predicted_ckpt, acts_ckpt)
     # and at its peak one layer's recompute: at least what that layer saves without checkpointing
     layer_measured = acts - acts_ckpt + b * s * 4 * arch.hidden + copies
-    extra = plan.activation_peak(arch, b, s, 0, bf16, True) - predicted_ckpt
+    extra = plan.activation_peak(arch, **shape, checkpointing=True) - predicted_ckpt
     assert extra >= 0.75 * layer_measured, (extra, layer_measured)
 
 
@@ -152,12 +153,13 @@ def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
     small_config().save_pretrained(tmp_path)
     cfg = load_config(None, ["--train.prompts_per_step=8"], 1)
     a = plan.arch_from_config(small_config())
-    too_small = plan.make_plan(cfg, a, 1, 2**20, "hf")                  # 1 MiB: the 2 GiB overhead alone exceeds it
+    # 1 MiB: the 2 GiB overhead alone exceeds it
+    too_small = plan.make_plan(cfg, a, gpus=1, gpu_bytes=2**20, engine="hf")
     assert not too_small.fits and "does not fit" in too_small.verdict()
     with pytest.raises(PlanError) as e:
         plan.check_fits(too_small, cfg)
     assert "\n" not in str(e.value) and "train.micro_batch_size" in str(e.value)
-    plan.check_fits(plan.make_plan(cfg, a, 1, 80 * GiB, "hf"), cfg)     # fits: no error
+    plan.check_fits(plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf"), cfg)      # fits: no error
     monkeypatch.setattr(plan, "host_memory", lambda: 2**20)
     # CPU: printed, never stops
     line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"), "hf", resolve=resolve_model_path)
@@ -167,7 +169,7 @@ def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
 def test_vllm_share_too_small_to_start():
     cfg = load_config(RECIPE, [], 8)
     a, _ = plan.load_arch(cfg.model.name_or_path, RECIPE)
-    p = plan.make_plan(cfg, a, 8, 8 * GiB, "vllm")                      # 0.3 x 8 GiB < 2.9 GiB of weights
+    p = plan.make_plan(cfg, a, gpus=8, gpu_bytes=8 * GiB, engine="vllm")      # 0.3 x 8 GiB < 2.9 GiB of weights
     assert p.blocker and not p.fits
 
 
@@ -269,7 +271,7 @@ def test_static_cache_counts_buckets_and_spo_continuations():
 
     def generate_rows(extra, gpus=1):
         cfg = load_config(None, base + extra, gpus)
-        return {k: (b, ph) for k, _, b, ph in plan.make_plan(cfg, a, gpus, 80 * GiB, "hf").rows}
+        return {k: (b, ph) for k, _, b, ph in plan.make_plan(cfg, a, gpus=gpus, gpu_bytes=80 * GiB, engine="hf").rows}
     # GRPO: min(2, 6) x 2 = 4 rows -> bucket 6; 48 positions: 512 x 6 x 48 = 147456 B, kept in both phases;
     # the sampler 6 x 3200 = 19200 B during generation; float32: no weight copies
     rows = generate_rows([])
@@ -304,7 +306,7 @@ def test_vllm_note_counts_the_tree_at_once():
     recipe = os.path.join(QWEN, "spo_tree.yaml")
     cfg = load_config(recipe, ["--data.max_prompt_tokens=512", "--rollout.max_new_tokens=3584"], 8)
     a, _ = plan.load_arch(cfg.model.name_or_path, recipe)
-    notes = plan.make_plan(cfg, a, 8, 80 * GiB, "vllm").notes
+    notes = plan.make_plan(cfg, a, gpus=8, gpu_bytes=80 * GiB, engine="vllm").notes
     assert any("holds 193 sequences" in n and "generates 258 per GPU, up to 216 in one call (in waves)" in n
                for n in notes), notes
 
@@ -314,7 +316,7 @@ def test_allocator_cache_term_hand_worked():
     # every row but the constant (and vLLM's share, absent with hf); the constant stays 2 GiB.
     a = plan.arch_from_config(small_config())
     cfg = load_config(None, ["--algo.beta=0", "--rollout.engine=hf", "--train.prompts_per_step=8"], 4)
-    p = plan.make_plan(cfg, a, 4, 80 * GiB, "hf")
+    p = plan.make_plan(cfg, a, gpus=4, gpu_bytes=80 * GiB, engine="hf")
     rows = {key: (b, ph) for key, _, b, ph in p.rows}
     tensors = {phase: sum(b for key, (b, ph) in rows.items() if key not in ("allocator", "overhead")
                           and ph in ("both", phase)) for phase in ("generation", "update")}
@@ -338,7 +340,7 @@ def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
     cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512",
                                                         "--train.micro_batch_tokens=0"], 1)   # as measured: 4 rows
     a, _ = plan.load_arch(cfg.model.name_or_path, os.path.join(QWEN, "grpo.yaml"))
-    p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "hf")
+    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="hf")
     rows = {key: b for key, _, b, _ in p.rows}
     assert rows["kvcache"] == 28672 * 96 * 1024 and rows["copies"] == 2 * 1543714304
     tensors = p.phase_bytes("update") - rows["allocator"] - rows["overhead"]
@@ -364,12 +366,12 @@ def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gi
     # budget changes nothing there).
     cfg = load_config(config, [], gpus)
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
-    budget = plan.largest_token_budget(cfg, a, gpus, int(gib * GiB), "vllm")
+    budget = plan.largest_token_budget(cfg, a, gpus=gpus, gpu_bytes=int(gib * GiB), engine="vllm")
     assert cfg.train.micro_batch_tokens == budget == 36864
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if gpus == 1:
         more = load_config(config, [f"--train.micro_batch_tokens={budget + seq}"], gpus)
-        assert not plan.make_plan(more, a, gpus, int(gib * GiB), "vllm").fits
+        assert not plan.make_plan(more, a, gpus=gpus, gpu_bytes=int(gib * GiB), engine="vllm").fits
         # each 1.5B recipe sets the largest budget for itself: Dr. GRPO has no reference model, 13
         # sequences fit (53248); SPO-tree's plan counts micro_batch_size (4) edges at once (16384); the
         # PSPO* recipe also holds its PRM on the GPU: with a BERT-base-sized one (110M parameters, hidden
@@ -382,8 +384,8 @@ def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gi
                 recipe = load_config(os.path.join(QWEN, name), [], 1)
                 prm = bert if recipe.reward.prm else None
                 assert recipe.train.micro_batch_tokens == plan.largest_token_budget(
-                    recipe, a, 1, int(gib * GiB), "vllm", prm) == WANT.get(name, budget), name
-                assert plan.make_plan(recipe, a, 1, int(gib * GiB), "vllm", prm).fits, name
+                    recipe, a, gpus=1, gpu_bytes=int(gib * GiB), engine="vllm", prm=prm) == WANT.get(name, budget), name
+                assert plan.make_plan(recipe, a, gpus=1, gpu_bytes=int(gib * GiB), engine="vllm", prm=prm).fits, name
 
 
 def test_the_7b_lora_preset_fits_one_gpu_at_its_largest_budget():
@@ -392,10 +394,11 @@ def test_the_7b_lora_preset_fits_one_gpu_at_its_largest_budget():
     config = "configs/qwen2.5-7b-instruct-1m/reinforce_pp_lora.yaml"
     cfg = load_config(config, [], 1)
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
-    assert cfg.train.micro_batch_tokens == plan.largest_token_budget(cfg, a, 1, int(79.2 * GiB), "vllm") == 55296
-    assert plan.make_plan(cfg, a, 1, int(79.2 * GiB), "vllm").fits
+    assert cfg.train.micro_batch_tokens == plan.largest_token_budget(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB),
+                                                                     engine="vllm") == 55296
+    assert plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").fits
     full = load_config("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", [], 1)
-    assert not plan.make_plan(full, a, 1, int(79.2 * GiB), "vllm").fits
+    assert not plan.make_plan(full, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").fits
 
 
 def test_lora_plan_counts_the_adapters_and_no_reference():
@@ -407,7 +410,7 @@ def test_lora_plan_counts_the_adapters_and_no_reference():
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
     assert plan.lora_params(a, 16, "all-linear") == 18_464_768
     assert plan.lora_params(a, 8, "q_proj,v_proj") == 28 * 8 * (3072 + 1792)
-    p = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "vllm")
+    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm")
     rows = {key: b for key, _, b, _ in p.rows}
     assert rows["params"] == 2 * a.params                                 # the bf16 base, whole
     assert rows["adapters"] == 16 * 18_464_768                             # fp32 weight, grad, m, v
@@ -415,8 +418,9 @@ def test_lora_plan_counts_the_adapters_and_no_reference():
     # at the full fine-tuning recipe's budget (36864): 2 x 1.54B bytes of base against 16 x 1.54B of
     # weights, gradients and AdamW state, and no 4 x 1.54B reference: over 20 GiB less
     same = load_config(config, ["--train.micro_batch_tokens=36864"], 1)
-    full = plan.make_plan(load_config("configs/qwen2.5-math-1.5b/pspo.yaml", [], 1), a, 1, int(79.2 * GiB), "vllm")
-    assert plan.make_plan(same, a, 1, int(79.2 * GiB), "vllm").peak < full.peak - 20 * GiB
+    full = plan.make_plan(load_config("configs/qwen2.5-math-1.5b/pspo.yaml", [], 1), a, gpus=1,
+                          gpu_bytes=int(79.2 * GiB), engine="vllm")
+    assert plan.make_plan(same, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").peak < full.peak - 20 * GiB
 
 
 def test_a_packed_micro_batch_is_planned_as_the_rows_that_hold_its_budget():
@@ -428,7 +432,7 @@ def test_a_packed_micro_batch_is_planned_as_the_rows_that_hold_its_budget():
     for packing in ("true", "false"):
         cfg = load_config(config, ["--train.micro_batch_tokens=5000", f"--train.packing={packing}"], 1)
         a, _ = plan.load_arch(cfg.model.name_or_path, config)
-        rows = plan.make_plan(cfg, a, 1, int(79.2 * GiB), "vllm").rows
+        rows = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").rows
         acts[packing] = next(text for key, text, _, _ in rows if key == "acts")
     assert acts["true"].startswith("activations, 2 x 4096 tokens")
     assert acts["false"].startswith("activations, 1 x 4096 tokens")

@@ -33,7 +33,7 @@ def rollout_batch(path, n_prompts=4, G=3):
     tokenizer = load_tokenizer(path)
     ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
            for ex in builtin_arithmetic("train")[:n_prompts]]
-    engine = HFEngine(build_policy(path, False, 64, False, False), tokenizer, 64)
+    engine = HFEngine(build_policy(path, chunk_tokens=64), tokenizer, 64)
     seeds = sequence_seeds(0, 0, torch.arange(n_prompts), G)
     return tokenizer, ids, engine.generate(ids, G, 1.0, 1.0, 6, seeds), seeds
 
@@ -74,8 +74,8 @@ def run_update(path, batch, checkpointing, overrides=()):
     policy_update, with a decoder layer's forward calls recorded as (training, grad enabled)."""
     cfg = load_config("configs/grpo.yaml", ["--train.micro_batch_size=4", "--rollout.num_generations=3",
                                             *overrides])
-    policy = build_policy(path, False, 64, False, checkpointing)
-    ref = build_policy(path, False, 64, False, False, trainable=False)
+    policy = build_policy(path, chunk_tokens=64, gradient_checkpointing=checkpointing)
+    ref = build_policy(path, chunk_tokens=64, trainable=False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     calls = []
@@ -107,7 +107,7 @@ def test_checkpointing_recomputes_each_layer_and_changes_nothing(tiny_model_path
     assert all(training for training, _ in calls_ckpt)
     for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
-    base = build_policy(tiny_model_path, False, 64, False, False)
+    base = build_policy(tiny_model_path, chunk_tokens=64)
     assert not torch.equal(base.lm.model.norm.weight, ckpt.lm.model.norm.weight)   # it did train
 
 
@@ -131,7 +131,7 @@ def test_checkpointing_saves_less_for_backward(tiny_model_path):
     input_ids, attention = batch_inputs(prompts, rollout.completion_ids, rollout.mask, tokenizer.pad_token_id)
     saved = {}
     for checkpointing in (False, True):
-        policy = build_policy(tiny_model_path, False, 64, False, checkpointing).train()
+        policy = build_policy(tiny_model_path, chunk_tokens=64, gradient_checkpointing=checkpointing).train()
         total = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
                                                       lambda t: t):

@@ -190,12 +190,12 @@ def test_score_completions_sums_the_process_reward():
     # R + 0.5·prm: completion 0 correct (1 + 0.5·2.0 = 2.0), completion 1 wrong (0 + 0.5·4.0 = 2.0)
     prompts, golds = ["q", "q"], ["2", "2"]
     completions = ["\\boxed{2}", "\\boxed{3}"]
-    result = score_completions(prompts, completions, golds, {"accuracy": 1.0, "prm": 0.5},
+    result = score_completions(prompts, completions, golds, weights={"accuracy": 1.0, "prm": 0.5},
                                prm=lambda texts: [2.0, 4.0])
     assert result.components["prm"].tolist() == [2.0, 4.0]
     assert result.rewards.tolist() == [2.0, 2.0] and "prm" not in result.failures
     with pytest.raises(ValueError, match="needs a process reward model"):
-        score_completions(prompts, completions, golds, {"prm": 1.0})
+        score_completions(prompts, completions, golds, weights={"prm": 1.0})
 
 
 # ---- the memory plan ----
@@ -209,8 +209,9 @@ def test_plan_counts_the_prm(tiny_prm_path):
     assert why == "" and arch == PRMArch(sum(p.numel() for p in model.parameters()), 32, 64)
     a = plan.arch_from_config(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
-    without = plan.make_plan(cfg, a, 1, 80 * GiB, "hf")
-    rows = {key: (b, phase) for key, _, b, phase in plan.make_plan(cfg, a, 1, 80 * GiB, "hf", arch).rows}
+    without = plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf")
+    rows = {key: (b, phase)
+            for key, _, b, phase in plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf", prm=arch).rows}
     assert rows["prm"] == (2 * arch.params, "both") and rows["prm_acts"] == (10485760, "generation")
     assert "prm" not in {key for key, *_ in without.rows}
     absent, why = plan.load_prm_arch(prm_config(model="no/such-prm"), local_only=True,

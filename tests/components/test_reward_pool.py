@@ -101,33 +101,34 @@ def test_pool_scores_equal_the_trainers(pool, monkeypatch):
     cases = (math_cases + kk_cases) * 4                                      # 48: chunks of 6 over 2 workers
     prompts, completions, golds = ["p"] * len(cases), [c for c, _ in cases], [g for _, g in cases]
     weights = {"accuracy": 1.0, "format": 0.5, "cosine": 2.0, "raises": 0.1}
-    alone = score_completions(prompts, completions, golds, weights)
-    pooled = score_completions(prompts, completions, golds, weights, pool=pool)
+    alone = score_completions(prompts, completions, golds, weights=weights)
+    pooled = score_completions(prompts, completions, golds, weights=weights, pool=pool)
     _same(pooled, alone)
     assert pooled.components["accuracy"].tolist()[:12] == [1, 0, 1, 0, 1, 0, 1, 0, 1, 1, 0, 0]
     assert pooled.failures == {"accuracy": 0, "format": 0, "cosine": 0, "raises": 4 * 3}   # the 3 sevens
     kk = {"accuracy": 0.0, "format": 0.0, "knights": 1.0}
     n = len(kk_cases)
-    kk_alone = score_completions(["p"] * n, [c for c, _ in kk_cases], [KK_GOLD] * n, kk)
-    kk_pooled = score_completions(["p"] * n, [c for c, _ in kk_cases], [KK_GOLD] * n, kk, pool=pool)
+    kk_alone = score_completions(["p"] * n, [c for c, _ in kk_cases], [KK_GOLD] * n, weights=kk)
+    kk_pooled = score_completions(["p"] * n, [c for c, _ in kk_cases], [KK_GOLD] * n, weights=kk, pool=pool)
     _same(kk_pooled, kk_alone)
     assert kk_pooled.rewards.tolist() == [3.0, -1.0, -3.0]    # format ±1 + answer 2 / -2 / -2
 
 
 def test_a_bad_gold_raises_the_same_error_from_the_pool(pool):
     # knights on a math gold is a data error: the first one (by reward, then row) propagates
-    args = (["p"] * 3, [KK_RIGHT] * 3, [KK_GOLD, "82", "83"], {"format": 1.0, "knights": 1.0})
+    args = (["p"] * 3, [KK_RIGHT] * 3, [KK_GOLD, "82", "83"])
+    weights = {"format": 1.0, "knights": 1.0}
     with pytest.raises(GoldAnswerError) as alone:
-        score_completions(*args)
+        score_completions(*args, weights=weights)
     with pytest.raises(GoldAnswerError) as pooled:
-        score_completions(*args, pool=pool)
+        score_completions(*args, weights=weights, pool=pool)
     assert str(pooled.value) == str(alone.value) and "'82'" in str(pooled.value)
 
 
 def test_the_worker_times_out_a_slow_call_itself(pool, monkeypatch):
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "sleepy", _sleepy)
     replaced, t0 = pool.replaced, time.perf_counter()
-    out = score_completions(["p"] * 3, ["a", "HANG", "b"], ["1"] * 3, {"sleepy": 1.0}, 0.3, pool=pool)
+    out = score_completions(["p"] * 3, ["a", "HANG", "b"], ["1"] * 3, weights={"sleepy": 1.0}, timeout_s=0.3, pool=pool)
     assert time.perf_counter() - t0 < 3.0                      # 0.3 s, not 60 s
     assert out.rewards.tolist() == [1.0, 0.0, 1.0] and out.failures == {"sleepy": 1}
     assert pool.replaced == replaced                           # the worker's guard did it: nobody killed
@@ -137,45 +138,47 @@ def test_a_hang_beyond_the_guard_is_killed_and_costs_one_call(pool, monkeypatch,
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "stuck", _stuck)
     replaced, t0 = pool.replaced, time.perf_counter()
     completions = ["a", "HANG", "b", "c", "d", "e"]
-    out = score_completions(["p"] * 6, completions, ["1"] * 6, {"stuck": 1.0, "format": 0.0}, 0.3, pool=pool)
+    out = score_completions(["p"] * 6, completions, ["1"] * 6, weights={"stuck": 1.0, "format": 0.0}, timeout_s=0.3,
+                            pool=pool)
     elapsed = time.perf_counter() - t0
     assert 0.3 + GRACE_S <= elapsed < 10.0                     # the trainer's deadline, then a new worker
     assert out.rewards.tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
     assert out.failures == {"stuck": 1, "format": 0}           # format of "HANG" was still scored
     assert pool.replaced == replaced + 1
     assert "was silent past timeout_s=0.3 s" in capfd.readouterr().err
-    again = score_completions(["p"] * 6, completions[:1] * 6, ["1"] * 6, {"stuck": 1.0}, 0.3, pool=pool)
+    again = score_completions(["p"] * 6, completions[:1] * 6, ["1"] * 6, weights={"stuck": 1.0}, timeout_s=0.3,
+                              pool=pool)
     assert again.rewards.tolist() == [1.0] * 6 and pool.replaced == replaced + 1
 
 
 def test_a_dead_worker_costs_one_call_and_is_replaced(pool, monkeypatch, capfd):
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "crash", _crash)
     replaced = pool.replaced
-    out = score_completions(["p"] * 4, ["a", "CRASH", "b", "c"], ["1"] * 4, {"crash": 1.0}, pool=pool)
+    out = score_completions(["p"] * 4, ["a", "CRASH", "b", "c"], ["1"] * 4, weights={"crash": 1.0}, pool=pool)
     assert out.rewards.tolist() == [1.0, 0.0, 1.0, 1.0] and out.failures == {"crash": 1}
     assert pool.replaced == replaced + 1 and "died (exit code 3)" in capfd.readouterr().err
-    before = score_completions(["p"], ["<think>x</think>\\boxed{4}"], ["4"], {"accuracy": 1.0})
-    after = score_completions(["p"], ["<think>x</think>\\boxed{4}"], ["4"], {"accuracy": 1.0}, pool=pool)
+    before = score_completions(["p"], ["<think>x</think>\\boxed{4}"], ["4"], weights={"accuracy": 1.0})
+    after = score_completions(["p"], ["<think>x</think>\\boxed{4}"], ["4"], weights={"accuracy": 1.0}, pool=pool)
     _same(after, before)
 
 
 def test_functions_a_worker_cannot_load_are_scored_here(pool, monkeypatch):
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "local", lambda p, c, g: float(len(c)))
     with pytest.warns(UserWarning, match="cannot be sent to a worker"):           # does not pickle
-        out = score_completions(["p"] * 2, ["ab", "abc"], ["1"] * 2, {"local": 1.0}, pool=pool)
+        out = score_completions(["p"] * 2, ["ab", "abc"], ["1"] * 2, weights={"local": 1.0}, pool=pool)
     assert out.rewards.tolist() == [2.0, 3.0]
     module = types.ModuleType("only_in_the_trainer")                               # pickles, does not load
     exec("def reward(prompt, completion, gold):\n    return 2.0", module.__dict__)
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "here", module.reward)
     with pytest.warns(UserWarning, match="No module named 'only_in_the_trainer'"):
-        out = score_completions(["p"] * 8, ["c"] * 8, ["1"] * 8, {"here": 1.0}, pool=pool)
+        out = score_completions(["p"] * 8, ["c"] * 8, ["1"] * 8, weights={"here": 1.0}, pool=pool)
     assert out.rewards.tolist() == [2.0] * 8 and out.failures == {"here": 0}
     replaced = pool.replaced
-    out = score_completions(["p"] * 8, ["c"] * 8, ["1"] * 8, {"here": 1.0}, pool=pool)   # not tried again
+    out = score_completions(["p"] * 8, ["c"] * 8, ["1"] * 8, weights={"here": 1.0}, pool=pool)   # not tried again
     assert out.rewards.tolist() == [2.0] * 8 and pool.replaced == replaced
-    _same(score_completions(["p"], ["\\boxed{1}"], ["1"], {"accuracy": 1.0}, pool=pool),   # the pool still works
-          score_completions(["p"], ["\\boxed{1}"], ["1"], {"accuracy": 1.0}))
+    _same(score_completions(["p"], ["\\boxed{1}"], ["1"], weights={"accuracy": 1.0}, pool=pool),  # the pool still works
+          score_completions(["p"], ["\\boxed{1}"], ["1"], weights={"accuracy": 1.0}))
 
 
 def test_close_and_garbage_collection_leave_no_process():
@@ -190,7 +193,7 @@ def test_close_and_garbage_collection_leave_no_process():
     del dropped
     gc.collect()
     assert not _workers() & set(pids)
-    out = score_completions(["p"], ["\\boxed{1}"], ["1"], {"accuracy": 1.0}, pool=closed)
+    out = score_completions(["p"], ["\\boxed{1}"], ["1"], weights={"accuracy": 1.0}, pool=closed)
     assert out.rewards.tolist() == [1.0]                       # a closed pool scores in this process
 
 

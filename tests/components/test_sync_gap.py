@@ -28,5 +28,6 @@ class FakePolicy(torch.nn.Module):
 
 def test_sync_gap_hand_worked():
     # |Δ| over the 5 masked tokens: .1, .3, 0, .2, .4 -> max .4, mean 1.0 / 5 = .2 (padding ignored)
-    gap_max, gap_mean = sync_gap(FakeEngine(), FakePolicy(), [[1, 2], [3]], 0.7, 3, torch.zeros(2, dtype=torch.long))
+    gap_max, gap_mean = sync_gap(FakeEngine(), FakePolicy(), [[1, 2], [3]], temperature=0.7, max_new_tokens=3,
+                                 seeds=torch.zeros(2, dtype=torch.long))
     assert abs(gap_max - 0.4) < 1e-6 and abs(gap_mean - 0.2) < 1e-6

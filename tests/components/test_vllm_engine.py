@@ -41,7 +41,7 @@ def setup(path):
     tokenizer = load_tokenizer(path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("test")[:6]]
-    policy = build_policy(path, False, 2048, False, False)
+    policy = build_policy(path, chunk_tokens=2048)
     engine = VLLMEngine(path, tokenizer, max_model_len=128, seed=0)
     return tokenizer, prompts, policy, engine
 
@@ -111,12 +111,12 @@ def test_continuations_reuse_the_prefix_cache_and_do_not_depend_on_batch(untied)
 def test_sync_after_an_optimizer_step(untied):
     _, prompts, policy, engine = untied
     seeds = sequence_seeds(1, 0, torch.arange(len(prompts)), 1)
-    assert sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
     take_a_step(policy)
-    stale_max, stale_mean = sync_gap(engine, policy, prompts, T, 12, seeds)
+    stale_max, stale_mean = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     assert stale_mean > 0.02                      # a skipped sync: the default sync_check_tol fires
     seconds = engine.sync_weights(policy)
-    synced_max, _ = sync_gap(engine, policy, prompts, T, 12, seeds)
+    synced_max, _ = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     assert synced_max < 1e-4 < stale_max and seconds < 5
 
 
@@ -129,7 +129,7 @@ def test_tied_embeddings_sync(tmp_path):
     take_a_step(policy)
     engine.sync_weights(policy)
     seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
-    assert sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
 
 
 def test_training_stops_on_a_sync_gap_over_the_tolerance(tmp_path, tiny_model_path):
@@ -190,7 +190,7 @@ def _full_params_on_rank(rank, init_file, path, out_dir):
     import torch.distributed as dist
     from pspo.training import distributed
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    policy = build_policy(path, False, 2048, False, False)
+    policy = build_policy(path, chunk_tokens=2048)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in policy.parameters():
@@ -218,13 +218,14 @@ def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path):
     assert names == [n for n, _ in r1["gathered"]] == list(r0["plain"])
     for name, t in r0["gathered"]:
         assert torch.equal(t, r0["plain"][name]) and torch.equal(t, dict(r1["gathered"])[name])
-    moved = build_policy(path, False, 2048, False, False)
+    moved = build_policy(path, chunk_tokens=2048)
     moved.lm.load_state_dict(r0["plain"], strict=False)
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(r0["gathered"])})
     engine.llm.reset_prefix_cache()
     seeds = sequence_seeds(4, 0, torch.arange(len(prompts)), 1)
-    assert sync_gap(engine, moved, prompts, T, 12, seeds)[0] < 1e-4
-    assert sync_gap(engine, policy, prompts, T, 12, seeds)[1] > 0.02      # not the saved weights any more
+    assert sync_gap(engine, moved, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12,
+                    seeds=seeds)[1] > 0.02                                 # not the saved weights any more
 
 
 def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
@@ -251,21 +252,22 @@ def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_
     tokenizer = load_tokenizer(tiny_model_path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
                for ex in builtin_arithmetic("test")[:6]]
-    policy = build_policy(tiny_model_path, False, 2048, False, False,
+    policy = build_policy(tiny_model_path, chunk_tokens=2048,
                           lora=load_config(None, ["--model.lora.rank=8"]).model.lora)
     engine = VLLMEngine(tiny_model_path, tokenizer, max_model_len=128, seed=0, lora_rank=8)
     seeds = sequence_seeds(3, 0, torch.arange(len(prompts)), 1)
-    assert engine.lora_request is None and sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4   # B = 0
+    assert engine.lora_request is None
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4   # B = 0
     with torch.no_grad():                                     # the adapters trained away from B = 0
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
-    stale_max, stale_mean = sync_gap(engine, policy, prompts, T, 12, seeds)
+    stale_max, stale_mean = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     assert stale_mean > 0.02                                  # a skipped sync: the default tolerance fires
     engine.sync_weights(policy)
     first = engine.lora_request
     assert first.lora_int_id == 1 and os.path.isfile(os.path.join(first.lora_path, "adapter_model.safetensors"))
-    assert sync_gap(engine, policy, prompts, T, 12, seeds)[0] < 1e-4 < stale_max
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4 < stale_max
     engine.sync_weights(policy)                               # a new version; the old one's files are gone
     assert engine.lora_request.lora_int_id == 2 and not os.path.exists(first.lora_path)
     assert engine.llm.llm_engine.list_loras() <= {2}

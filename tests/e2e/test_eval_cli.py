@@ -59,7 +59,7 @@ def test_eval_cli_writes_json(tiny_model_path, with_hf):
 
     # The same numbers as the in-process evaluation train.py runs periodically.
     tokenizer = load_tokenizer(tiny_model_path)
-    engine = HFEngine(build_policy(tiny_model_path, False, 64, False, False, trainable=False), tokenizer, 256)
+    engine = HFEngine(build_policy(tiny_model_path, chunk_tokens=64, trainable=False), tokenizer, 256)
     examples = load_examples(str(data), problem_field="question", answer_field="final")
     texts = [format_prompt(tokenizer, ex.problem, "") for ex in examples]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -121,7 +121,7 @@ import runpy, sys
 from pspo.training import plan
 def startup_check(cfg, model_path, world_size, device, engine, resolve):
     arch = plan.arch_from_config(plan.load_model_config(model_path))
-    plan.check_fits(plan.make_plan(cfg, arch, world_size, 2 ** 20, engine, None), cfg)
+    plan.check_fits(plan.make_plan(cfg, arch, gpus=world_size, gpu_bytes=2 ** 20, engine=engine, prm=None), cfg)
 plan.startup_check = startup_check
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")

@@ -79,7 +79,7 @@ def _step(mode, monkeypatch, pps=(1.0, 0.5), old_read_first=False):
     cfg = load_config(None, [f"--rollout.is_correction={mode}", "--rollout.is_cap=2.0", "--algo.beta=0"])
     asked = []
 
-    def score_policy(policy, ref, rows, cfg, need_old, need_ref):
+    def score_policy(policy, ref, rows, *, cfg, need_old, need_ref):
         asked.append((need_old, need_ref))
         return (OLD.clone() if need_old else None), None
     monkeypatch.setattr(methods, "score_policy", score_policy)
@@ -128,8 +128,8 @@ def test_weigh_with_the_trainers_own_logprobs_is_a_no_op():
     # the engine IS the trainer (Δ = 0): the advantages equal the uncorrected ones bit for bit
     r = load_config(None, ["--rollout.is_correction=token"]).rollout
     adv, pps = torch.tensor([[1.0], [-1.0]]).expand(2, 3), torch.tensor([[1.0], [0.5]])
-    corrected, _ = weigh(adv, pps, OLD, OLD.clone(), MASK, r)
-    plain, _ = weigh(adv, pps, None, ENGINE, MASK, load_config(None).rollout)
+    corrected, _ = weigh(adv, pps_weights=pps, old_logp=OLD, engine_logp=OLD.clone(), mask=MASK, r=r)
+    plain, _ = weigh(adv, pps_weights=pps, old_logp=None, engine_logp=ENGINE, mask=MASK, r=load_config(None).rollout)
     assert torch.equal(corrected, plain)
 
 

@@ -58,7 +58,8 @@ def test_aggregation_hand_worked(aggregation, weights, loss):
     logp, old_logp, advantages, mask = _two_sequences()
     w = sequence_weights(mask, aggregation, num_seqs=2, num_tokens=4, max_len=4)
     torch.testing.assert_close(w, torch.tensor(weights), atol=1e-7, rtol=0)
-    got, stats = policy_loss(logp, old_logp, None, advantages, mask, w, beta=0.04, eps_low=0.2, eps_high=0.28)
+    got, stats = policy_loss(logp, old_logp=old_logp, ref_logp=None, advantages=advantages, mask=mask, seq_weights=w,
+                             beta=0.04, eps_low=0.2, eps_high=0.28)
     torch.testing.assert_close(got, torch.tensor(loss), atol=1e-6, rtol=0)
     torch.testing.assert_close(stats["pg_loss"], torch.tensor(loss), atol=1e-6, rtol=0)
     # ρ sum over the 4 real tokens: 1.2 + 1.0 + .9 + 1.1 = 4.2
@@ -70,18 +71,19 @@ def test_kl_term_enters_only_with_beta_and_ref():
     # one token, ρ = 1 (logp = old = -1), A = 1 -> pg = -1; ref = -2 -> kl = .367879 (above).
     # β = .5: ℓ = -1 + .5·.367879 = -.816060; β = 0 or no ref: ℓ = -1. Weight 1.
     logp, old, ref = torch.tensor([[-1.]]), torch.tensor([[-1.]]), torch.tensor([[-2.]])
-    args = (torch.tensor([1.]), torch.ones(1, 1), torch.ones(1))
-    loss, stats = policy_loss(logp, old, ref, *args, beta=0.5, eps_low=0.2, eps_high=0.28)
+    kw = dict(advantages=torch.tensor([1.]), mask=torch.ones(1, 1), seq_weights=torch.ones(1), eps_low=0.2,
+              eps_high=0.28)
+    loss, stats = policy_loss(logp, old_logp=old, ref_logp=ref, beta=0.5, **kw)
     assert abs(loss.item() - -0.816060) < 1e-6 and abs(stats["kl"].item() - 0.367879) < 1e-6
     assert abs(stats["pg_loss"].item() - -1.0) < 1e-6                     # pg alone, for logging
-    loss, stats = policy_loss(logp, old, ref, *args, beta=0.0, eps_low=0.2, eps_high=0.28)
+    loss, stats = policy_loss(logp, old_logp=old, ref_logp=ref, beta=0.0, **kw)
     assert abs(loss.item() - -1.0) < 1e-6 and abs(stats["kl"].item() - 0.367879) < 1e-6
-    loss, stats = policy_loss(logp, old, None, *args, beta=0.5, eps_low=0.2, eps_high=0.28)
+    loss, stats = policy_loss(logp, old_logp=old, ref_logp=None, beta=0.5, **kw)
     assert abs(loss.item() - -1.0) < 1e-6 and stats["kl"].item() == 0
     # β = 0 keeps the KL out entirely: an overflowing kl (exp(99) > float32 max) must not turn
     # the loss into 0·inf = NaN.
     far_ref = torch.tensor([[98.]])                                        # d = 98 - (-1) = 99
-    loss, _ = policy_loss(logp, old, far_ref, *args, beta=0.0, eps_low=0.2, eps_high=0.28)
+    loss, _ = policy_loss(logp, old_logp=old, ref_logp=far_ref, beta=0.0, **kw)
     assert abs(loss.item() - -1.0) < 1e-6
 
 
@@ -89,8 +91,8 @@ def test_pps_weight_scales_the_policy_gradient_term_only():
     # train.py passes A·w (w = PPS importance weight) as the advantage: only pg scales, the KL does not.
     # Same token as above with w = .5: pg = -.5, kl = .367879; β = .5: ℓ = -.5 + .183940 = -.316060.
     logp, old, ref = torch.tensor([[-1.]], requires_grad=True), torch.tensor([[-1.]]), torch.tensor([[-2.]])
-    loss, stats = policy_loss(logp, old, ref, torch.tensor([1.]) * 0.5, torch.ones(1, 1), torch.ones(1),
-                              beta=0.5, eps_low=0.2, eps_high=0.28)
+    loss, stats = policy_loss(logp, old_logp=old, ref_logp=ref, advantages=torch.tensor([1.]) * 0.5,
+                              mask=torch.ones(1, 1), seq_weights=torch.ones(1), beta=0.5, eps_low=0.2, eps_high=0.28)
     assert abs(loss.item() - -0.316060) < 1e-6 and abs(stats["pg_loss"].item() - -0.5) < 1e-6
     # dℓ/dlogp = -w·A·ρ + β·(1 - exp(ref - logp)) = -.5 + .5·(1 - e^-1) = -.5 + .316060 = -.183940
     loss.backward()
@@ -105,8 +107,8 @@ def test_padding_overflow_never_turns_the_loss_or_gradient_into_nan():
     logp = torch.tensor([[-1., -150.]], requires_grad=True)
     old, ref = torch.tensor([[-1., 90.]]), torch.tensor([[-2., 150.]])     # old: ρ = e^-240 there too
     mask = torch.tensor([[1., 0.]])
-    loss, stats = policy_loss(logp, old, ref, torch.tensor([1.]), mask, torch.ones(1),
-                              beta=0.5, eps_low=0.2, eps_high=0.28)
+    loss, stats = policy_loss(logp, old_logp=old, ref_logp=ref, advantages=torch.tensor([1.]), mask=mask,
+                              seq_weights=torch.ones(1), beta=0.5, eps_low=0.2, eps_high=0.28)
     loss.backward()
     assert abs(loss.item() - -0.816060) < 1e-6 and abs(stats["kl"].item() - 0.367879) < 1e-6
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.683940, 0.0]]), atol=1e-6, rtol=0)
@@ -152,8 +154,9 @@ def _step_grads(aggregation, ranks, global_counts=True):
             num_seqs, num_tokens = (N, int(mask.sum())) if global_counts else (m.shape[0], int(m.sum()))
             w = sequence_weights(m, aggregation, num_seqs, num_tokens, L_MAX)
             logp, _ = token_logprobs(hidden[rows], weight, targets[rows], temperature=0.7, chunk_tokens=5)
-            loss, stats = policy_loss(logp, old_logp[rows], ref_logp[rows], advantages[rows], m, w,
-                                      beta=0.04, eps_low=0.2, eps_high=0.28)
+            loss, stats = policy_loss(logp, old_logp=old_logp[rows], ref_logp=ref_logp[rows],
+                                      advantages=advantages[rows], mask=m, seq_weights=w, beta=0.04, eps_low=0.2,
+                                      eps_high=0.28)
             loss.backward()
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
@@ -199,7 +202,8 @@ def test_one_call_loss_equals_the_written_out_aggregation(aggregation):
     hidden, weight, targets, mask, advantages, old_logp, ref_logp = _rollout()
     w = sequence_weights(mask, aggregation, N, int(mask.sum()), L_MAX)
     logp, _ = token_logprobs(hidden, weight, targets, temperature=0.7)
-    loss, _ = policy_loss(logp, old_logp, ref_logp, advantages, mask, w, beta=0.04, eps_low=0.2, eps_high=0.28)
+    loss, _ = policy_loss(logp, old_logp=old_logp, ref_logp=ref_logp, advantages=advantages, mask=mask, seq_weights=w,
+                          beta=0.04, eps_low=0.2, eps_high=0.28)
     want = _explicit_step_loss(aggregation)
     torch.testing.assert_close(loss, want, atol=1e-6, rtol=0)
     assert not math.isclose(want.item(), 0.0, abs_tol=1e-3)                   # a non-trivial value

@@ -37,13 +37,13 @@ ONE = torch.ones(1, 3, dtype=torch.bool)
 def test_token_reward_and_return_hand_worked():
     # k1 = old - ref = [.5, 0, .5] -> -kl_coef·k1 = [-.05, 0, -.05]; R = 1 on the last token:
     # r = [-.05, 0, .95]; G_t = Σ_{t'≥t} r = [.90, .95, .95]
-    G = reinforce_pp_returns(torch.tensor([1.0]), ONE, OLD, REF, kl_coef=0.1, clip_score=10)
+    G = reinforce_pp_returns(torch.tensor([1.0]), ONE, old_logp=OLD, ref_logp=REF, kl_coef=0.1, clip_score=10)
     torch.testing.assert_close(G, torch.tensor([[0.90, 0.95, 0.95]]), atol=1e-6, rtol=0)
     # R = 15 is clipped to 10 (only the score, not the KL): r = [-.05, 0, 9.95] -> G = [9.90, 9.95, 9.95];
     # R = -15 with no KL -> -10 on every token
-    G = reinforce_pp_returns(torch.tensor([15.0]), ONE, OLD, REF, kl_coef=0.1, clip_score=10)
+    G = reinforce_pp_returns(torch.tensor([15.0]), ONE, old_logp=OLD, ref_logp=REF, kl_coef=0.1, clip_score=10)
     torch.testing.assert_close(G, torch.tensor([[9.90, 9.95, 9.95]]), atol=1e-5, rtol=0)
-    G = reinforce_pp_returns(torch.tensor([-15.0]), ONE, None, None, kl_coef=0.0, clip_score=10)
+    G = reinforce_pp_returns(torch.tensor([-15.0]), ONE, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10)
     torch.testing.assert_close(G, torch.full((1, 3), -10.0), atol=0, rtol=0)
 
 
@@ -53,8 +53,8 @@ def test_token_reward_and_return_hand_worked():
     ("population", [-1.4142, 0.7071, 0.7071]),   # var = Σd²/3 = .00055556, std .023570 (OpenRLHF)
 ])
 def test_whitened_advantages_hand_worked(variance, expected):
-    A = reinforce_pp_advantages(torch.tensor([1.0]), ONE, OLD, REF, kl_coef=0.1, clip_score=10, variance=variance,
-                                reduce_sum=LOCAL)
+    A = reinforce_pp_advantages(torch.tensor([1.0]), ONE, old_logp=OLD, ref_logp=REF, kl_coef=0.1, clip_score=10,
+                                variance=variance, reduce_sum=LOCAL)
     torch.testing.assert_close(A, torch.tensor([expected]), atol=1e-4, rtol=0)
 
 
@@ -63,14 +63,15 @@ def test_baseline_subtracts_the_group_mean_first():
     # [3, 3, 3, 3] -> 0. No KL: G = R - mean. Whitened over the 8 tokens: mean 0, Σd² = 4 * .25 = 1,
     # Bessel var 1/7 -> ±.5·sqrt(7) = ±1.32288; the flat group stays 0.
     rewards, mask = torch.tensor([1.0, 0, 0, 1, 3, 3, 3, 3]), torch.ones(8, 1)
-    G = reinforce_pp_returns(rewards, mask, None, None, kl_coef=0.0, clip_score=10, group_size=4)
+    G = reinforce_pp_returns(rewards, mask, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10, group_size=4)
     torch.testing.assert_close(G[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]), atol=0, rtol=0)
-    A = reinforce_pp_advantages(rewards, mask, None, None, kl_coef=0.0, clip_score=10, group_size=4,
-                                reduce_sum=LOCAL)
+    A = reinforce_pp_advantages(rewards, mask, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10,
+                                group_size=4, reduce_sum=LOCAL)
     torch.testing.assert_close(A[:, 0], torch.tensor([1.32288, -1.32288, -1.32288, 1.32288, 0, 0, 0, 0]),
                                atol=1e-4, rtol=0)
     # without the baseline the same rewards whiten around their mean 1.75 instead: a 3 stays positive
-    A_plain = reinforce_pp_advantages(rewards, mask, None, None, kl_coef=0.0, clip_score=10, reduce_sum=LOCAL)
+    A_plain = reinforce_pp_advantages(rewards, mask, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10,
+                                      reduce_sum=LOCAL)
     assert A_plain[4, 0] > 0 and A_plain[0, 0] < 0
 
 
@@ -82,8 +83,8 @@ def test_padding_is_zero_and_never_nan():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     old = torch.tensor([[-1.0, -1.0, float("-inf")], [-2.0, float("inf"), float("-inf")]])
     ref = torch.tensor([[-1.0, -1.0, float("inf")], [-2.0, float("-inf"), float("inf")]])
-    A = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), mask, old, ref, kl_coef=0.1, clip_score=10,
-                                reduce_sum=LOCAL)
+    A = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), mask, old_logp=old, ref_logp=ref, kl_coef=0.1,
+                                clip_score=10, reduce_sum=LOCAL)
     torch.testing.assert_close(A, torch.tensor([[0.57735, 0.57735, 0], [-1.15470, 0, 0]]), atol=1e-4, rtol=0)
 
 
@@ -93,16 +94,18 @@ def test_token_level_advantages_in_the_clipped_surrogate():
     # -min(-.5, -.8) = .8, so the sum is -.48; the PPS IS weight .5 scales both: -.24.
     logp, old = torch.tensor([[1.5, 0.5]]).log(), torch.zeros(1, 2)
     mask, w = torch.ones(1, 2), torch.ones(1)
-    loss, stats = policy_loss(logp[:, :1], old[:, :1], None, torch.tensor([[1.0]]), mask[:, :1], w, 0.0, 0.2, 0.28)
+    kw = dict(ref_logp=None, seq_weights=w, beta=0.0, eps_low=0.2, eps_high=0.28)
+    loss, stats = policy_loss(logp[:, :1], old_logp=old[:, :1], advantages=torch.tensor([[1.0]]), mask=mask[:, :1],
+                              **kw)
     assert loss.item() == pytest.approx(-1.28, abs=1e-6) and stats["clipped_tokens"].item() == 1
-    loss, _ = policy_loss(logp, old, None, torch.tensor([[1.0, -1.0]]), mask, w, 0.0, 0.2, 0.28)
+    loss, _ = policy_loss(logp, old_logp=old, advantages=torch.tensor([[1.0, -1.0]]), mask=mask, **kw)
     assert loss.item() == pytest.approx(-0.48, abs=1e-6)
-    loss, _ = policy_loss(logp, old, None, torch.tensor([[1.0, -1.0]]) * 0.5, mask, w, 0.0, 0.2, 0.28)
+    loss, _ = policy_loss(logp, old_logp=old, advantages=torch.tensor([[1.0, -1.0]]) * 0.5, mask=mask, **kw)
     assert loss.item() == pytest.approx(-0.24, abs=1e-6)
     # a (N,) advantage is the same as that value on every token: A = .7, ρ = [1.5, .5] ->
     # -min(1.05, .896) - min(.35, .56) = -.896 - .35 = -1.246
-    per_seq, _ = policy_loss(logp, old, None, torch.tensor([0.7]), mask, w, 0.0, 0.2, 0.28)
-    per_tok, _ = policy_loss(logp, old, None, torch.tensor([[0.7, 0.7]]), mask, w, 0.0, 0.2, 0.28)
+    per_seq, _ = policy_loss(logp, old_logp=old, advantages=torch.tensor([0.7]), mask=mask, **kw)
+    per_tok, _ = policy_loss(logp, old_logp=old, advantages=torch.tensor([[0.7, 0.7]]), mask=mask, **kw)
     assert per_seq.item() == per_tok.item() == pytest.approx(-1.246, abs=1e-6)
 
 
@@ -153,7 +156,8 @@ def random_batch(seed, N=12, T=7):
 def test_matches_a_direct_loop_on_random_batches(seed, group_size, variance):
     rewards, mask, old, ref = random_batch(seed)
     assert (rewards.abs() > 5).any()                                       # clip_score 5 is exercised
-    got = reinforce_pp_advantages(rewards, mask, old, ref, 0.05, 5.0, group_size, variance, reduce_sum=LOCAL)
+    got = reinforce_pp_advantages(rewards, mask, old_logp=old, ref_logp=ref, kl_coef=0.05, clip_score=5.0,
+                                  group_size=group_size, variance=variance, reduce_sum=LOCAL)
     want = loop_advantages(rewards, mask, old, ref, 0.05, 5.0, group_size, variance)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[mask].std().item() > 0.5                                    # whitened, not trivially 0
@@ -174,7 +178,7 @@ def _whiten_on_rank(rank, init_file, values, mask, out_dir):
 def test_whitening_over_two_ranks_equals_one_process(tmp_path):
     # in the fast command with the rest of tests/math/, although it starts two processes (a few seconds)
     rewards, mask, old, ref = random_batch(11)
-    returns = reinforce_pp_returns(rewards, mask, old, ref, 0.05, 10.0)   # (12, 7)
+    returns = reinforce_pp_returns(rewards, mask, old_logp=old, ref_logp=ref, kl_coef=0.05, clip_score=10.0)  # (12, 7)
     mp.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), returns, mask, str(tmp_path)), nprocs=2)
     got = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)])
     want = whiten(returns, mask, "bessel", reduce_sum=LOCAL)               # one process, the whole batch
@@ -215,8 +219,8 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     examples = builtin_arithmetic("train")[:4]
     ids = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
            for ex in examples]
-    policy = build_policy(tiny_model_path, False, 64, False, False)
-    ref = build_policy(tiny_model_path, False, 64, False, False, trainable=False) if cfg.algo.needs_reference else None
+    policy = build_policy(tiny_model_path, chunk_tokens=64)
+    ref = build_policy(tiny_model_path, chunk_tokens=64, trainable=False) if cfg.algo.needs_reference else None
     seeds = sequence_seeds(0, 0, torch.arange(4), 3)                      # (12,)
     rollout = HFEngine(policy, tokenizer, 64).generate(ids, 3, 1.0, 1.0, 6, seeds)   # a real 12-sequence rollout
     rewards = torch.tensor([[1.0, 0, 0], [1, 1, 1], [0, 0, 0], [1, 0, 1]])    # (4, 3)

@@ -45,7 +45,7 @@ def test_unparsable_gold_raises_naming_it(gold):
         check_gold_answer(gold)
     # a data error must surface through the batch scorer, never be scored 0 (or a free 1.0)
     with pytest.raises(GoldAnswerError):
-        score_completions(["p"], ["\\boxed{1}"], [gold], {"accuracy": 1.0})
+        score_completions(["p"], ["\\boxed{1}"], [gold], weights={"accuracy": 1.0})
     check_gold_answer("\\frac{1}{2}")                                 # a good gold passes
 
 
@@ -87,7 +87,7 @@ def test_cosine_reward_hand_worked():
 def test_score_completions_weighted_sum():
     completions = ["<think></think>\\boxed{5}", "<think></think>\\boxed{4}", "\\boxed{5}"]
     weights = {"accuracy": 2.0, "format": 1.0, "cosine": 0.0}
-    out = score_completions(["p"] * 3, completions, ["5"] * 3, weights)
+    out = score_completions(["p"] * 3, completions, ["5"] * 3, weights=weights)
     # accuracy [1,0,1], format [1,1,0] -> rewards 2*acc + 1*fmt = [3, 1, 2]; cosine logged only
     torch.testing.assert_close(out.components["accuracy"], torch.tensor([1.0, 0.0, 1.0]))
     torch.testing.assert_close(out.components["format"], torch.tensor([1.0, 1.0, 0.0]))
@@ -100,11 +100,11 @@ def test_score_completions_weighted_sum():
 
 def test_score_completions_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown reward"):
-        score_completions(["p"], ["c"], ["1"], {"acuracy": 1.0})
+        score_completions(["p"], ["c"], ["1"], weights={"acuracy": 1.0})
     with pytest.raises(ValueError, match="equal lengths"):
-        score_completions(["p"], ["c", "d"], ["1"], {"accuracy": 1.0})
+        score_completions(["p"], ["c", "d"], ["1"], weights={"accuracy": 1.0})
     with pytest.raises(ValueError, match="timeout_s"):
-        score_completions(["p"], ["c"], ["1"], {"accuracy": 1.0}, timeout_s=0)
+        score_completions(["p"], ["c"], ["1"], weights={"accuracy": 1.0}, timeout_s=0)
 
 
 def test_slow_and_raising_functions_score_zero_and_count(monkeypatch):
@@ -119,7 +119,7 @@ def test_slow_and_raising_functions_score_zero_and_count(monkeypatch):
     monkeypatch.setitem(rewards.REWARD_FUNCTIONS, "broken", broken)
     t0 = time.perf_counter()
     out = score_completions(["p"] * 3, ["<think></think>\\boxed{1}"] * 3, ["1"] * 3,
-                            {"slow": 1.0, "broken": 1.0, "accuracy": 1.0}, timeout_s=0.05)
+                            weights={"slow": 1.0, "broken": 1.0, "accuracy": 1.0}, timeout_s=0.05)
     assert time.perf_counter() - t0 < 2.0                # 3 x 0.05 s, not 3 x 5 s
     assert out.failures == {"slow": 3, "broken": 3, "accuracy": 0}
     torch.testing.assert_close(out.components["slow"], torch.zeros(3))
@@ -131,7 +131,7 @@ def test_outer_timer_and_handler_are_restored():
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
     try:
         signal.setitimer(signal.ITIMER_REAL, 30.0)
-        score_completions(["p"], ["\\boxed{1}"], ["1"], {"accuracy": 1.0})
+        score_completions(["p"], ["\\boxed{1}"], ["1"], weights={"accuracy": 1.0})
         remaining, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 25.0 < remaining <= 30.0                  # re-armed with what was left
         signal.setitimer(signal.ITIMER_REAL, 0.01)       # our handler is back: it, not
@@ -147,7 +147,7 @@ def test_score_completions_outside_main_thread_fails_clearly():
 
     def run():
         try:
-            score_completions(["p"], ["\\boxed{1}"], ["1"], {"accuracy": 1.0})
+            score_completions(["p"], ["\\boxed{1}"], ["1"], weights={"accuracy": 1.0})
         except RuntimeError as e:
             errors.append(str(e))
 
@@ -183,7 +183,7 @@ def test_adversarial_completions_do_not_break_the_batch():
     n = len(nasty)
     t0 = time.perf_counter()
     out = score_completions(["p"] * n, nasty, ["42"] * n,
-                            {"accuracy": 1.0, "format": 1.0, "cosine": 1.0}, timeout_s=1.0)
+                            weights={"accuracy": 1.0, "format": 1.0, "cosine": 1.0}, timeout_s=1.0)
     elapsed = time.perf_counter() - t0
     assert elapsed < 5.0, elapsed
     assert out.rewards.shape == (n,) and torch.isfinite(out.rewards).all()
@@ -195,7 +195,7 @@ def test_adversarial_completions_do_not_break_the_batch():
 def test_repeated_answers_hit_the_memo():
     clear_memo()
     completions = ["<think></think>\\boxed{57}"] * 8 + ["<think>long</think>\\boxed{57}"] * 8
-    score_completions(["p"] * 16, completions, ["57"] * 16, {"accuracy": 1.0, "cosine": 1.0})
+    score_completions(["p"] * 16, completions, ["57"] * 16, weights={"accuracy": 1.0, "cosine": 1.0})
     info = rewards._is_correct.cache_info()
     # both completions have the same answer part "\boxed{57}": 1 miss, 31 hits (16 acc + 16 cos)
     assert (info.misses, info.hits) == (1, 31)
@@ -208,6 +208,6 @@ def test_timeout_interrupts_math_verify_itself(monkeypatch):
     clear_memo()
     completion = "\\boxed{" + "{" * 15 + "1" + "}" * 15 + "}"
     t0 = time.perf_counter()
-    out = score_completions(["p"], [completion], ["1"], {"accuracy": 1.0}, timeout_s=0.2)
+    out = score_completions(["p"], [completion], ["1"], weights={"accuracy": 1.0}, timeout_s=0.2)
     assert time.perf_counter() - t0 < 2.0
     assert out.failures == {"accuracy": 1} and out.rewards.item() == 0.0

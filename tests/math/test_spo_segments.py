@@ -29,7 +29,7 @@ def test_cuts_k1_hand_worked():
     rows, cuts = select_cuts(P, ONES, interval=1)
     assert rows.tolist() == [0, 0, 0] and cuts.tolist() == [0, 2, 4]
     assert probability_mask(P, ONES).tolist() == [[0, 1, 0, 1, 0, 1, 0]]
-    adv = segment_advantages(rows, cuts, V(cuts), torch.tensor([R]), P, ONES)
+    adv = segment_advantages(rows, cuts, V(cuts), rewards=torch.tensor([R]), probs=P, mask=ONES)
     torch.testing.assert_close(adv, torch.tensor([[0, .4, 0, -.3, 0, .7, 0]]), atol=1e-6, rtol=0)
 
 
@@ -37,7 +37,7 @@ def test_cuts_k2_hand_worked():
     # K = 2 keeps J[::2] = {1, 5} -> cuts {0, 4}: tokens 1-4 share c - a = .1 (1 and 3 unmasked), 5-6 R - c
     rows, cuts = select_cuts(P, ONES, interval=2)
     assert cuts.tolist() == [0, 4]
-    adv = segment_advantages(rows, cuts, V(cuts), torch.tensor([R]), P, ONES)
+    adv = segment_advantages(rows, cuts, V(cuts), rewards=torch.tensor([R]), probs=P, mask=ONES)
     torch.testing.assert_close(adv, torch.tensor([[0, .1, 0, .1, 0, .7, 0]]), atol=1e-6, rtol=0)
     assert select_cuts(P, ONES, interval=3)[1].tolist() == [0]            # J[::3] = {1}: one cut, A_t = R - a after it
 
@@ -48,7 +48,7 @@ def test_first_token_candidate_gives_a_prompt_baseline():
     p, m = torch.tensor([[.5, .95, .3, .99]]), torch.ones(1, 4)
     rows, cuts = select_cuts(p, m, 1)
     assert cuts.tolist() == [-1, 1]
-    adv = segment_advantages(rows, cuts, V(cuts), torch.tensor([0.0]), p, m)
+    adv = segment_advantages(rows, cuts, V(cuts), rewards=torch.tensor([0.0]), probs=p, mask=m)
     torch.testing.assert_close(adv, torch.tensor([[-.65, 0, -.25, 0]]), atol=1e-6, rtol=0)
     # the same completion with p_0 = .95: J = {2}, cut {1}, no V(prompt): token 0 gets 0 (and is masked)
     p0 = torch.tensor([[.95, .95, .3, .99]])
@@ -60,7 +60,7 @@ def test_no_candidates_no_cuts_zero_advantage_and_padding_ignored():
     p, m = torch.tensor([[.95, .99, .9], [.5, .2, .1]]), torch.tensor([[1., 1, 1], [1, 0, 0]])
     rows, cuts = select_cuts(p, m, 1)
     assert rows.tolist() == [1] and cuts.tolist() == [-1]                 # row 1: only its valid token 0
-    adv = segment_advantages(rows, cuts, torch.tensor([.5]), torch.tensor([1.0, 0.0]), p, m)
+    adv = segment_advantages(rows, cuts, torch.tensor([.5]), rewards=torch.tensor([1.0, 0.0]), probs=p, mask=m)
     torch.testing.assert_close(adv, torch.tensor([[0., 0, 0], [-.5, 0, 0]]), atol=1e-6, rtol=0)   # 0 - .5
     with pytest.raises(ValueError, match="spo.cutpoint_interval"):
         select_cuts(p, m, 0)
@@ -70,7 +70,8 @@ def test_whitening_over_the_probability_mask_only():
     # K = 1 case: masked A = [.4, -.3, .7], mean .26667, Bessel var (.01778 + .32111 + .18778)/2 = .26333,
     # std .51316 -> [.25983, -1.10427, .84444]; the four p >= .9 tokens stay 0 and do not enter the stats
     rows, cuts = select_cuts(P, ONES, 1)
-    adv, M = chain_advantages(rows, cuts, V(cuts), torch.tensor([R]), P, ONES, reduce_sum=lambda x: x)
+    adv, M = chain_advantages(rows, cuts, V(cuts), rewards=torch.tensor([R]), probs=P, mask=ONES,
+                              reduce_sum=lambda x: x)
     torch.testing.assert_close(adv, torch.tensor([[0, .25983, 0, -1.10427, 0, .84444, 0]]), atol=1e-4, rtol=0)
     assert torch.equal(M, probability_mask(P, ONES))
 
@@ -128,7 +129,7 @@ def test_chain_against_a_loop_reference_on_random_rows(K):
     rewards = torch.randint(0, 2, (N,), generator=gen).float()
     table = torch.rand(N, T + 1, generator=gen)                           # V(c) of row i at cut c: table[i, c+1]
     rows, cuts = select_cuts(probs, mask, K)
-    adv = segment_advantages(rows, cuts, table[rows, cuts + 1], rewards, probs, mask)
+    adv = segment_advantages(rows, cuts, table[rows, cuts + 1], rewards=rewards, probs=probs, mask=mask)
     for i in range(N):
         ref = reference_chain(probs[i].tolist(), int(lengths[i]), K, lambda c: float(table[i, c + 1]), float(rewards[i]))
         torch.testing.assert_close(adv[i], torch.tensor(ref), atol=1e-6, rtol=0)
