@@ -95,19 +95,6 @@ def test_data_builds_on_knights_and_rewards_on_the_pool():
     assert "tasks.reward_pool" in graph["rewards"] and reaches(graph, "tasks.reward_pool", "rewards") is None
 
 
-@pytest.mark.slow
-def test_each_module_imports_first_on_its_own():
-    # Importing either module of such a pair first works (no partly initialised module).
-    code = ("import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; "
-            "from pspo.tasks.data import DataError, Example; from pspo.tasks import example; "
-            "assert (DataError, Example) == (example.DataError, example.Example)")
-    for order in (["pspo.tasks.knights", "pspo.tasks.data"], ["pspo.tasks.data", "pspo.tasks.knights"],
-                  ["pspo.rewards", "pspo.tasks.reward_pool"], ["pspo.tasks.reward_pool", "pspo.rewards"]):
-        proc = subprocess.run([sys.executable, "-c", code, *order], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, (order, proc.stderr[-2000:])
-
-
 def test_the_top_of_pspo_is_the_paper_and_the_rest_is_in_folders():
     top = {f[:-3] for f in os.listdir(PSPO) if f.endswith(".py") and f != "__init__.py"}
     folders = {d for d in os.listdir(PSPO) if os.path.isdir(os.path.join(PSPO, d)) and d != "__pycache__"}
