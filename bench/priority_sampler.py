@@ -36,7 +36,8 @@ def touched(n: int, batch: int, groups: int = 8, **options) -> PrioritySampler:
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         idx, _ = s.sample(batch)
-        s.set_priorities(idx, torch.rand(batch, groups, generator=g) * 0.5, torch.rand(batch, groups, generator=g).round())
+        s.set_priorities(idx, torch.rand(batch, groups, generator=g) * 0.5,
+                         torch.rand(batch, groups, generator=g).round())
     return s
 
 

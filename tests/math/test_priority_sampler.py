@@ -207,7 +207,8 @@ def test_update_of_another_batch_than_the_last_sample_is_an_error():
     with pytest.raises(ValueError, match=r"3 prompts scored, but the last sample drew 2"):
         s.set_priorities(torch.arange(3), rows(4, 4, 4))
     torch.testing.assert_close(s.priorities(), before)                                  # nothing changed
-    torch.testing.assert_close(s.set_priorities(idx, rows(1, 2)), w[:, None].expand(2, 4))     # the drawn batch: its weights
+    # the drawn batch: its weights
+    torch.testing.assert_close(s.set_priorities(idx, rows(1, 2)), w[:, None].expand(2, 4))
 
 
 def test_update_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worked():
