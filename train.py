@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
             if not method.generates:
                 run.engine.release()                                            # nothing more to generate
             step.old_logp, step.ref_logp = score_first(method, step, run.context)   # what its advantages read
-            adv = method.advantages(step, run.context)                  # (N, T) token A, loss mask M; ERS
+            adv = method.advantages(step, run.context)                          # (N, T) A, M; ERS in grpo
             if method.generates:
                 run.engine.release()                                            # SPO: after its continuations
             batch, engine_gap = update_batch(adv, step, run.context)            # π_old, π_ref; A·w_PPS·w_TIS
@@ -245,7 +245,7 @@ def setup(cfg: Config, dist_: Dist) -> Run:
                   r.max_new_tokens)
     engine = engine_name(r.engine)
     print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine,      # PlanError: cannot fit
-                        resolve=resolve_model_path))
+                         resolve=resolve_model_path))
     t = cfg.train
     print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, dist_.device.type, m.bf16))
     prm = load_prm(cfg, dist_.device)

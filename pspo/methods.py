@@ -13,9 +13,9 @@ with this rank's statistics (`Advantages`):
     spo_tree               SPO-tree: trees grown from the step's completions,        docs/related.md §B
                            replayed edges
 
-The math lives in advantages.py and related/spo_segments.py (pure tensor functions); SPO's extra
-generation in related/spo.py (imported when an SPO method is chosen). The loop (train.py) makes the
-shared calls, once each, in this order:
+The math lives in advantages.py, ema_stats.py (ERS) and related/spo_segments.py (pure tensor
+functions); SPO's extra generation in related/spo.py (imported when an SPO method is chosen). The
+loop (train.py) makes the shared calls, once each, in this order:
 1. `engine.release()` (rollout.py) as soon as the step generates nothing more: before the method,
    or after it for a method that generates (`Method.generates`: SPO-chain's Monte Carlo
    continuations, SPO-tree's branches);

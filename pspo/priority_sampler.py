@@ -303,7 +303,7 @@ class PrioritySampler:
         if weights is None:
             return torch.ones(batch, groups)
         if len(weights) != batch:
-            raise ValueError(f"PrioritySampler.set_priorities: {batch} prompts scored, but the last sample drew "
+            raise ValueError(f"PrioritySampler.update: {batch} prompts scored, but the last sample drew "
                              f"{len(weights)}; update the prompts of the last sample")
         return weights[:, None].expand(batch, groups).clone()
 

@@ -139,6 +139,13 @@ def test_model_loading_reaches_no_builder_nor_the_knights_generator():
         assert reaches(graph, "training.model", module) is None, (module, reaches(graph, "training.model", module))
 
 
+def test_the_reward_workers_import_no_torch():
+    # rewards.py is what a reward worker imports (tasks/reward_pool.py): without torch it starts in
+    # ~0.7 s instead of ~2 s, so torch is imported only where result tensors are built
+    code = "import sys, pspo.rewards; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
 @pytest.mark.slow
 def test_resolving_and_loading_a_local_model_imports_no_builder(tiny_model_path):
     code = ("import sys; from pspo.offline.builtin import resolve_model_path; "

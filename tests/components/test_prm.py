@@ -215,7 +215,7 @@ def test_plan_counts_the_prm(tiny_prm_path):
     assert rows["prm"] == (2 * arch.params, "both") and rows["prm_acts"] == (10485760, "generation")
     assert "prm" not in {key for key, *_ in without.rows}
     absent, why = plan.load_prm_arch(prm_config(model="no/such-prm"), local_only=True,
-                                        resolve=resolve_model_path)
+                                     resolve=resolve_model_path)
     assert absent is None and "prm.model 'no/such-prm': not counted" in why
 
 

@@ -213,17 +213,28 @@ def test_update_of_another_batch_than_the_last_sample_is_an_error():
 
 def test_update_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worked():
     # rewards [1, 0]: μ = .5, s = .70711; GRPO |A| = .5 / (.70711 + 1e-4) = .70700 for both completions,
-    # p = (.70700 + 1e-6)^.6 = exp(.6 ln .70700) = .81218. Dr. GRPO (no std scaling): |A| = .5,
-    # p = (.5 + 1e-6)^.6 = exp(.6 ln .5) = .65975. The posterior reads the accuracy [1, 0] instead:
-    # a = 1 + 1, b = 1 + 1, p̂ = .5, p = (.25 + 1e-6)^.6 = .43528.
-    for scale, expected in ((True, 0.81218), (False, 0.65975)):
-        s = PrioritySampler(2, alpha=0.6, beta=0.4, eps=1e-6, scale_rewards=scale, adv_eps=1e-4)
+    # p = (.70700 + 1e-6)^.6 = exp(.6 ln .70700) = .81218; with adv_eps .5, |A| = .5 / 1.20711 = .41421,
+    # p = .58930. Dr. GRPO (no std scaling): |A| = .5, p = (.5 + 1e-6)^.6 = exp(.6 ln .5) = .65975.
+    # The posterior reads the accuracy [1, 1] instead: a = 1 + 2, b = 1 + 0, p̂ = .75,
+    # p = (.75·.25 + 1e-6)^.6 = .1875^.6 = .36627 (below the starting .25^.6 = .43528).
+    for scale, adv_eps, expected in ((True, 1e-4, 0.81218), (True, 0.5, 0.58930), (False, 0.5, 0.65975)):
+        s = PrioritySampler(2, alpha=0.6, beta=0.4, eps=1e-6, scale_rewards=scale, adv_eps=adv_eps)
         weights = s.update(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
         assert float(s.priorities()[0]) == pytest.approx(expected, rel=1e-4)
         assert weights.tolist() == [[1.0, 1.0]]                          # nothing drawn yet: ones
     s = PrioritySampler(2, alpha=0.6, eps=1e-6, priority="posterior")
-    s.update(torch.tensor([0]), torch.tensor([[5.0, 5.0]]), torch.tensor([[1.0, 0.0]]))
-    assert float(s.priorities()[0]) == pytest.approx(0.43528, rel=1e-4)
+    s.update(torch.tensor([0]), torch.tensor([[5.0, 5.0]]), torch.tensor([[1.0, 1.0]]))
+    assert float(s.priorities()[0]) == pytest.approx(0.36627, rel=1e-4)
+
+
+def test_build_sampler_hands_the_algo_sections_advantage_settings_to_pps():
+    from pspo.sampler import build_sampler
+    from pspo.training.config import load_config
+    for mode in ("paper", "reference"):
+        cfg = load_config(None, ["--pps.enabled=true", f"--pps.mode={mode}", "--algo.scale_rewards=false",
+                                 "--algo.adv_eps=0.5", "--train.prompts_per_step=2"])
+        s = build_sampler(cfg, ["p0", "p1", "p2"], "test")
+        assert (s.scale_rewards, s.adv_eps) == (False, 0.5), mode
 
 
 def test_uniform_sampling_weighs_every_completion_one():

@@ -74,9 +74,10 @@ def test_weights_and_priorities_hand_worked():
     t.set_priorities(torch.tensor([1]), torch.zeros(1, 3))
     assert t.priorities()[1].item() == pytest.approx(1e-6 ** 0.6, rel=1e-12)
     # from the scores: rewards [1, 0] give the raw GRPO |A| = .5 / (.70711 + 1e-4) = .70700 per completion,
-    # so the last write is (.70700 + 1e-6)^.6 = .81218; Dr. GRPO's |A| = .5 gives .5^.6 = .65975
-    for scale, expected in ((True, 0.81218), (False, 0.65975)):
-        r = ReferenceSampler(2, alpha=0.6, beta=0.4, scale_rewards=scale, adv_eps=1e-4)
+    # so the last write is (.70700 + 1e-6)^.6 = .81218 (adv_eps .5: |A| = .5 / 1.20711 = .41421, .58930);
+    # Dr. GRPO's |A| = .5 gives .5^.6 = .65975
+    for scale, adv_eps, expected in ((True, 1e-4, 0.81218), (True, 0.5, 0.58930), (False, 0.5, 0.65975)):
+        r = ReferenceSampler(2, alpha=0.6, beta=0.4, scale_rewards=scale, adv_eps=adv_eps)
         r.update(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
         assert r.priorities()[0].item() == pytest.approx(expected, rel=1e-4)
 
