@@ -59,17 +59,17 @@ def _tiny_knights_model() -> str:
     return ensure_tiny_knights_model()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_model_path() -> str:
     return _tiny_model()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def knights_standin_path() -> str:
     return _knights_standin()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_knights_model_path() -> str:
     from pspo.offline.tiny_knights import tiny_knights_path
     if not os.path.isdir(tiny_knights_path()) and os.environ.get("PSPO_BUILD_KNIGHTS") != "1":
@@ -181,10 +181,10 @@ def _run_main(script: str, *argv: str) -> Ran:
     return Ran(result, out.getvalue(), err.getvalue())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def run_main():
     """`run_main("train", "--config", ...)`: train.py (or "eval": eval.py) in this process; see
-    _run_main. One for the whole test run, so that a module's fixture may share one run among its tests."""
+    _run_main. Module-scoped, so that a module's fixture may share one run among its tests."""
     return _run_main
 
 
@@ -199,7 +199,7 @@ def _launch_train(args: list[str], nproc: int = 1):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def launch_train():
     """`launch_train(args, nproc=1)`: train.py in this process, or under torchrun with nproc ranks."""
     return _launch_train
