@@ -34,6 +34,7 @@ from torch import Tensor
 from pspo.training import distributed
 from pspo.training.config import error_line
 from pspo.training.model import ModelError
+from pspo.training.lora import save_adapter
 from pspo.engines.sampling import sequence_seeds
 from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
 
@@ -210,10 +211,9 @@ class VLLMEngine:
 
     def _sync_adapter(self, policy: torch.nn.Module) -> None:
         from vllm.lora.request import LoRARequest
-        adapter = {f"base_model.model.{name}": tensor.cpu() for name, tensor in adapter_params(policy.lm)}
         self.lora_version += 1
         folder = os.path.join(self.lora_dir, f"v{self.lora_version}")
-        policy.peft.save_pretrained(folder, state_dict=adapter)
+        save_adapter(policy.peft, {name: tensor.cpu() for name, tensor in adapter_params(policy.lm)}, folder)
         old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{self.lora_version}",
                                                                  self.lora_version, folder)
         if old is not None:

@@ -51,6 +51,11 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
+def report_sinks(report_to: str) -> list[str]:
+    """train.report_to's sinks: "tensorboard,wandb" -> ["tensorboard", "wandb"]."""
+    return [part.strip() for part in report_to.split(",")]
+
+
 def error_line(e: BaseException, limit: int = 300) -> str:
     """"TypeName: " + first_line(e, limit), or the type name alone if e has no message."""
     name = type(e).__name__
@@ -82,6 +87,13 @@ class LoraConfig:
     alpha: float = 32.0                 # the update is (alpha / rank) B A
     dropout: float = 0.0                # on the adapters' input (training only)
     target_modules: str = "all-linear"  # "all-linear" (every linear layer but the head) or names: q_proj,v_proj
+
+    @property
+    def targets(self) -> str | list[str]:
+        """target_modules as peft takes it: "all-linear", or the list of module names."""
+        if self.target_modules == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.target_modules.split(",")]
 
 
 @dataclass
@@ -547,7 +559,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1",
            cfg.model.logprob_chunk_tokens)
-    sinks = [part.strip() for part in t.report_to.split(",")]
+    sinks = report_sinks(t.report_to)
     check(set(sinks) <= set(REPORT_TO) and ("none" not in sinks or sinks == ["none"]), "train.report_to",
           "tensorboard, wandb, tensorboard,wandb or none", t.report_to)
     check("wandb" not in sinks or importlib.util.find_spec("wandb") is not None, "train.report_to",
@@ -556,8 +568,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(lo.rank >= 0, "model.lora.rank", ">= 0 (0 = full fine-tuning)", lo.rank)
     check(lo.alpha > 0 and math.isfinite(lo.alpha), "model.lora.alpha", "a finite number > 0", lo.alpha)
     check(0 <= lo.dropout < 1, "model.lora.dropout", "in [0, 1)", lo.dropout)
-    names = [n.strip() for n in lo.target_modules.split(",")]
-    check(lo.target_modules == "all-linear" or (all(n.isidentifier() for n in names) and names),
+    names = [] if lo.targets == "all-linear" else lo.targets
+    check(lo.targets == "all-linear" or (all(n.isidentifier() for n in names) and names),
           "model.lora.target_modules", "all-linear or module names separated by commas (q_proj,v_proj)",
           lo.target_modules)
     # the log-prob head reads lm_head's weight itself (token_logprobs.py): an adapter there would be ignored

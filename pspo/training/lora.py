@@ -42,10 +42,8 @@ def add_adapters(lm: torch.nn.Module, lora: LoraConfig):
     adapters require grad; they are float32 whatever the base's dtype."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-    targets = lora.target_modules if lora.target_modules == "all-linear" else \
-        [name.strip() for name in lora.target_modules.split(",")]
-    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                            bias="none", task_type="CAUSAL_LM")
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=lora.targets, bias="none", task_type="CAUSAL_LM")
     try:
         peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
     except ValueError as e:                      # no module matches target_modules
@@ -68,8 +66,7 @@ def load_adapter_weights(peft_model, path: str, lora: LoraConfig | None = None) 
             raise LoraError(f"{path}/{ADAPTER_CONFIG}: cannot read it ({first_line(e, 200)})") from None
         targets = saved.get("target_modules")
         targets = "all-linear" if targets == "all-linear" else ",".join(sorted(targets or []))
-        want = "all-linear" if lora.target_modules == "all-linear" else \
-            ",".join(sorted(n.strip() for n in lora.target_modules.split(",")))
+        want = "all-linear" if lora.targets == "all-linear" else ",".join(sorted(lora.targets))
         for key, theirs, ours in (("rank", saved.get("r"), lora.rank), ("alpha", saved.get("lora_alpha"), lora.alpha),
                                   ("target_modules", targets, want)):
             if theirs != ours and not (key == "target_modules" and want == "all-linear"):

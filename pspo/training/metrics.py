@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pspo.training import distributed
-from pspo.training.config import Config
+from pspo.training.config import Config, report_sinks
 
 
 class StepClock:
@@ -177,7 +177,7 @@ class MetricsLogger:
         self.enabled = enabled
         if not enabled:
             return
-        sinks = {part.strip() for part in report_to.split(",")}
+        sinks = report_sinks(report_to)
         path = os.path.join(output_dir, "metrics.jsonl")
         if resume_step > 0:
             _truncate_after(path, resume_step)      # drop lines logged after the resumed checkpoint

@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from pspo.training.config import first_line
+
 PACKED_ATTENTION = "pspo_packed"      # the policy's config._attn_implementation
 
 
@@ -72,7 +74,7 @@ def packed_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
             out = _varlen(q, k, v, offsets, int(kwargs["max_length_q"]), scaling)        # (S, H, D)
             return out[None], None
         except (RuntimeError, TypeError, NotImplementedError) as e:   # this torch's kernel refuses it
-            _varlen_failed.append(str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
+            _varlen_failed.append(first_line(e, 200))
             print(f"warning: varlen attention failed ({_varlen_failed[0]}); packed rows run sdpa per "
                   "sequence from now on", file=sys.stderr)
     parts = []

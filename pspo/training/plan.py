@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from pspo.training.config import Config, ConfigError, error_line, first_line, load_config
+from pspo.training.config import Config, ConfigError, LoraConfig, error_line, first_line, load_config
 from pspo.training.model import load_model_config
 from pspo.training.tokens import bucket
 
@@ -372,11 +372,11 @@ LORA_SHAPES = {   # the linear layers of a Qwen2 / Llama-style decoder layer: na
     "down_proj": lambda a: (a.intermediate, a.hidden)}
 
 
-def lora_params(a: Arch, rank: int, target_modules: str) -> int:
+def lora_params(a: Arch, lora: LoraConfig) -> int:
     """LoRA's trainable parameters: rank x (in + out) per targeted linear layer, in every decoder layer
     ("all-linear": the seven of a Qwen2 / Llama layer; a name the plan does not know counts as the
     largest of them, an upper bound)."""
-    names = list(LORA_SHAPES) if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",")]
+    rank, names = lora.rank, list(LORA_SHAPES) if lora.targets == "all-linear" else lora.targets
     largest = max(sum(f(a)) for f in LORA_SHAPES.values())
     return a.layers * rank * sum(sum(LORA_SHAPES[n](a)) if n in LORA_SHAPES else largest for n in names)
 
@@ -402,7 +402,7 @@ def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
     notes: list[str] = []
     lora = m.lora.rank > 0
     if lora:                                 # a frozen base (bf16 under model.bf16), float32 adapters
-        A, base = lora_params(a, m.lora.rank, m.lora.target_modules), 2 if m.bf16 else 4
+        A, base = lora_params(a, m.lora), 2 if m.bf16 else 4
         rows = [("params", f"frozen base ({'bf16' if m.bf16 else 'fp32'}, 1/{N}), no gradient or AdamW state",
                  base * P // N, "both"),
                 ("adapters", f"LoRA adapters, {A / 1e6:.1f}M: fp32 weights, gradients, AdamW m, v (1/{N})",

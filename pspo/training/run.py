@@ -13,7 +13,7 @@ import torch
 
 from pspo.training import checkpoint, distributed
 from pspo.training.checkpoint import CheckpointError
-from pspo.training.config import Config, save_config, to_dict
+from pspo.training.config import Config, report_sinks, save_config, to_dict
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
 from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, trainable_share
@@ -122,7 +122,7 @@ def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval:
     elif finished and last_eval:
         lines.append(f"test accuracy after step {step}: {last_eval['eval_accuracy']:.3f}")
     out = cfg.train.output_dir
-    sinks = cfg.train.report_to.split(",")
+    sinks = report_sinks(cfg.train.report_to)
     lines.append(f"metrics: {os.path.join(out, 'metrics.jsonl')}"
                  + (f"   TensorBoard: tensorboard --logdir {out}" if "tensorboard" in sinks else "")
                  + (f"   W&B: project {cfg.train.wandb_project}" if "wandb" in sinks else ""))

@@ -13,7 +13,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
 from pspo.offline.builtin import resolve_model_path
 from pspo.training import plan
-from pspo.training.config import load_config
+from pspo.training.config import LoraConfig, load_config
 from pspo.training.token_logprobs import token_logprobs
 from pspo.engines.decode import bucket
 from pspo.training.plan import GiB, PlanError
@@ -408,8 +408,8 @@ def test_lora_plan_counts_the_adapters_and_no_reference():
     config = "configs/qwen2.5-math-1.5b/pspo_lora.yaml"
     cfg = load_config(config, [], 1)
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
-    assert plan.lora_params(a, 16, "all-linear") == 18_464_768
-    assert plan.lora_params(a, 8, "q_proj,v_proj") == 28 * 8 * (3072 + 1792)
+    assert plan.lora_params(a, LoraConfig(rank=16)) == 18_464_768
+    assert plan.lora_params(a, LoraConfig(rank=8, target_modules="q_proj, v_proj")) == 28 * 8 * (3072 + 1792)
     p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm")
     rows = {key: b for key, _, b, _ in p.rows}
     assert rows["params"] == 2 * a.params                                 # the bf16 base, whole
