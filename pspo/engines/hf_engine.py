@@ -1,10 +1,10 @@
 """The transformers engine: generation with the training model itself (`HFEngine`).
 
 It runs one of two loops with the same draws: its own static-cache loop (decode.py: a preallocated
-KV cache, the decoding step compiled once per shape bucket when `rollout.compile` says so), or
-transformers `generate` with a dynamic cache and the sampler as a logits processor (under FSDP2,
-where ranks step together through the sharded root, and as the reference the first is tested
-against). Both draw each token with sampling.py's counter-based Gumbel noise.
+KV cache read in length-aware windows, finished rows compacted away, the decoding step compiled
+when `rollout.compile` says so), or transformers `generate` with a dynamic cache and the sampler
+as a logits processor (under FSDP2, where ranks step together through the sharded root, and as
+the reference the first is tested against). Both draw each token with sampling.py's counter-based Gumbel noise.
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ HF_LOOPS = ("static", "generate", "generate-static")
 class HFEngine:
     """transformers on the training model itself, batched and left-padded.
 
-    loop "static": decode.py's static-cache loop, its step compiled when `compile` (one compile per
-    shape bucket: rows up to `batch_size`, cache length a multiple of `max_len`, the longest prompt +
-    max_new_tokens; 0 = each call's own). loop "generate": transformers `generate` with a dynamic
+    loop "static": decode.py's static-cache loop (length-aware windows, finished rows compacted
+    away, each row ended at its own budget), its step compiled when `compile` (rows in buckets of
+    `batch_size`, cache length a multiple of `max_len`, the longest prompt + max_new_tokens; 0 = each
+    call's own). loop "generate": transformers `generate` with a dynamic
     cache ("generate-static": with transformers' own StaticCache of max(max_len, the call's length)
     positions, which `generate` compiles on CUDA; bench/rollout.py compares the three), through the
     `Policy` wrapper's __call__ (model.py) so that, under FSDP2, the root module's parameters are
@@ -68,8 +69,10 @@ class HFEngine:
 
         prefix_ids (one per prompt): partial completions to continue, each with at most
         max_new_tokens - len(prefix) new tokens; the Rollout's tensors hold the continuations only
-        (its texts the whole completions). A chunk runs to its largest budget; each row is then
-        cut to its own, which changes nothing else, since a row's draws depend on its seed alone.
+        (its texts the whole completions). The static loop ends each row at its own budget;
+        `generate` runs a chunk to its largest and each row is then cut to its own, which changes
+        nothing else, since a row's draws depend on its seed alone. The columns past every row's
+        end are dropped.
         """
         inputs, budgets = continuation_inputs(prompt_ids, prefix_ids, max_new_tokens)
         per_call = max(1, self.batch_size // n)
@@ -78,8 +81,7 @@ class HFEngine:
         for i in range(0, len(inputs), per_call):
             chunk = inputs[i:i + per_call]
             chunk_seeds = None if seeds is None else seeds[i * n:(i + len(chunk)) * n]
-            parts.append(self._generate(chunk, n, temperature, top_p, max(budgets[i:i + per_call]),
-                                        chunk_seeds))
+            parts.append(self._generate(chunk, n, temperature, top_p, budgets[i:i + per_call], chunk_seeds))
         gen_time = time.perf_counter() - start
         width = max(p[0].shape[1] for p in parts)
         ids = torch.cat([_pad_right(p[0], width, self.pad_id) for p in parts])
@@ -90,6 +92,8 @@ class HFEngine:
         columns = torch.arange(width, device=ids.device)
         mask = before_stop & (columns < _lengths(parts, width)) & (columns < budget)
         truncated = ~(is_stop & mask).any(1)
+        width = int(mask.sum(1).max())                     # the longest row's end: past it, padding only
+        ids, mask, logprobs = ids[:, :width], mask[:, :width], logprobs[:, :width]
         ids = ids.masked_fill(~mask, self.pad_id)
         prefixes = [q for q in (prefix_ids or [[]] * len(prompt_ids)) for _ in range(n)]
         texts = self.tokenizer.batch_decode([list(q) + row[m].tolist()
@@ -101,16 +105,20 @@ class HFEngine:
     def release(self) -> None:
         """The step generates nothing more: nothing to free, the engine is the training model itself."""
 
-    def _generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seeds):
+    def _generate(self, prompt_ids, n, temperature, top_p, budgets: list[int], seeds):
+        """One chunk: n completions of each prompt, each prompt's budget of new tokens ->
+        (tokens (N, T'), log-probs (N, T'), T')."""
         device = next(self.model.parameters()).device
+        max_new_tokens = max(budgets)
         input_ids, attention = left_pad(prompt_ids, self.pad_id)
         width = input_ids.shape[1]
         input_ids = input_ids.repeat_interleave(n, 0).to(device)
         attention = attention.repeat_interleave(n, 0).to(device)
         seeds = None if seeds is None else seeds.to(device)
         if self.decoder is not None:
+            row_budgets = torch.tensor(budgets, device=device).repeat_interleave(n)     # (N,)
             completion, logprobs = self.decoder.generate(input_ids, attention, seeds, temperature, top_p,
-                                                         max_new_tokens)
+                                                         max_new_tokens, row_budgets)
             return completion, logprobs, completion.shape[1]
         sampler = _GumbelSampler(seeds, width, temperature, top_p)
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0,

@@ -1,21 +1,25 @@
 """The static-cache loop (pspo/engines/decode.py) against transformers `generate` (the engine's other loop):
 the same tokens, masks, texts and log-probs in float32 on CPU, for fresh prompts and for prefixes;
 completions independent of the shape buckets; early-stopping rows; the bf16 weight copies; the
-compiled step."""
+compiled step. Its length-aware windows, row compaction and per-row budgets against the loop over
+the whole cache with every row to the end (`Decoder(window=False, compact=False)`)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pspo.engines import decode, sampling
 from pspo.training.config import ConfigError, load_config
 from pspo.tasks.data import builtin_arithmetic, format_prompt
-from pspo.engines.decode import decode_twin, static_attention
+from pspo.engines.decode import Decoder, decode_twin, static_attention, window
 from pspo.training.packed_attention import PACKED_ATTENTION
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.engines.hf_engine import HFEngine
 from pspo.rollout import compile_enabled
 from pspo.engines.sampling import gumbel_noise
-from pspo.training.tokens import batch_inputs
+from pspo.training.tokens import batch_inputs, left_pad, stop_token_ids
 from pspo.engines.sampling import prefix_seeds, sequence_seeds
 
 
@@ -84,12 +88,12 @@ def test_completions_do_not_depend_on_buckets_or_batch(tiny):
     assert alone.texts == plain.texts[16:20]
     assert torch.equal(alone.completion_ids, plain.completion_ids[16:20, :width])
     torch.testing.assert_close(alone.logprobs, plain.logprobs[16:20, :width], atol=2e-5, rtol=0)
-    assert padded.decoder.buffer[0].shape[1:4:2] == (32, 50)          # the one buffer, at the largest shape
+    assert padded.decoder.buffer[0].shape[1:4:2] == (32, 50 + decode.SPARE)   # the one buffer, the largest shape
 
 
 def test_rows_keep_running_after_their_stop_and_are_padded(tiny):
-    # The loop looks for "all rows done" once per DONE_CHECK_STEPS on a GPU: rows that stopped keep
-    # drawing (masked), the loop runs past the last stop, and the width is still cut at that stop.
+    # The loop looks for done rows once per DONE_CHECK_STEPS on a GPU: rows that stopped keep drawing
+    # (padded) until the next check, the loop runs past the last stop, and the width is still cut there.
     tokenizer, _, static, _, ids = tiny
     seeds = sequence_seeds(1, 0, torch.arange(len(ids)), 2)
     every_step = static.generate(ids, 2, 1.0, 1.0, 40, seeds)
@@ -121,6 +125,134 @@ def test_static_attention_equals_sdpa_with_repeated_heads():
     k2, v2 = k.clone(), v.clone()
     k2[0, :, 4], v2[0, :, 4] = 1e4, -1e4
     torch.testing.assert_close(static_attention(None, q, k2, v2, mask, scaling=0.5)[0], out, atol=0, rtol=0)
+    # a mask 4 columns wide reads the cache's first 4 only: column 4 may hold anything, even NaN
+    narrow = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)[:, None, None, :]
+    k2[:, :, 4], v2[:, :, 4] = float("nan"), float("nan")
+    k4, v4 = k[:, :, :4].repeat_interleave(3, 1), v[:, :, :4].repeat_interleave(3, 1)
+    expected = F.scaled_dot_product_attention(q, k4, v4, attn_mask=narrow, scale=0.5).transpose(1, 2)
+    out, _ = static_attention(None, q, k2, v2, narrow, scaling=0.5)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def test_window_is_the_next_power_of_two_within_the_cache():
+    # 201 filled columns -> 256; 256 -> 256 (2^8 holds them); 257 -> 512; 3000 -> 4096; a 50-position cache
+    # caps 40 -> 64 at 50; 1 -> 1
+    assert [window(n, 4096) for n in (201, 256, 257, 3000, 4096)] == [256, 256, 512, 4096, 4096]
+    assert (window(40, 50), window(33, 50), window(32, 50), window(1, 50)) == (50, 50, 32, 1)
+
+
+@pytest.fixture(scope="module")
+def random_lm(tiny_model_path):
+    """A random-weight 2-layer Qwen2 (4 query heads over 2 KV heads) with the tiny tokenizer: completions
+    run on (its stop token is as likely as any), so rows end where their budgets say. Its head is
+    scaled by 20 so that logits are not flat (top-2 gaps ~1, far above float32's rounding: greedy draws
+    cannot tie)."""
+    tokenizer = load_tokenizer(tiny_model_path)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(20.0)
+    g = torch.Generator().manual_seed(0)
+    widths = torch.randint(3, 41, (24,), generator=g).tolist()                # prompts of 3-40 tokens
+    prompts = [torch.randint(10, len(tokenizer), (w,), generator=g).tolist() for w in widths]
+    return SimpleNamespace(lm=lm), stop_token_ids(tokenizer), tokenizer.pad_token_id, prompts
+
+
+def recorded(decoder: Decoder) -> list[tuple[int, int]]:
+    """The (rows, window) of every step the decoder runs from now on."""
+    shapes, step = [], decoder.step
+
+    def run(tokens, positions, key_valid, kv):
+        shapes.append(tuple(key_valid.shape))
+        return step(tokens, positions, key_valid, kv)
+    decoder.step = run
+    return shapes
+
+
+@pytest.mark.parametrize("temperature, top_p, sampled, done_check, pad_shapes", [
+    (1.0, 1.0, True, 1, False), (0.7, 0.9, True, 4, True), (1.0, 1.0, False, 16, True)])
+def test_windows_and_compaction_decode_what_the_whole_cache_does(random_lm, temperature, top_p, sampled,
+                                                                 done_check, pad_shapes):
+    # 24 rows, prompts of 3-40 tokens (left-padded to 40), budgets spread from 1 to 150 new tokens,
+    # 150^(i/23) rounded: 1, 1, 2, 2, 2, 3, 4, 5, ..., 97, 121, 150. With pad_shapes the rows are padded to
+    # bucket 32 of 32 (8 padding rows) and the cache to 190 positions. The length-aware loop with compaction
+    # draws the same tokens and log-probs (compaction changes the matmuls' row counts: rounding, ~1e-6);
+    # done checks every 1, 4 or 16 steps (CPU, and the GPU's).
+    policy, stop_ids, pad_id, prompts = random_lm
+    input_ids, attention = left_pad(prompts, pad_id)
+    budgets = torch.tensor([round(150 ** (i / 23)) for i in range(24)])
+    seeds = sequence_seeds(3, 1, torch.arange(24), 1) if sampled else None
+    outs, shapes = {}, {}
+    for name, flags in (("full", dict(window=False, compact=False)), ("short", {})):
+        decoder = Decoder(policy, stop_ids, pad_id, max_rows=32, **flags)
+        decoder.pad_shapes, decoder.done_check = pad_shapes, done_check
+        shapes[name] = recorded(decoder)
+        outs[name] = decoder.generate(input_ids, attention, seeds, temperature, top_p, 150, budgets)
+    (tokens, logprobs), (short_tokens, short_logprobs) = outs["full"], outs["short"]
+    assert torch.equal(short_tokens, tokens)
+    torch.testing.assert_close(short_logprobs, logprobs, atol=2e-5, rtol=0)
+    # rows end at their budgets or stop tokens: each holds padding and log-prob 0 after its end
+    is_stop = torch.isin(tokens, torch.tensor(stop_ids)) & (torch.arange(tokens.shape[1]) < budgets[:, None])
+    ends = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, budgets)
+    past = torch.arange(tokens.shape[1]) >= ends[:, None]
+    assert (tokens[past] == pad_id).all() and (logprobs[past] == 0).all() and (logprobs[~past] < 0).all()
+    assert tokens.shape[1] == int(ends.max()) and ends.min() <= 2 and ends.max() >= 97    # very different ends
+    # the whole cache and every row at every step; the short loop in windows of 64, 128 and 190 columns
+    # (prompt 40 + 150) and row buckets down to 2, reading at most a fifth of the columns
+    rows = 32 if pad_shapes else 24
+    assert set(shapes["full"]) == {(rows, 190)}
+    windows, row_counts = {w for _, w in shapes["short"]}, {r for r, _ in shapes["short"]}
+    assert windows == {64, 128, 190} and min(row_counts) == decode.MIN_ROWS == 2 and len(row_counts) >= 4
+    read = sum(r * w for r, w in shapes["short"]) / sum(r * w for r, w in shapes["full"])
+    assert read < 0.2 and len(shapes["short"]) == len(shapes["full"]) == tokens.shape[1] - 1 + (
+        -(tokens.shape[1]) % done_check)                                  # the loop ends at a done check
+
+
+def test_budgets_end_rows_where_a_longer_run_passes(random_lm):
+    # A row's draws depend on its seed and position only: with budgets [3, 40, 1, 17, ...] each row is the
+    # first min(stop + 1, budget) tokens of the same rows run to 40 tokens, whatever the other rows do.
+    policy, stop_ids, pad_id, prompts = random_lm
+    input_ids, attention = left_pad(prompts[:8], pad_id)
+    seeds = sequence_seeds(5, 0, torch.arange(8), 1)
+    decoder = Decoder(policy, stop_ids, pad_id, max_rows=8)
+    tokens, logprobs = decoder.generate(input_ids, attention, seeds, 1.0, 1.0, 40)
+    budgets = torch.tensor([3, 40, 1, 17, 8, 2, 25, 5])
+    short, short_logprobs = decoder.generate(input_ids, attention, seeds, 1.0, 1.0, 40, budgets)
+    for row, budget in enumerate(budgets.tolist()):
+        stops = [i for i, x in enumerate(tokens[row, :budget].tolist()) if x in stop_ids]
+        end = stops[0] + 1 if stops else budget
+        assert short[row, :end].tolist() == tokens[row, :end].tolist() and (short[row, end:] == pad_id).all()
+        torch.testing.assert_close(short_logprobs[row, :end], logprobs[row, :end], atol=2e-5, rtol=0)
+    assert short.shape[1] == 40 if 40 in budgets.tolist() else short.shape[1] < 40
+
+
+def test_engine_loops_agree_on_prefixes_buckets_and_other_prompts(tiny):
+    # The engine's default loop (windows, compaction, per-row budgets) against the whole-cache loop that runs
+    # each chunk to its largest budget: SPO continuations with budgets 8 - len(prefix) = 5, 8, 3, 2, in a
+    # padded bucket (12 rows -> 16 of 64, the cache a multiple of 50).
+    tokenizer, policy, _, reference, ids = tiny
+    first = reference.generate(ids[:4], 1, 1.0, 1.0, 12, sequence_seeds(2, 0, torch.arange(4), 1))
+    lengths = first.mask.sum(1).long().tolist()
+    prefixes = [first.completion_ids[i, :min(k, lengths[i] - 1)].tolist() for i, k in enumerate([3, 0, 5, 6])]
+    seeds = prefix_seeds(2, 0, [p + q for p, q in zip(ids, prefixes)], 3)
+    engines = [HFEngine(policy, tokenizer, batch_size=64, max_len=50) for _ in range(2)]
+    engines[0].decoder.window = engines[0].decoder.compact = False
+    shapes = []
+    for engine in engines:
+        engine.decoder.pad_shapes = True
+        shapes.append(recorded(engine.decoder))
+    full, short = (e.generate(ids[:4], 3, 1.0, 0.95, 8, seeds, prefix_ids=prefixes) for e in engines)
+    assert_same_rollout(short, full)
+    assert_same_rollout(short, reference.generate(ids[:4], 3, 1.0, 0.95, 8, seeds, prefix_ids=prefixes))
+    assert full.truncated.any() and not full.truncated.all()
+    # 7 steps after the prefill (8 new tokens at most): the whole loop at (16, 50) throughout; the short one
+    # leaves the rows of budget 2 and 3 (6 of 12) after their third token, those of 5 after the fifth,
+    # and reads a window of 32 columns (prompt + prefix: at most 18 + 6 tokens, then 7 more columns)
+    assert shapes[0] == [(16, 50)] * 7
+    assert [r for r, _ in shapes[1]] == [16, 16, 8, 8, 4, 4, 4] and {w for _, w in shapes[1]} == {32}
 
 
 def test_bf16_twin_copies_track_the_policy(tiny_model_path):
@@ -211,6 +343,30 @@ def test_compiled_step_equals_the_eager_loop(tiny):
         seeds = sequence_seeds(7, step, torch.arange(len(prompts)), n)
         eager = static.generate(prompts, n, 1.0, 1.0, 12, seeds)
         assert_same_rollout(compiled.generate(prompts, n, 1.0, 1.0, 12, seeds), eager)
+
+
+@pytest.mark.slow
+def test_compiled_step_compiles_once_for_every_rows_and_window(random_lm, capsys):
+    # The rows and the window are dynamic dimensions: 24 rows (bucket 32) ending at budgets 1..150 meet 7
+    # (rows, window) shapes, 32 x 64 to 2 x 190, and dynamo compiles the step once, not once per shape; the
+    # tokens are the eager loop's. Inductor's C++ backend here (~20 s on 2 cores).
+    from torch._dynamo.utils import counters
+    policy, stop_ids, pad_id, prompts = random_lm
+    input_ids, attention = left_pad(prompts, pad_id)
+    budgets = torch.tensor([round(150 ** (i / 23)) for i in range(24)])
+    seeds = sequence_seeds(3, 2, torch.arange(24), 1)
+    eager = Decoder(policy, stop_ids, pad_id, max_rows=32)
+    eager.pad_shapes = True
+    compiled = Decoder(policy, stop_ids, pad_id, max_rows=32, compile=True)
+    shapes = recorded(compiled)
+    before = counters["stats"]["unique_graphs"]
+    tokens, logprobs = compiled.generate(input_ids, attention, seeds, 1.0, 1.0, 150, budgets)
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert "torch.compile failed" not in capsys.readouterr().err
+    assert len(set(shapes)) >= 6 and graphs == 1
+    expected, expected_logprobs = eager.generate(input_ids, attention, seeds, 1.0, 1.0, 150, budgets)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=2e-5, rtol=0)
 
 
 def test_transformers_static_cache_generate_equals_generate(tiny):
