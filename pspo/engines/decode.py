@@ -339,11 +339,15 @@ def _dynamic(*tensors: Tensor, dims: tuple[int, ...]) -> None:
             torch._dynamo.maybe_mark_dynamic(x, d)
 
 
-def _cut(tokens: Tensor, logprobs: Tensor, stop_ids: Tensor, budgets: Tensor) -> tuple[Tensor, Tensor]:
-    """Keep the columns up to the longest row's end: its first stop token within its budget, else its
-    budget. tokens, logprobs (N, T); budgets (N,)."""
+def row_ends(tokens: Tensor, stop_ids: Tensor, budgets: Tensor) -> Tensor:
+    """Each row's end: 1 + the column of its first stop token within its budget, else its budget.
+    tokens (N, T); budgets (N,) -> (N,). Tokens [7, 2, 5] with stop 2: 2 for a budget of 3, 1 for 1."""
     columns = torch.arange(tokens.shape[1], device=tokens.device)
     is_stop = torch.isin(tokens, stop_ids) & (columns < budgets[:, None])   # (N, T)
-    ends = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, budgets)  # (N,)
-    width = int(ends.max())
+    return torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, budgets)
+
+
+def _cut(tokens: Tensor, logprobs: Tensor, stop_ids: Tensor, budgets: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the columns up to the longest row's end. tokens, logprobs (N, T); budgets (N,)."""
+    width = int(row_ends(tokens, stop_ids, budgets).max())
     return tokens[:, :width], logprobs[:, :width]

@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from pspo.engines import decode, sampling
 from pspo.training.config import ConfigError, load_config
 from pspo.tasks.data import builtin_arithmetic, format_prompt
-from pspo.engines.decode import Decoder, decode_twin, static_attention, window
+from pspo.engines.decode import Decoder, decode_twin, row_ends, static_attention, window
 from pspo.training.packed_attention import PACKED_ATTENTION
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.engines.hf_engine import HFEngine
@@ -134,6 +134,13 @@ def test_static_attention_equals_sdpa_with_repeated_heads():
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
+def test_row_ends_at_the_first_stop_within_the_budget():
+    # stop id 2: [7, 2, 5, 2] ends at 2 with a budget of 4 or 2, at 1 with a budget of 1 (the stop is past it);
+    # [2, 2, 2, 2] ends at 1; [7, 7, 7, 2] with a budget of 3 has no stop within it: 3
+    tokens = torch.tensor([[7, 2, 5, 2], [7, 2, 5, 2], [7, 2, 5, 2], [2, 2, 2, 2], [7, 7, 7, 2]])
+    assert row_ends(tokens, torch.tensor([2]), torch.tensor([4, 2, 1, 4, 3])).tolist() == [2, 2, 1, 1, 3]
+
+
 def test_window_is_the_next_power_of_two_within_the_cache():
     # 201 filled columns -> 256; 256 -> 256 (2^8 holds them); 257 -> 512; 3000 -> 4096; a 50-position cache
     # caps 40 -> 64 at 50; 1 -> 1
@@ -195,8 +202,7 @@ def test_windows_and_compaction_decode_what_the_whole_cache_does(random_lm, temp
     assert torch.equal(short_tokens, tokens)
     torch.testing.assert_close(short_logprobs, logprobs, atol=2e-5, rtol=0)
     # rows end at their budgets or stop tokens: each holds padding and log-prob 0 after its end
-    is_stop = torch.isin(tokens, torch.tensor(stop_ids)) & (torch.arange(tokens.shape[1]) < budgets[:, None])
-    ends = torch.where(is_stop.any(1), is_stop.int().argmax(1) + 1, budgets)
+    ends = row_ends(tokens, torch.tensor(stop_ids), budgets)
     past = torch.arange(tokens.shape[1]) >= ends[:, None]
     assert (tokens[past] == pad_id).all() and (logprobs[past] == 0).all() and (logprobs[~past] < 0).all()
     assert tokens.shape[1] == int(ends.max()) and ends.min() <= 2 and ends.max() >= 97    # very different ends
