@@ -1,23 +1,30 @@
-"""The GPU check: the recipes' architectures at real widths with random weights, section by section,
-every figure the project has not measured yet in one summary (docs/gpu.md, "GPU check").
+"""The GPU check: the 1.5B recipe's architecture at real widths with random weights, section by section,
+the headline figures in priority order, within one 8-minute command of a lent GPU (docs/gpu.md, "GPU check").
 
     bash scripts/gpu_check.sh OUT [SECTION ...]       # one NVIDIA GPU; default: the default sections
-    bash scripts/gpu_check.sh --dry-run [--gpu-gib G] # any machine: each section's plan and commands
+    bash scripts/gpu_check.sh --dry-run [--gpu-gib G] # any machine: the time budget, each section's plan and commands
     bash scripts/gpu_check.sh --small OUT [SECTION]   # any machine: the script itself, CPU stand-in widths
 
-It prints the environment and refuses to start, in one line (exit 2), when a package it needs is
-missing (docs/gpu.md#wheels says how to bring them) or there is no CUDA device. A 20-second smoke
-test runs first (a compiled function, a bf16 matmul, the attention kernel sdpa picks). Each section
-runs as child processes under its own time limit, on models built once for all sections (removed at
-the end); each writes OUT/<section>.log, and the figures go to OUT/summary.json and OUT/summary.md
-(a table for bench/RESULTS.md) after every section, with what was not measured and why. Before a
-section starts, its memory plan (pspo/training/plan.py) at the card's memory must fit: the dry run
-prints every plan at 79 GiB (an H100) and a test runs it, so no section stops at start-up for memory.
+It prints the environment and refuses to start, in one line (exit 2), when a package the check itself
+needs is missing or there is no CUDA device; a package only some sections need (peft, TRL, datasets,
+math-verify, vLLM) skips those sections, each saying which (docs/gpu.md#wheels brings them). The 1.5B
+is built once, in the background beside the smoke test, for every section. The default sections run
+in priority order (smoke; packed forward and backward against unpacked; the update; decoding; one
+recipe step; TRL's step on the same workload), each as child processes under a time limit, plain
+`python` on one process (no torchrun); a section that ends early leaves its time to the next, and
+the last one ends within the budget (`--dry-run` prints it: 8 minutes with the wheels' install).
+Past its limit, a section's children and every process they started are stopped
+(bench/child_process.py); one section's failure or exception is recorded and the next one runs.
+When the packed check fails, the later sections run unpacked and the summary says so. OUT/summary.json
+and OUT/summary.md (a table for bench/RESULTS.md) are written after every section, with what was not
+measured and why; each section's children write their own JSON or metrics under OUT as they measure.
+Calls into one OUT add up, each section keeping the environment of the call that ran it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -25,16 +32,32 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+STARTED = time.monotonic()         # the budget counts from the check's start (its imports included)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.child_process import become_subreaper, run_child  # noqa: E402
+from bench.step_time import Workload, train_argv  # noqa: E402
 
 H100_GIB = 79.2                 # what torch reports for an H100 80GB: the dry run's default card
 R15 = "configs/qwen2.5-math-1.5b"
 R7 = "configs/qwen2.5-7b-instruct-1m"
-NEEDS = ("torch", "transformers", "peft", "datasets", "math_verify", "yaml", "safetensors", "tqdm", "tensorboard")
+CORE = ("torch", "transformers", "yaml", "safetensors", "tqdm")   # what the check and every section import
+DISTRIBUTIONS = ("datasets", "math-verify", "peft", "trl", "accelerate", "vllm")   # versions in the summary
+
+# The time budget of one lent GPU: 15 minutes of device time with the machine's start, at most 10 per
+# command; the check's command (the wheels' install, then the check) is planned at 8 minutes.
+SLOT_S = 480
+WHEELS_S = 10       # pip install --no-index --no-deps --target of ~3 MB of pure-Python wheels (estimated)
+STARTUP_S = 8       # the check's own start: Python, torch's import, the environment (estimated)
+BUILD_S = 50        # the 1.5B built once, in the background beside the smoke test (~30 s, RESULTS §20)
+MARGIN_S = 7        # stopping the last section's processes, the last summary
+SMALL_LIMIT_S = 300  # --small: every section's limit on a CPU (stand-in widths, no budget)
 
 
 @dataclass(frozen=True)
@@ -57,53 +80,87 @@ class PlanCase:
 class Section:
     name: str
     what: str
-    limit_s: int                  # the section's time limit: its child processes are killed past it
-    default: bool                 # in the default list
+    limit_s: int                  # its time limit: its child processes are stopped past it
+    default: bool                 # in the default list (run in the order of SECTIONS)
+    estimate: str = ""            # what the limit is sized from (measured figures, bench/RESULTS.md)
     models: tuple[Model, ...] = ()
     plans: tuple[PlanCase, ...] = ()
-    needs: str = ""               # a module beyond the check's own (vllm)
+    needs: tuple[str, ...] = ()   # Python modules its children import beyond CORE
 
 
 QWEN15 = Model("qwen15", f"{R15}/model_config.json")
 QWEN7B = Model("qwen7b-4", f"{R7}/model_config.json", layers=4)
-GEN = 512                          # new tokens per completion in the training sections (random weights never stop)
+STEP_GEN = 256                     # new tokens per completion of the recipe step and TRL's (random weights never stop)
+GEN = 512                          # new tokens per completion in the on-request training sections
+TRAIN = ("datasets", "math_verify")          # train.py on a JSONL data file, with its rewards
+SAMPLES = "data/samples/open-rs.jsonl"
 RECIPE = ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens={GEN}", "--rollout.engine=hf")
+STEP = (f"--data.train={SAMPLES}", f"--rollout.max_new_tokens={STEP_GEN}")   # + step_time.TIMED on both sides
 
 SECTIONS = (
-    Section("update", "the 1.5B recipe's update: 48 sequences (completions 10-3584 tokens), token budget 36864 "
-            "with checkpointing, unpacked and packed (a profile of packed), then packed at 4096 without checkpointing "
-            "(the largest the plan fits); MFU, real tokens/s, peak memory", 420, True,
-            (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),
-                        PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf", "--model.gradient_checkpointing=false",
-                                                      "--train.micro_batch_tokens=4096")))),
-    Section("decode", "decoding 48 completions of 512 tokens at the recipe's cache length (4096): the static-cache "
-            "loop, transformers' static-cache generate, plain generate; ms per step, compiles, CUDA-graph skips",
-            480, True, (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
-    Section("numerics", "log-probs and gradients of the 1.5B: the default attention kernel against sdpa's math "
-            "kernel (bf16 autocast), both against float32; packed rows (varlen) against unpacked", 180, True, (QWEN15,),
+    Section("smoke", "a torch.compile'd function (inductor, Triton, the host compiler), the bf16 matmul rate on "
+            "8192^3, the attention kernel sdpa picks", 40, True,
+            "~20 s: Python and torch ~5 s, a cold compile ~10 s, the matmuls and one profile ~3 s; beside the build"),
+    Section("numerics", "packed rows on CUDA (train.packing, the varlen kernel) against unpacked rows and float32, "
+            "forward and backward, and sdpa's default kernel against its math kernel: the 1.5B's log-probs and "
+            "gradients of 4 sequences up to 2048 tokens; its packed_ok decides whether the later sections pack",
+            40, True, "start and the 1.5B's load ~15 s; 6 forward+backward passes of <= 8k tokens, < 1 s each "
+            "plus cuDNN's plans (~0.5 s per new shape)", (QWEN15,)),
+    Section("update", "the update of the bench batch (48 sequences, completions 10-3523 tokens) at the recipe's "
+            "budget 36864, packed, with the checkpointing the memory plan chooses: MFU, real tokens/s, peak memory; "
+            "a profile of one more update: GEMM / attention / elementwise / idle shares, the attention kernel",
+            75, True, "start and load ~15 s; 3 updates of <= 3.8 s each (RESULTS §24), the first with its "
+            "compiles and plans (<= 30 s); one profiled update <= 8 s", (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
+    Section("decode", "decoding 48 completions (8 prompts x 6) of the recipe's lengths, up to 3584 new tokens in "
+            "the recipe's 4096-position cache: the loop that reads the whole cache (static-full) against the "
+            "length-aware loop (static): ms per step, tokens/s, first call (its compiles), recompiles, CUDA-graph "
+            "skips, rows equal to static-full's", 145, True,
+            "load ~10 s; static-full: its compile ~41 s (RESULTS §24) and 2 calls of <= 3584 steps at 4.3-6 ms; "
+            "static: its bucket compiles <= 45 s and 2 calls at <= 2.3 ms per step", (QWEN15,),
+            (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
+    Section("recipe", f"configs/qwen2.5-math-1.5b/grpo.yaml, train.py on one process, 2 steps of 48 completions of "
+            f"{STEP_GEN} new tokens with the reference model (beta 0.04) and the recipe's rewards: each step's "
+            "split generation / rewards / advantages / update, peak memory", 85, True,
+            "start and two 1.5B loads ~20 s; step 1 with the decoding loop's compile ~41 s + ~6 s; step 2 "
+            f"~7 s ({STEP_GEN} steps at <= 6 ms, an update ~4 s); stopped once step 2 is logged (no final "
+            "checkpoint)", (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", STEP + ("--rollout.engine=hf",)),), TRAIN),
+    Section("trl", "TRL's GRPOTrainer on the recipe step's workload (the same config, prompts, rewards, 48 "
+            f"completions of {STEP_GEN} tokens, beta 0.04 with its reference model) with transformers' generate, "
+            "2 steps: its step time beside train.py's (recipe)", 55, True,
+            f"imports and two 1.5B loads ~20 s; 2 steps of {STEP_GEN} plain-generate steps at 33-40 ms "
+            "(RESULTS §24) and an update of ~4 s", (QWEN15,), (), ("trl", "accelerate") + TRAIN),
     Section("prm", "PSPO*'s PRM (BERT-base size) scoring 48 completions x 20 steps: batched vs one at a time",
-            120, True),
-    Section("recipe", "configs/qwen2.5-math-1.5b/grpo.yaml for 2 steps of 48 completions (512 new tokens), "
-            "evaluation, a checkpoint reloaded by eval.py: the step split gen / score / update", 480, True,
-            (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", RECIPE),)),
+            120, False, "RESULTS §24: 1.1 s batched, 5.8 s one at a time, start ~10 s"),
     Section("lora", "configs/qwen2.5-math-1.5b/pspo_lora.yaml (rank-16 adapters, a frozen bf16 base, the reference "
-            "the base itself) for 2 steps as `recipe` runs the full fine-tuning recipe: step split and peak memory "
-            "against it", 420, True, (QWEN15,), (PlanCase(f"{R15}/pspo_lora.yaml", RECIPE),)),
+            f"the base itself) for 2 steps of {STEP_GEN} new tokens: step split and peak memory against the full "
+            "fine-tuning recipe step's (recipe)", 420, False, "", (QWEN15,),
+            (PlanCase(f"{R15}/pspo_lora.yaml", STEP + ("--rollout.engine=hf",)),), ("peft",) + TRAIN),
     Section("rpp7b", "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml at the 7B's widths, 4 of 28 layers, "
-            "2 steps of 64 K&K completions: peak memory against the plan", 480, True, (QWEN7B,),
+            "2 steps of 64 K&K completions: peak memory against the plan", 480, False, "", (QWEN7B,),
             (PlanCase(f"{R7}/reinforce_pp.yaml", ("--data.eval=", f"--rollout.max_new_tokens={GEN}",
-                                                  "--rollout.engine=hf"), layers=4),)),
+                                                  "--rollout.engine=hf"), layers=4),), TRAIN),
     Section("spo", "configs/qwen2.5-math-1.5b/spo_tree.yaml, 1 step (6-6-6 trees, 64-token segments): the "
-            "share of the step spent growing trees", 420, False, (QWEN15,),
-            (PlanCase(f"{R15}/spo_tree.yaml", RECIPE + ("--train.prompts_per_step=2", "--spo.segment_tokens=64")),)),
+            "share of the step spent growing trees", 420, False, "", (QWEN15,),
+            (PlanCase(f"{R15}/spo_tree.yaml", RECIPE + ("--train.prompts_per_step=2", "--spo.segment_tokens=64")),),
+            TRAIN),
     Section("vllm", "the sync check made to fail (bench/sync_check.py: peaked logits, one real step, stale vs "
             "synced), then the 1.5B recipe on vLLM (bf16, sleep, token TIS), 3 steps at lr 1e-5 with a sync check each "
-            "at the default tolerance: weight sync s, engine gap, sync gap", 480, False, (QWEN15,),
+            "at the default tolerance: weight sync s, engine gap, sync gap", 480, False, "", (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens={GEN}",
-                                           "--rollout.engine=vllm", "--rollout.sleep=true")),), needs="vllm"),
+                                           "--rollout.engine=vllm", "--rollout.sleep=true")),), ("vllm",) + TRAIN),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
+DEFAULT = [s.name for s in SECTIONS if s.default]
+BACKGROUND = QWEN15                # the model built beside the smoke test, for every section that loads it
+BUILD_STEP = f"build {BACKGROUND.name} (in the background)"
+
+
+@dataclass
+class Child:
+    """One child process of a section; `done()` true ends it early: its figures are in."""
+    argv: list[str]
+    done: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -113,69 +170,118 @@ class Context:
     runs: str                      # train.py's output folders
     small: bool                    # CPU rehearsal: stand-in widths, tiny shapes
     python: str = sys.executable
+    packing: bool = True           # the later sections pack (numerics' packed_ok, or not checked)
     summary: dict = field(default_factory=dict)
 
     def model(self, m: Model) -> str:
         return os.path.join(self.models, f"{m.name}-{'small' if self.small else 'full'}")
 
 
-def commands(section: Section, ctx: Context) -> list[list[str]]:
+def step_workload(ctx: Context) -> Workload:
+    """The recipe step's workload, which train.py (`recipe`) and TRL (`trl`) both run."""
+    overrides = [f"--model.name_or_path={ctx.model(QWEN15)}", *STEP]
+    if ctx.small:
+        overrides += ["--train.prompts_per_step=2", "--rollout.max_new_tokens=16"]
+    if not ctx.packing:
+        overrides.append("--train.packing=false")
+    return Workload(config=f"{R15}/grpo.yaml", overrides=tuple(overrides), steps=2)
+
+
+def logged_steps(path: str) -> int:
+    """How many steps a train.py metrics.jsonl holds."""
+    return sum("step_time_s" in row for row in read_metrics(path))
+
+
+def train_child(ctx: Context, section: Section, config: str, model: Model, steps: int, *overrides: str,
+                gen: int = GEN) -> Child:
+    """train.py on one process (no torchrun), ended once its last step is logged (the final checkpoint,
+    up to ~18 GB for the 1.5B, is not needed)."""
+    run = os.path.join(ctx.runs, section.name)
+    gen = "16" if ctx.small else str(gen)
+    argv = [ctx.python, "train.py", "--config", config, f"--model.name_or_path={ctx.model(model)}",
+            f"--train.output_dir={run}", f"--rollout.max_new_tokens={gen}", "--train.save_steps=0",
+            "--train.report_to=none", "--train.progress=false", "--rollout.engine=hf", "--data.eval=",
+            *([] if ctx.packing else ["--train.packing=false"]), *overrides, f"--train.max_steps={steps}"]
+    return Child(argv, lambda: logged_steps(os.path.join(run, "metrics.jsonl")) >= steps)
+
+
+def commands(section: Section, ctx: Context) -> list[Child]:
     """The child processes a section runs, in order (each writes its figures under ctx.out)."""
-    py, out, small = ctx.python, ctx.out, ctx.small
-    j = lambda tag: os.path.join(out, f"{section.name}{tag}.json")   # noqa: E731
-    if section.name == "update":
-        base = [py, "bench/micro_batches.py", "--model", ctx.model(QWEN15), "--sequences", "48",
-                "--max-completion", "3584", "--max-prompt", "512", "--bf16", "--modes", "token budget,packed",
-                "--reps", "2"]
-        if small:
-            base = base[:4] + ["--sequences", "6", "--max-completion", "64", "--max-prompt", "32",
-                               "--modes", "token budget,packed", "--reps", "1"]
-        return [base + ["--checkpointing", "--budget", "512" if small else "36864", "--profile", "--json", j("-ckpt")],
-                base + ["--budget", "256" if small else "4096", "--modes", "packed", "--json", j("-nockpt")]]
-    if section.name == "decode":
-        shape = ["--prompts", "2", "--n", "2", "--max-new-tokens", "16", "--repeats", "1", "--cache-len", "64"] \
-            if small else ["--prompts", "8", "--n", "6", "--max-new-tokens", "512", "--repeats", "2",
-                           "--cache-len", "4096"]
-        return [[py, "bench/rollout.py", "--model", ctx.model(QWEN15), "--bf16", "--engines", "static",
-                 "generate-static", "generate", *shape, "--json", j("")]]
+    py, small = ctx.python, ctx.small
+    j = lambda tag="": os.path.join(ctx.out, f"{section.name}{tag}.json")   # noqa: E731
+    if section.name == "smoke":
+        return [Child([py, "bench/gpu_check.py", "--smoke", j(), *(["--small"] if small else [])])]
     if section.name == "numerics":
         shape = ["--rows", "2", "--max-len", "64"] if small else ["--rows", "4", "--max-len", "2048"]
-        return [[py, "bench/attention_numerics.py", "--model", ctx.model(QWEN15), "--bf16", *shape, "--json", j("")]]
-    if section.name == "prm":
-        return [[py, "bench/prm_scoring.py", *(["--small", "--completions", "8", "--steps", "5"] if small else []),
-                 "--json", j("")]]
-    gen = "16" if small else str(GEN)
-    run = os.path.join(ctx.runs, section.name)
-    torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
-    common = [f"--train.output_dir={run}", f"--rollout.max_new_tokens={gen}", "--train.save_steps=0"]
+        return [Child([py, "bench/attention_numerics.py", "--model", ctx.model(QWEN15), "--bf16", *shape,
+                       "--json", j()])]
+    if section.name == "update":
+        shape = (["--sequences", "6", "--max-completion", "64", "--max-prompt", "32", "--budget", "512", "--reps", "1"]
+                 if small else ["--sequences", "48", "--max-completion", "3584", "--max-prompt", "512",
+                                "--budget", "36864", "--reps", "3"])
+        return [Child([py, "bench/micro_batches.py", "--model", ctx.model(QWEN15), "--bf16", *shape,
+                       "--modes", "packed" if ctx.packing else "token budget", "--checkpointing", "auto",
+                       "--profile", "--json", j()])]
+    if section.name == "decode":
+        shape = (["--prompts", "2", "--n", "2", "--max-new-tokens", "16", "--cache-len", "64"] if small
+                 else ["--prompts", "8", "--n", "6", "--max-new-tokens", "3584", "--cache-len", "4096"])
+        return [Child([py, "bench/rollout.py", "--model", ctx.model(QWEN15), "--bf16", "--engines", "static-full",
+                       "static", *shape, "--lengths", "recipe", "--repeats", "1", "--json", j()])]
     if section.name == "recipe":
-        return [torchrun + ["--config", f"{R15}/grpo.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
-                            "--rollout.engine=hf", "--data.train=data/samples/open-rs.jsonl",
-                            "--data.eval=data/samples/math500.jsonl", "--data.max_eval_examples=8",
-                            "--train.max_steps=2", "--train.save_steps=2"],
-                [py, "eval.py", "--config", f"{R15}/grpo.yaml", "--rollout.engine=hf",
-                 f"--model.name_or_path={run}/checkpoint-2", "--data.eval=data/samples/math500.jsonl",
-                 "--data.max_eval_examples=8", "--rollout.max_new_tokens=64"]]
+        w = step_workload(ctx)
+        run = os.path.join(ctx.runs, section.name)
+        return [Child(train_argv(w, run, python=py),
+                      lambda: logged_steps(os.path.join(run, "metrics.jsonl")) >= w.steps)]
+    if section.name == "trl":
+        w = step_workload(ctx)
+        return [Child([py, "bench/step_time.py", "--config", w.config, "--steps", str(w.steps), "--trl-only", j(),
+                       "--trl-micro", "6" if small else "16", "--", *w.overrides])]
+    if section.name == "prm":
+        return [Child([py, "bench/prm_scoring.py", *(["--small", "--completions", "8", "--steps", "5"] if small
+                                                    else []), "--json", j()])]
     if section.name == "lora":
-        return [torchrun + ["--config", f"{R15}/pspo_lora.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
-                            "--rollout.engine=hf", "--data.train=data/samples/open-rs.jsonl", "--data.eval=",
-                            "--train.max_steps=2"]]
+        return [train_child(ctx, section, f"{R15}/pspo_lora.yaml", QWEN15, 2, f"--data.train={SAMPLES}",
+                            gen=STEP_GEN)]
     if section.name == "rpp7b":
-        return [torchrun + ["--config", f"{R7}/reinforce_pp.yaml", f"--model.name_or_path={ctx.model(QWEN7B)}",
-                            *common, "--rollout.engine=hf", "--data.eval=", "--train.max_steps=2"]]
+        return [train_child(ctx, section, f"{R7}/reinforce_pp.yaml", QWEN7B, 2)]
     if section.name == "spo":
-        return [torchrun + ["--config", f"{R15}/spo_tree.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
-                            "--rollout.engine=hf", "--data.train=data/samples/open-rs.jsonl", "--data.eval=",
-                            "--train.prompts_per_step=2", f"--spo.segment_tokens={'4' if small else '64'}",
-                            "--train.max_steps=1"]]
+        return [train_child(ctx, section, f"{R15}/spo_tree.yaml", QWEN15, 1, f"--data.train={SAMPLES}",
+                            "--train.prompts_per_step=2", f"--spo.segment_tokens={'4' if small else '64'}")]
     if section.name == "vllm":
-        return [[py, "bench/sync_check.py", "--model", ctx.model(QWEN15), "--bf16", "--max-new-tokens", gen,
-                 "--json", j("-sync")],
-                torchrun + ["--config", f"{R15}/grpo.yaml", f"--model.name_or_path={ctx.model(QWEN15)}", *common,
+        gen = "16" if small else str(GEN)
+        return [Child([py, "bench/sync_check.py", "--model", ctx.model(QWEN15), "--bf16", "--max-new-tokens", gen,
+                       "--json", j("-sync")]),
+                train_child(ctx, section, f"{R15}/grpo.yaml", QWEN15, 3, f"--data.train={SAMPLES}",
                             "--rollout.engine=vllm", "--rollout.sleep=true", "--rollout.is_correction=token",
-                            "--rollout.sync_check_steps=1", "--data.train=data/samples/open-rs.jsonl",
-                            "--data.eval=", "--train.max_steps=3", "--optim.lr=1e-5"]]
+                            "--rollout.sync_check_steps=1", "--optim.lr=1e-5")]
     raise ValueError(section.name)
+
+
+# ---- the time budget ---------------------------------------------------------------------------
+
+def schedule(names: list[str]) -> list[tuple[str, int, int]]:
+    """(step, limit s, ends by s from the check's start) of a run of these sections: the start-up, the
+    background build (beside the sections that need no model), each section in order, the margin.
+    A section that needs the background model starts after the build's limit at the latest."""
+    rows, clock = [("start-up: Python, torch, the environment", STARTUP_S, STARTUP_S)], STARTUP_S
+    build = any(BACKGROUND in BY_NAME[n].models for n in names)
+    built_by = clock + BUILD_S if build else clock
+    if build:
+        rows.append((BUILD_STEP, BUILD_S, built_by))
+    for name in names:
+        s = BY_NAME[name]
+        if BACKGROUND in s.models:
+            clock = max(clock, built_by)
+        clock += s.limit_s
+        rows.append((name, s.limit_s, clock))
+    clock = max(clock, built_by) + MARGIN_S
+    rows.append(("stop, last summary", MARGIN_S, clock))
+    return rows
+
+
+def budget_s(names: list[str]) -> int:
+    """The whole command's seconds: the wheels' install, then the check."""
+    return WHEELS_S + schedule(names)[-1][2]
 
 
 def plan_case(case: PlanCase, gpu_gib: float) -> tuple[float, bool, str]:
@@ -193,43 +299,60 @@ def plan_case(case: PlanCase, gpu_gib: float) -> tuple[float, bool, str]:
 
 
 def dry_run(names: list[str], gpu_gib: float) -> int:
-    """Print every section's plan and commands; 1 if a plan does not fit."""
+    """Print the time budget, every section's plan and commands; 1 if a plan does not fit."""
     ctx = Context(out="OUT", models="MODELS", runs="RUNS", small=False, python="python3")
+    total = budget_s(names)
+    print(f"GPU check, dry run at {gpu_gib:g} GiB: {' '.join(names)}\n")
+    print("Time budget of one command on a lent GPU (each limit a ceiling; a section that ends early leaves "
+          "its time to the next):\n")
+    print("| step | limit s | ends by s |\n|---|---:|---:|")
+    print(f"| wheels: pip install --no-index --target (docs/gpu.md#wheels) | {WHEELS_S} | {WHEELS_S} |")
+    for step, limit, end in schedule(names):
+        print(f"| {step} | {limit} | {WHEELS_S + end} |")
+    verdict = "fits" if total <= SLOT_S else "does NOT fit"
+    print(f"\nin all {total} s: {verdict} in {SLOT_S // 60} minutes ({SLOT_S} s)")
     bad = 0
-    total = sum(BY_NAME[n].limit_s for n in names)
-    print(f"GPU check, dry run at {gpu_gib:g} GiB: {len(names)} sections, time limits {total // 60} min in all")
     for name in names:
         s = BY_NAME[name]
         print(f"\n[{name}] {'default' if s.default else 'on request'}, limit {s.limit_s} s"
-              f"{', needs ' + s.needs if s.needs else ''}: {s.what}")
+              f"{', needs ' + ', '.join(s.needs) if s.needs else ''}: {s.what}")
+        if s.estimate:
+            print(f"  sized from: {s.estimate}")
         for m in s.models:
-            print(f"  model {m.name}: {m.config} at real widths{f', {m.layers} layers' if m.layers else ''}")
+            print(f"  model {m.name}: {m.config} at real widths{f', {m.layers} layers' if m.layers else ''}"
+                  f"{' (built in the background)' if m == BACKGROUND else ''}")
         for case in s.plans:
             peak, fits, verdict = plan_case(case, gpu_gib)
             bad += not fits
             print(f"  plan {case.config} {' '.join(case.overrides)}"
                   f"{f' ({case.layers} layers)' if case.layers else ''}: {verdict}")
-        if not s.plans:
-            print("  plan: none needed (the model is 0.1B)")
-        for argv in commands(s, ctx):
-            print("  $ " + " ".join(argv))
+        for child in commands(s, ctx):
+            print("  $ " + " ".join(child.argv))
     print(f"\n{'every plan fits' if not bad else f'{bad} plan(s) do not fit'} on one GPU of {gpu_gib:g} GiB")
     return 1 if bad else 0
+
+
+# ---- the environment and the smoke test --------------------------------------------------------
+
+def version(dist: str) -> str | None:
+    """An installed distribution's version from its metadata (nothing imported: a broken package
+    cannot stop the check); None if absent."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def environment() -> dict:
     """What the machine has: versions, the GPU, the commit."""
     import torch
-    import transformers
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-           "transformers": transformers.__version__, "gpu": None, "gpu_gib": None,
-           "vllm": None, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+           "transformers": version("transformers"), "gpu": None, "gpu_gib": None,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_gib=round(props.total_memory / 2 ** 30, 1))
-    for mod in ("datasets", "math_verify", "vllm", "peft"):
-        if importlib.util.find_spec(mod):
-            env[mod] = getattr(importlib.import_module(mod), "__version__", "installed")
+    env.update({dist: version(dist) for dist in DISTRIBUTIONS})
     try:                                   # PSPO_COMMIT: a copy of the tree without .git
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10) if not os.environ.get("PSPO_COMMIT") else None
@@ -244,91 +367,56 @@ def pinned() -> dict[str, str]:
     pins = {}
     with open(os.path.join(ROOT, "requirements.txt")) as f:
         for line in f:
-            name, _, version = line.split("#")[0].strip().partition("==")
-            if version:
-                pins[name] = version
+            name, _, version_ = line.split("#")[0].strip().partition("==")
+            if version_:
+                pins[name] = version_
     return pins
 
 
-def smoke(path: str) -> None:
-    """The 20-second smoke test, in a child process: a compiled function, a bf16 matmul, sdpa's kernel."""
+def smoke(path: str, small: bool) -> None:
+    """The smoke test, in a child process: a compiled function, a bf16 matmul, sdpa's kernel (on CUDA;
+    --small: the matmul on CPU at a small size, no compile (inductor's CPU path is not what a GPU runs)
+    and no kernel names)."""
     import torch
     import torch.nn.functional as F
-    figures: dict = {}
-    start = time.perf_counter()
-    f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
-    x = torch.randn(1024, device="cuda")
-    figures["compile_ok"] = bool(torch.allclose(f(x), torch.sin(x) * 2 + 1, atol=1e-5))
-    figures["compile_s"] = time.perf_counter() - start
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    device = "cpu" if small else "cuda"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    figures: dict = {"device": device, "compile_ok": None, "compile_s": None}
+    if device == "cuda":
+        start = time.perf_counter()
+        f = torch.compile(lambda x: torch.sin(x) * 2 + 1)
+        x = torch.randn(1024, device=device)
+        figures["compile_ok"] = bool(torch.allclose(f(x), torch.sin(x) * 2 + 1, atol=1e-5))
+        figures["compile_s"] = time.perf_counter() - start
+    n = 512 if small else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ a
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(10):
         a @ a
-    torch.cuda.synchronize()
-    figures["bf16_matmul_tflops"] = 10 * 2 * 8192 ** 3 / (time.perf_counter() - t) / 1e12
-    from torch.profiler import ProfilerActivity, profile
-    q = torch.randn(4, 12, 2048, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(4, 2, 2048, 128, device="cuda", dtype=torch.bfloat16)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    figures["sdpa_kernels"] = sorted(names, key=len)[:3]
+    sync()
+    figures["bf16_matmul_tflops"] = 10 * 2 * n ** 3 / (time.perf_counter() - t) / 1e12
+    figures["sdpa_kernels"] = []
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        q = torch.randn(4, 12, 2048, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(4, 2, 2048, 128, device="cuda", dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+            torch.cuda.synchronize()
+        names = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        figures["sdpa_kernels"] = sorted(names, key=len)[:3]
     with open(path, "w") as fh:
         json.dump(figures, fh, indent=1)
-    print(f"smoke: compile {'ok' if figures['compile_ok'] else 'WRONG'} in {figures['compile_s']:.1f} s; "
-          f"bf16 matmul {figures['bf16_matmul_tflops']:.0f} TFLOP/s; sdpa (causal, GQA) ran {figures['sdpa_kernels']}")
+    compiled = {None: "not run", True: f"ok in {figures['compile_s'] or 0:.1f} s",
+                False: "WRONG"}[figures["compile_ok"]]
+    print(f"smoke: compile {compiled}; bf16 matmul {figures['bf16_matmul_tflops']:.1f} TFLOP/s on {device}; "
+          f"sdpa ran {figures['sdpa_kernels']}")
 
 
-def run_child(argv: list[str], log, limit: float) -> str:
-    """Run one child in its own process group, its output appended to log; "ok", "exit N" or "timed out"."""
-    log.write("$ " + " ".join(argv) + "\n")
-    log.flush()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)
-    deadline = time.monotonic() + limit
-    try:
-        return _follow(proc, log, deadline)
-    except BaseException:                   # interrupted (SIGTERM, Ctrl-C): take the child's group down too
-        stop(proc)
-        raise
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the child's process group (torchrun passes it on to its workers, which it starts
-    apart from that group), then SIGKILL after 10 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _follow(proc: subprocess.Popen, log, deadline: float) -> str:
-    """Copy the child's output to stdout and the log until it exits or the deadline passes."""
-    import selectors
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            stop(proc)
-            log.write("[killed: over the section's time limit]\n")
-            return "timed out"
-        if sel.select(timeout=min(left, 5.0)):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            sys.stdout.write(line)
-            log.write(line)
-    proc.wait()
-    return "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-
+# ---- figures and the summary -------------------------------------------------------------------
 
 def read_json(path: str) -> dict | None:
     try:
@@ -339,92 +427,124 @@ def read_json(path: str) -> dict | None:
 
 
 def read_metrics(path: str) -> list[dict]:
+    rows = []
     try:
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except (OSError, json.JSONDecodeError):
-        return []
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:           # a line being written
+                    pass
+    except OSError:
+        pass
+    return rows
+
+
+STEP_KEYS = ("step_time_s", "gen_s", "reward_s", "advantages_s", "update_s", "sync_s", "peak_mem_gib",
+             "peak_reserved_gib", "update_tokens_per_s", "gen_tokens_per_s", "mc_gen_s", "weight_sync_s",
+             "sync_gap_mean", "sync_gap_max", "engine_gap_mean", "engine_gap_max", "tis_weight_mean")
 
 
 def figures(section: Section, ctx: Context) -> dict:
     """The section's figures from the files its children wrote (absent ones are left out)."""
-    j = lambda tag: read_json(os.path.join(ctx.out, f"{section.name}{tag}.json"))   # noqa: E731
-    if section.name == "update":
-        return {k: v for k, v in (("checkpointing", j("-ckpt")), ("no_checkpointing", j("-nockpt"))) if v}
-    if section.name in ("decode", "numerics", "prm"):
-        return j("") or {}
-    extra = {"sync_check": j("-sync")} if section.name == "vllm" and j("-sync") else {}
-    rows = read_metrics(os.path.join(ctx.out, f"{section.name}.metrics.jsonl"))
-    steps = [r for r in rows if "step_time_s" in r]
-    keys = ("step_time_s", "gen_s", "advantages_s", "update_s", "reward_s", "sync_s", "peak_mem_gib",
-            "peak_reserved_gib", "update_tokens_per_s", "gen_tokens_per_s", "mc_gen_s", "weight_sync_s",
-            "sync_gap_mean", "sync_gap_max", "engine_gap_mean", "engine_gap_max", "tis_weight_mean")
-    return {"steps": [{k: r[k] for k in keys if k in r} for r in steps],
-            "eval": [r for r in rows if "eval_accuracy" in r], **extra}
+    if section.name in ("smoke", "numerics", "update", "decode", "prm", "trl"):
+        return read_json(os.path.join(ctx.out, f"{section.name}.json")) or {}
+    sync = read_json(os.path.join(ctx.out, f"{section.name}-sync.json"))
+    kept = os.path.join(ctx.out, f"{section.name}.metrics.jsonl")
+    rows = read_metrics(kept if os.path.isfile(kept) else os.path.join(ctx.runs, section.name, "metrics.jsonl"))
+    return {"steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in rows if "step_time_s" in r],
+            "eval": [r for r in rows if "eval_accuracy" in r], **({"sync_check": sync} if sync else {})}
+
+
+def not_measured(summary: dict) -> list[str]:
+    """What the summary lacks, and why: every section that did not end "ok", and the notes."""
+    return [f"{name}: {s['status']}" for name, s in summary["sections"].items() if s["status"] != "ok"] \
+        + summary.get("notes", [])
+
+
+def env_line(env: dict) -> str:
+    extra = ", ".join(f"{k} {env[k]}" for k in DISTRIBUTIONS if env.get(k))
+    return (f"{env.get('gpu') or 'no GPU'} ({env.get('gpu_gib')} GiB), torch {env.get('torch')} (CUDA "
+            f"{env.get('cuda')}), transformers {env.get('transformers')}{', ' + extra if extra else ''}; "
+            f"{env.get('date')}, commit {env.get('commit')}")
 
 
 def markdown(summary: dict) -> str:
     """The summary as Markdown, ready for bench/RESULTS.md."""
-    env = summary["env"]
-    lines = [f"GPU check on {env.get('gpu') or 'no GPU'} ({env.get('gpu_gib')} GiB), torch {env['torch']} "
-             f"(CUDA {env['cuda']}), transformers {env['transformers']}, vLLM {env.get('vllm') or 'absent'}; "
-             f"{env['date']}, commit {env.get('commit')}", "",
-             "| section | status | s | figure | value |", "|---|---|---:|---|---|"]
-    smoke_ = summary.get("smoke") or {}
-    if smoke_:
-        kernels = ", ".join(smoke_.get("sdpa_kernels", []))[:80]
-        lines.append(f"| smoke | ok | | bf16 matmul / compile / sdpa kernels | "
-                     f"{smoke_.get('bf16_matmul_tflops', 0):.0f} TFLOP/s / {smoke_.get('compile_s', 0):.1f} s / "
-                     f"{kernels} |")
+    calls = summary.get("calls", [])
+    lines = [f"GPU check, call {i + 1}: {env_line(env)}" for i, env in enumerate(calls)]
+    packing = summary.get("packing")
+    if packing:
+        lines.append(f"Packing: {'on' if packing['packed'] else 'OFF: the sections after numerics ran unpacked'} "
+                     f"({packing['why']})")
+    lines += ["", "| section | call | status | s | figure | value |", "|---|---:|---|---:|---|---|"]
     for name, s in summary["sections"].items():
-        rows = list(key_figures(name, s.get("figures") or {})) or [("-", "-")]
+        rows = list(key_figures(name, s.get("figures") or {}, summary)) or [("-", "-")]
         if s.get("plan_gib"):
             rows.append(("memory plan peak GiB (an upper bound)", " / ".join(map(str, s["plan_gib"]))))
+        call = "" if s.get("call") is None else s["call"] + 1
         for i, (what, value) in enumerate(rows):
-            head = f"| {name} | {s['status']} | {s['seconds']:.0f} |" if i == 0 else "| | | |"
+            head = f"| {name} | {call} | {s['status']} | {s['seconds']:.0f} |" if i == 0 else "| | | | |"
             lines.append(f"{head} {what} | {value} |")
-    if summary.get("not_measured"):
-        lines += ["", "Not measured:"] + [f"- {n}" for n in summary["not_measured"]]
+    missing = not_measured(summary)
+    if missing:
+        lines += ["", "Not measured:"] + [f"- {n}" for n in missing]
     return "\n".join(lines) + "\n"
 
 
-def key_figures(name: str, f: dict):
+def number(value, spec: str = ".2f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def key_figures(name: str, f: dict, summary: dict):
     """(figure, value) pairs of one section for the Markdown table."""
-    if name == "update":
-        for label, r in f.items():
-            for mode, m in r["modes"].items():
-                mfu = f"{m['mfu']:.1%}" if m.get("mfu") is not None else "-"
-                yield (f"{label}, {mode}, budget {r['budget']}: MFU / real tok/s / update s / padded / "
-                       "peak alloc, reserved GiB",
-                       f"{mfu} / {m.get('real_tokens_per_s', 0):,.0f} / {m.get('update_s', 0):.2f} / "
-                       f"{m.get('padded_share', 0):.2f} / {m.get('peak_allocated_gib') or 0:.1f}, "
-                       f"{m.get('peak_reserved_gib') or 0:.1f}")
-            if r.get("profile"):
-                p = r["profile"]
-                yield (f"{label}: GEMM / attention ({p['attention_backend']}) / elementwise / other / idle",
-                       " / ".join(f"{p[k]:.0%}" for k in ("gemm", "attention", "elementwise", "other", "idle")))
-    elif name == "decode":
-        for r in f.get("runs", []):
-            yield (f"{r['engine']}, {f.get('rows')} rows, cache {f.get('cache_len')}: ms/step / tok/s / first call s "
-                   "/ compiles, recompiles, graph skips",
-                   f"{r['ms_per_step']:.2f} / {r['tokens_per_s']:,.0f} / {r['first_call_s']:.1f} / "
-                   f"{r['compiles']}, {r['recompiles']}, {r['skips']}")
-        ms = {r["engine"]: r["ms_per_step"] for r in f.get("runs", [])}
-        if "static" in ms and "generate-static" in ms:
-            ratio = ms["generate-static"] / ms["static"]
-            yield ("generate-static / static ms per step (keep the static loop at >= 1.5)", f"{ratio:.2f}")
+    if name == "smoke" and f:
+        yield ("bf16 matmul TFLOP/s / compile ok, s / sdpa kernels",
+               f"{number(f.get('bf16_matmul_tflops'), '.0f')} / {f.get('compile_ok')}, "
+               f"{number(f.get('compile_s'), '.1f')} / {', '.join(f.get('sdpa_kernels') or [])[:80] or '-'}")
     elif name == "numerics" and f:
-        yield (f"default kernel {f['default_kernel']} vs math: max / mean |Δ log p|, grad rel Δ",
-               f"{f['logp_gap_default_vs_math'][0]:.1e} / {f['logp_gap_default_vs_math'][1]:.1e}, "
-               f"{f['grad_rel_default_vs_math']:.1e}")
-        yield ("vs float32: default / math max |Δ log p|",
-               f"{f['logp_gap_default_vs_fp32'][0]:.1e} / {f['logp_gap_math_vs_fp32'][0]:.1e}")
-        if "logp_gap_packed_vs_unpacked" in f:
-            yield (f"packed ({f['packed_kernel']}) vs unpacked / vs float32: max |Δ log p|",
-                   f"{f['logp_gap_packed_vs_unpacked'][0]:.1e} / {f['logp_gap_packed_vs_fp32'][0]:.1e}")
+        yield ("packed_ok (packed forward and backward = unpacked within tolerance)", str(f.get("packed_ok", "-")))
+        for key, value in f.items():
+            if "kernel" in key:                          # which kernels ran: names, possibly long
+                shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+                yield (key.replace("_", " "), shown.replace("|", "/")[:160])
+        for key, value in f.items():
+            if key.startswith(("logp_gap_", "grad_")):
+                shown = " / ".join(number(v, ".1e") for v in value) if isinstance(value, list) else number(value, ".1e")
+                yield (key.replace("_", " ") + (" (max / mean)" if isinstance(value, list) else ""), shown)
+    elif name == "update" and f:
+        for mode, m in f.get("modes", {}).items():
+            yield (f"{mode}, budget {f.get('budget')}, checkpointing {f.get('checkpointing')}: MFU / real tok/s / "
+                   "update s / padded / peak alloc, reserved GiB",
+                   f"{number(m.get('mfu'), '.1%')} / {number(m.get('real_tokens_per_s'), ',.0f')} / "
+                   f"{number(m.get('update_s'))} / {number(m.get('padded_share'))} / "
+                   f"{number(m.get('peak_allocated_gib'), '.1f')}, {number(m.get('peak_reserved_gib'), '.1f')}")
+        p = f.get("profile") or {}
+        if p:
+            yield (f"profile: GEMM / attention ({p.get('attention_backend')}) / elementwise / other / idle",
+                   " / ".join(number(p.get(k), ".0%") for k in ("gemm", "attention", "elementwise", "other", "idle")))
+    elif name == "decode" and f:
+        for r in f.get("runs", []):
+            yield (f"{r.get('engine')}, {f.get('rows')} rows, cache {f.get('cache_len')}: ms/step / tok/s / first "
+                   "call s / compiles, recompiles, graph skips / rows equal to the first engine's",
+                   f"{number(r.get('ms_per_step'))} / {number(r.get('tokens_per_s'), ',.0f')} / "
+                   f"{number(r.get('first_call_s'), '.1f')} / {r.get('compiles')}, {r.get('recompiles')}, "
+                   f"{r.get('skips')} / {r.get('rows_equal')}")
+        ms = {r.get("engine"): r.get("ms_per_step") for r in f.get("runs", [])}
+        if ms.get("static") and ms.get("static-full"):
+            yield ("static-full / static ms per step", f"{ms['static-full'] / ms['static']:.2f}")
     elif name == "prm" and f:
-        yield ("steps/s batched / one at a time s / batched s", f"{f['steps_per_s']:,.0f} / "
-               f"{f['one_at_a_time_s']:.2f} / {f['batched_s']:.2f}")
+        yield ("steps/s batched / one at a time s / batched s", f"{number(f.get('steps_per_s'), ',.0f')} / "
+               f"{number(f.get('one_at_a_time_s'))} / {number(f.get('batched_s'))}")
+    elif name == "trl" and f:
+        times, gen = f.get("times", []), f.get("gen_s", [])
+        for i, t in enumerate(times, 1):
+            generate = gen[i - 1] if i <= len(gen) else None
+            yield (f"TRL step {i}: step / generate s", f"{t:.1f} / {number(generate, '.1f')}")
+        ours = [r["step_time_s"] for r in (summary["sections"].get("recipe", {}).get("figures") or {}).get("steps", [])]
+        if times and ours:
+            yield ("train.py / TRL, last step each (goal <= 0.5)", f"{ours[-1]:.1f} / {times[-1]:.1f} = "
+                   f"{ours[-1] / times[-1]:.2f}")
     elif f.get("steps") or f.get("sync_check"):
         if f.get("sync_check"):
             c = f["sync_check"]
@@ -432,9 +552,10 @@ def key_figures(name: str, f: dict):
                    "synced / stale / resynced; a stale engine caught", f"{c['synced'][1]:.1e} / {c['stale'][1]:.1e} / "
                    f"{c['resynced'][1]:.1e}; {'yes' if c['check_can_fail'] else 'NO'}")
         for i, r in enumerate(f["steps"], 1):
-            split = " / ".join(f"{r.get(k, 0):.1f}" for k in ("step_time_s", "gen_s", "advantages_s", "update_s"))
-            peak = f"{r.get('peak_mem_gib', 0):.1f}, {r.get('peak_reserved_gib', 0):.1f}"
-            yield (f"step {i}: step / gen / score+adv / update s; peak alloc, reserved GiB", f"{split}; {peak}")
+            split = " / ".join(number(r.get(k), ".1f") for k in ("step_time_s", "gen_s", "reward_s", "advantages_s",
+                                                                  "update_s"))
+            yield (f"step {i}: step / generation / rewards / advantages / update s; peak alloc, reserved GiB",
+                   f"{split}; {number(r.get('peak_mem_gib'), '.1f')}, {number(r.get('peak_reserved_gib'), '.1f')}")
             if r.get("mc_gen_s"):
                 yield (f"step {i}: tree growth share", f"{r['mc_gen_s'] / r['step_time_s']:.0%}")
             if "sync_gap_mean" in r:
@@ -444,73 +565,154 @@ def key_figures(name: str, f: dict):
 
 
 def write_summary(ctx: Context) -> None:
-    with open(os.path.join(ctx.out, "summary.json"), "w") as f:
-        json.dump(ctx.summary, f, indent=1)
-    with open(os.path.join(ctx.out, "summary.md"), "w") as f:
-        f.write(markdown(ctx.summary))
+    ctx.summary["not_measured"] = not_measured(ctx.summary)
+    for name, text in (("summary.json", json.dumps(ctx.summary, indent=1)), ("summary.md", markdown(ctx.summary))):
+        tmp = os.path.join(ctx.out, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(ctx.out, name))     # a kill mid-write leaves the previous one whole
 
 
-def build_model(m: Model, ctx: Context, log, limit: float) -> str:
+def merged(out: str, names: list[str], env: dict) -> dict:
+    """The summary of this call: the sections earlier calls into OUT measured and this one does not
+    run, each with the environment of its call (summary["calls"]), then this call's."""
+    earlier = read_json(os.path.join(out, "summary.json")) or {}
+    calls = list(earlier.get("calls") or ([earlier["env"]] if earlier.get("env") else []))
+    sections = {}
+    for name, s in earlier.get("sections", {}).items():
+        if name not in names:
+            sections[name] = dict(s, call=s.get("call", len(calls) - 1 if calls else None))
+    packing = earlier.get("packing") if "numerics" not in names else None
+    return {"env": env, "calls": calls + [env], "packing": packing, "builds": earlier.get("builds", {}),
+            "sections": sections, "notes": []}
+
+
+# ---- running -----------------------------------------------------------------------------------
+
+class Build:
+    """The model built in a background thread beside the first sections."""
+
+    def __init__(self, m: Model, ctx: Context, limit: float):
+        self.m, self.ctx, self.status, self.seconds = m, ctx, "running", 0.0
+        self.cancel = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(limit,), daemon=True)
+        self.thread.start()
+
+    def _run(self, limit: float) -> None:
+        start = time.monotonic()
+        with open(os.path.join(self.ctx.out, f"build-{self.m.name}.log"), "w") as log:
+            self.status = build_model(self.m, self.ctx, log, limit, cancel=self.cancel, echo=False)
+        self.seconds = time.monotonic() - start
+
+    def wait(self) -> str:
+        self.thread.join()
+        return self.status
+
+
+def build_model(m: Model, ctx: Context, log, limit: float, cancel: threading.Event | None = None,
+                echo: bool = True) -> str:
     path = ctx.model(m)
     if os.path.isdir(path):
         return "ok"
     argv = [ctx.python, "-m", "pspo.offline.standin", m.config, path] + ([] if ctx.small else ["--full"]) \
         + ([] if m.layers is None else ["--layers", str(m.layers)])
-    return run_child(argv, log, limit)
+    return run_child(argv, log, limit, cwd=ROOT, env=child_env(), cancel=cancel, echo=echo)
 
 
-def run_section(section: Section, ctx: Context, gpu_gib: float) -> None:
+def child_env() -> dict:
+    """The children's environment: unbuffered output, and offline (the check downloads nothing; a lent
+    GPU reaches no network, where a hub lookup would wait for a time-out)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def missing_modules(section: Section) -> list[str]:
+    return [m for m in section.needs if importlib.util.find_spec(m) is None]
+
+
+def packing_verdict(record: dict) -> tuple[bool, str]:
+    """Whether the sections after numerics pack, and why: only a numerics section that ran and wrote
+    packed_ok true says they may."""
+    if record["status"] != "ok":
+        return False, f"numerics: {record['status']}"
+    ok = record["figures"].get("packed_ok")
+    if ok is True:
+        return True, "packed forward and backward match unpacked and float32 on this GPU (numerics: packed_ok)"
+    return False, "numerics wrote no packed_ok" if ok is None else "numerics: packed_ok false"
+
+
+def run_section(section: Section, ctx: Context, gpu_gib: float, limit: float, build: Build | None) -> None:
+    """Run one section under `limit` seconds and record it; an exception in it is recorded, not raised
+    (KeyboardInterrupt and SystemExit, the check being stopped, are raised after the record)."""
     start = time.monotonic()
-    try:
-        _run_section(section, ctx, gpu_gib, start)
-    except BaseException:                   # the whole check was stopped: say so in the summary
-        record = ctx.summary["sections"][section.name]
-        record.update(status="interrupted", seconds=time.monotonic() - start, figures=figures(section, ctx))
-        ctx.summary["not_measured"].append(f"{section.name}: interrupted (the check was stopped)")
-        raise
-
-
-def _run_section(section: Section, ctx: Context, gpu_gib: float, start: float) -> None:
-    record = {"status": "ok", "seconds": 0.0, "plan_gib": [], "figures": {}}
+    record = {"status": "ok", "seconds": 0.0, "limit_s": round(limit), "call": len(ctx.summary["calls"]) - 1,
+              "plan_gib": [], "figures": {}}
     ctx.summary["sections"][section.name] = record
-    with open(os.path.join(ctx.out, f"{section.name}.log"), "w") as log:
-        print(f"\n=== [{section.name}] {section.what} (limit {section.limit_s} s)", flush=True)
-        if section.needs and importlib.util.find_spec(section.needs) is None:
-            record["status"] = f"skipped: {section.needs} is not installed"
-        if record["status"] == "ok" and not ctx.small:
-            for case in section.plans:
-                peak, fits, verdict = plan_case(case, gpu_gib)
-                record["plan_gib"].append(round(peak, 1))
-                log.write(f"plan {case.config}: {verdict}\n")
-                if not fits:
-                    record["status"] = f"skipped: its plan does not fit ({verdict})"
-        for m in section.models if record["status"] == "ok" else ():
-            status = build_model(m, ctx, log, section.limit_s - (time.monotonic() - start))
-            if status != "ok":
-                record["status"] = f"model {m.name}: {status}"
-        for argv in commands(section, ctx) if record["status"] == "ok" else ():
-            status = run_child(argv, log, section.limit_s - (time.monotonic() - start))
-            if status != "ok":
-                record["status"] = f"{os.path.basename(argv[1] if argv[1] != '-m' else argv[-1])}: {status}"
-                break
+    print(f"\n=== [{section.name}] {section.what} (limit {limit:.0f} s)", flush=True)
+    try:
+        with open(os.path.join(ctx.out, f"{section.name}.log"), "w") as log:
+            try:
+                _run_section(section, ctx, gpu_gib, start + limit, build, record, log)
+            except Exception as e:          # a bug or a bad file in one section: the next one still runs
+                log.write(traceback.format_exc())
+                record["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    except BaseException:                   # the whole check was stopped: say so, then stop
+        record["status"] = "interrupted (the check was stopped)"
+        raise
+    finally:
         run = os.path.join(ctx.runs, section.name)
         if os.path.isfile(os.path.join(run, "metrics.jsonl")):
             shutil.copy(os.path.join(run, "metrics.jsonl"), os.path.join(ctx.out, f"{section.name}.metrics.jsonl"))
         shutil.rmtree(run, ignore_errors=True)             # checkpoints of a 1.5B or 7B model fill a disk
-    record["seconds"] = time.monotonic() - start
-    record["figures"] = figures(section, ctx)
-    if record["status"] != "ok":
-        ctx.summary["not_measured"].append(f"{section.name}: {record['status']}")
-    print(f"=== [{section.name}] {record['status']} in {record['seconds']:.0f} s", flush=True)
-    write_summary(ctx)
+        record["seconds"] = time.monotonic() - start
+        record["figures"] = figures(section, ctx)
+        if section.name == "numerics":
+            packed, why = packing_verdict(record)
+            ctx.packing = packed
+            ctx.summary["packing"] = {"packed": packed, "why": why, "call": record["call"]}
+        print(f"=== [{section.name}] {record['status']} in {record['seconds']:.0f} s", flush=True)
+        write_summary(ctx)
 
 
-def main(argv: list[str]) -> int:
+def _run_section(section: Section, ctx: Context, gpu_gib: float, deadline: float, build: Build | None,
+                 record: dict, log) -> None:
+    missing = missing_modules(section)
+    if missing:
+        record["status"] = f"skipped: needs {', '.join(missing)} (docs/gpu.md#wheels)"
+        return
+    if not ctx.small:
+        for case in section.plans:
+            peak, fits, verdict = plan_case(case, gpu_gib)
+            record["plan_gib"].append(round(peak, 1))
+            log.write(f"plan {case.config}: {verdict}\n")
+            if not fits:
+                record["status"] = f"skipped: its plan does not fit ({verdict})"
+                return
+    for m in section.models:
+        if build is not None and m == build.m:
+            status = build.wait()
+        else:
+            status = build_model(m, ctx, log, deadline - time.monotonic())
+        if status != "ok":
+            record["status"] = f"model {m.name} not built ({status}; build-{m.name}.log)"
+            return
+    for child in commands(section, ctx):
+        status = run_child(child.argv, log, deadline - time.monotonic(), cwd=ROOT, env=child_env(),
+                           done=child.done)
+        if status != "ok":
+            script = child.argv[1] if child.argv[1] != "-m" else child.argv[2]
+            record["status"] = f"{os.path.basename(script)}: {status}"
+            return
+
+
+def main(argv: list[str], started: float | None = None) -> int:
+    """The check; `started`: the monotonic time its process started (default: now, less STARTUP_S)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default="runs/gpu_check")
-    ap.add_argument("sections", nargs="*", help=f"default: {' '.join(s.name for s in SECTIONS if s.default)}; "
+    ap.add_argument("sections", nargs="*", help=f"default: {' '.join(DEFAULT)}; "
                     f"on request: {' '.join(s.name for s in SECTIONS if not s.default)}")
-    ap.add_argument("--dry-run", action="store_true", help="print each section's plan and commands; run nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the time budget, each section's plan and "
+                    "commands; run nothing")
     ap.add_argument("--gpu-gib", type=float, default=None, help=f"the card's memory (dry run default {H100_GIB})")
     ap.add_argument("--small", action="store_true", help="CPU stand-in widths and tiny shapes: the script itself")
     ap.add_argument("--models", default="/tmp/pspo-gpu-models", help="where the models are built (removed after)")
@@ -518,56 +720,62 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--smoke", default="", help=argparse.SUPPRESS)          # the child that runs the smoke test
     args = ap.parse_args(argv)
     if args.smoke:
-        smoke(args.smoke)
+        smoke(args.smoke, args.small)
         return 0
     if args.dry_run and args.out != "runs/gpu_check":          # --dry-run SECTION ...: no OUT folder
         args.sections = [args.out] + args.sections
-    names = args.sections or [s.name for s in SECTIONS if s.default]
-    unknown = [n for n in names if n not in BY_NAME]
+    unknown = [n for n in args.sections if n not in BY_NAME]
     if unknown:
         print(f"gpu_check: unknown section {unknown[0]!r}; expected one of {', '.join(BY_NAME)}", file=sys.stderr)
         return 2
+    names = [s.name for s in SECTIONS if s.name in args.sections] if args.sections else DEFAULT   # priority order
     if args.dry_run:
         return dry_run(names, args.gpu_gib or H100_GIB)
-    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
+    missing = [m for m in CORE if importlib.util.find_spec(m) is None]
     if missing:
         print(f"gpu_check: missing Python packages {', '.join(missing)}: bring them as wheels "
               "(docs/gpu.md#wheels: scripts/gpu_wheels.sh here, then pip install --target there)", file=sys.stderr)
         return 2
     env = environment()
-    pins = pinned()
     print("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    pins = pinned()
     for pkg in ("torch", "transformers"):
-        if env[pkg].split("+")[0] != pins.get(pkg):
+        if (env[pkg] or "").split("+")[0] != pins.get(pkg):
             print(f"note: {pkg} {env[pkg]} here, {pins.get(pkg)} pinned in requirements.txt")
     if env["gpu"] is None and not args.small:
         print(f"gpu_check: no CUDA device visible to torch {env['torch']} (CUDA {env['cuda']}); "
               "--small rehearses the script on CPU", file=sys.stderr)
         return 2
+    for name in names:
+        lacking = missing_modules(BY_NAME[name])
+        if lacking:
+            print(f"note: section {name} needs {', '.join(lacking)}, not installed: it will be skipped "
+                  "(docs/gpu.md#wheels)")
     os.makedirs(args.out, exist_ok=True)
     ctx = Context(out=os.path.abspath(args.out), models=args.models, runs="/tmp/pspo-gpu-runs", small=args.small)
-    ctx.summary = {"env": env, "smoke": None, "sections": {}, "not_measured": []}
-    earlier = read_json(os.path.join(ctx.out, "summary.json"))      # calls into one OUT add up (10-minute calls)
-    if earlier:
-        ctx.summary["sections"] = {k: v for k, v in earlier.get("sections", {}).items() if k not in names}
-        ctx.summary["not_measured"] = [n for n in earlier.get("not_measured", [])
-                                       if n.split(":")[0] not in names and not n.startswith(("vLLM", "smoke"))]
-    if importlib.util.find_spec("vllm") is None:
-        ctx.summary["not_measured"].append("vLLM's ms per step and the sync check on a GPU: vLLM is not installed")
-    if env["gpu"] is not None:
-        with open(os.path.join(ctx.out, "smoke.log"), "w") as log:
-            status = run_child([sys.executable, os.path.abspath(__file__), "--smoke",
-                                os.path.join(ctx.out, "smoke.json")], log, 120)
-        ctx.summary["smoke"] = read_json(os.path.join(ctx.out, "smoke.json"))
-        if status != "ok":       # the sections still run: each fails on its own, and the log says why
-            print(f"gpu_check: the smoke test failed ({status}); see {ctx.out}/smoke.log", file=sys.stderr)
-            ctx.summary["not_measured"].append(f"smoke test: {status} (smoke.log)")
-    gpu_gib = env["gpu_gib"] or H100_GIB
+    ctx.summary = merged(ctx.out, names, env)
+    if ctx.summary["packing"] is not None:
+        ctx.packing = ctx.summary["packing"]["packed"]
+    if not env.get("vllm"):
+        ctx.summary["notes"].append("vLLM's ms per step and the sync check on a GPU: vLLM is not installed")
+    write_summary(ctx)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # `timeout` around the check: still a summary
+    t0 = time.monotonic() - STARTUP_S if started is None else started
+    ends = {step: end for step, _, end in schedule(names)}
+    build = None
     try:
+        if any(BACKGROUND in BY_NAME[n].models for n in names):
+            built_by = t0 + ends[BUILD_STEP] - time.monotonic()
+            build = Build(BACKGROUND, ctx, SMALL_LIMIT_S if args.small else built_by)
         for name in names:
-            run_section(BY_NAME[name], ctx, gpu_gib)
+            limit = SMALL_LIMIT_S if args.small else t0 + ends[name] - time.monotonic()
+            run_section(BY_NAME[name], ctx, env["gpu_gib"] or H100_GIB, limit, build)
     finally:
+        if build is not None:
+            build.cancel.set()
+            build.thread.join(30)
+            ctx.summary["builds"][BACKGROUND.name] = {"status": build.status, "seconds": round(build.seconds, 1),
+                                                     "call": len(ctx.summary["calls"]) - 1}
         if not args.keep_models:
             shutil.rmtree(args.models, ignore_errors=True)
         shutil.rmtree(ctx.runs, ignore_errors=True)
@@ -578,4 +786,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    become_subreaper()              # an orphan of a section's children comes here, to be stopped with them
+    sys.exit(main(sys.argv[1:], started=STARTED))

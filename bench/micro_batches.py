@@ -77,12 +77,16 @@ def skewed_batch(n: int, vocab: int, seed: int = 0, max_completion: int = 512,
     return input_ids, attention, mask, torch.randn(n, generator=g), completions
 
 
-PEAK_TFLOPS = (("h100 pcie", 756.0), ("h100", 989.0), ("h200", 989.0), ("gh200", 989.0),
-               ("a100", 312.0))                         # dense bf16 by name, the first match wins
+# Dense bf16 TFLOP/s by the name torch reports, the first match wins: NVIDIA's datasheets give the
+# Tensor Core figures with sparsity, twice these (H100 SXM / H200 / GH200 1,979; H100 NVL / H200 NVL
+# 1,671; H100 PCIe 1,513; A100 624)
+PEAK_TFLOPS = (("h100 nvl", 835.0), ("h100 pcie", 756.0), ("h200 nvl", 835.0), ("h100", 989.0),
+               ("h200", 989.0), ("a100", 312.0))        # "h200" also matches GH200
 
 
 def peak_tflops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU from its name (H100 SXM / H200: 989, A100: 312); None if unknown."""
+    """The dense bf16 peak of a GPU from its name (H100 SXM, H200, GH200: 989; H100 NVL, H200 NVL: 835;
+    H100 PCIe: 756; A100: 312); None if unknown."""
     low = device_name.lower()
     return next((tflops for key, tflops in PEAK_TFLOPS if key in low), None)
 

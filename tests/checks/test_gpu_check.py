@@ -1,19 +1,70 @@
-"""The GPU check (bench/gpu_check.py, scripts/gpu_check.sh): its dry run plans every section at an H100's
-memory, it refuses a machine it cannot run on in one line, and its summary reads the figures the
-sections write. The sections themselves run on a GPU only; `--small` rehearses them on CPU."""
+"""The GPU check (bench/gpu_check.py, scripts/gpu_check.sh, bench/child_process.py): its default run fits
+one lent GPU's 8-minute command, its dry run plans every section at an H100's memory, it refuses a machine
+it cannot run on in one line, a section's processes all stop with it, one section's failure leaves the
+others running, and its summary reads the figures the sections write. The sections themselves run on a
+GPU only; `--small` rehearses them on CPU."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
 gpu_check = importlib.util.module_from_spec(spec)
 sys.modules["gpu_check"] = gpu_check                  # its dataclasses look their module up
 spec.loader.exec_module(gpu_check)
+from bench import child_process  # noqa: E402
+from bench.micro_batches import peak_tflops  # noqa: E402
+
+
+def running(pid: int) -> bool:
+    """The process runs (a zombie, dead but not yet collected, does not)."""
+    return pid in child_process.process_table()
+
+
+# ---- the time budget -----------------------------------------------------------------------------
+
+def test_the_default_run_fits_one_gpu_slot():
+    """The dry run prints the budget of the default run (the wheels, the start, the build beside the smoke
+    test, each section's limit) and it is at most 8 minutes; the headline sections run in priority order."""
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    total = int(re.search(r"in all (\d+) s: fits in 8 minutes \(480 s\)", proc.stdout).group(1))
+    assert total <= 480 and total == gpu_check.budget_s(gpu_check.DEFAULT)
+    assert gpu_check.DEFAULT == ["smoke", "numerics", "update", "decode", "recipe", "trl"]
+    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| (\d+) \|$", proc.stdout, re.M)
+    steps = [step.strip() for step, _, _ in rows]
+    assert steps[:3] == ["wheels: pip install --no-index --target (docs/gpu.md#wheels)",
+                         "start-up: Python, torch, the environment", "build qwen15 (in the background)"]
+    assert steps[3:9] == gpu_check.DEFAULT and int(rows[-1][2]) == total
+    # the sections that load the model start after the build's limit: build 50 s from the start-up's end
+    ends = {step.strip(): int(end) for step, _, end in rows}
+    assert ends["numerics"] == ends["build qwen15 (in the background)"] + gpu_check.BY_NAME["numerics"].limit_s
+    for name in gpu_check.DEFAULT:
+        assert f"[{name}] default, limit" in proc.stdout and "sized from:" in proc.stdout
+    assert "every plan fits on one GPU of 79.2 GiB" in proc.stdout
+
+
+def test_a_budget_over_8_minutes_says_so(monkeypatch, capsys):
+    # smoke 40 + numerics 40 + update 75 + decode 145 + recipe 85 + trl 55 = 440, + 10 + 8 + 7 + the build's
+    # 10 s beyond the smoke's 40 = 475; one more minute for the update makes 535 > 480
+    assert gpu_check.budget_s(gpu_check.DEFAULT) == 475
+    slow = gpu_check.dataclasses.replace(gpu_check.BY_NAME["update"], limit_s=135)
+    monkeypatch.setitem(gpu_check.BY_NAME, "update", slow)
+    assert gpu_check.budget_s(gpu_check.DEFAULT) == 535
+    gpu_check.dry_run(["update"], gpu_check.H100_GIB)
+    assert "in all 210 s: fits" in capsys.readouterr().out          # 10 + 8 + 50 + 135 + 7, alone
+    monkeypatch.setattr(gpu_check, "plan_case", lambda case, gib: (1.0, True, "fits"))
+    gpu_check.dry_run(gpu_check.DEFAULT, gpu_check.H100_GIB)
+    assert "in all 535 s: does NOT fit in 8 minutes" in capsys.readouterr().out
 
 
 def test_the_dry_run_plans_every_section_within_an_h100(capsys):
@@ -23,12 +74,10 @@ def test_the_dry_run_plans_every_section_within_an_h100(capsys):
     for name in names:
         assert f"[{name}]" in out
     assert "does not fit" not in out and "every plan fits on one GPU of 79.2 GiB" in out
-    # every training section plans its own command's configuration, with the layers it builds
     assert "(4 layers): peak" in out                               # the 7B, truncated as built
+    assert "torch.distributed.run" not in out and "torchrun" not in out   # one process: nothing escapes
     for s in gpu_check.SECTIONS:
         assert s.limit_s <= 540, "a section must fit one 10-minute call with margin"
-    default = sum(s.limit_s for s in gpu_check.SECTIONS if s.default)
-    assert default <= 45 * 60                   # the limits are ceilings; the default sections take ~20 min
 
 
 def test_the_dry_run_catches_a_plan_that_does_not_fit(capsys):
@@ -36,6 +85,8 @@ def test_the_dry_run_catches_a_plan_that_does_not_fit(capsys):
     assert gpu_check.dry_run(["rpp7b"], 40.0) == 1
     assert "1 plan(s) do not fit on one GPU of 40 GiB" in capsys.readouterr().out
 
+
+# ---- what the check needs ------------------------------------------------------------------------
 
 def test_the_script_refuses_a_machine_without_a_gpu_in_one_line():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
@@ -48,68 +99,305 @@ def test_the_script_refuses_a_machine_without_a_gpu_in_one_line():
     assert not os.path.exists("/tmp/pspo-gpu-check-refused")                  # nothing written
 
 
-def test_missing_packages_are_named_with_the_way_to_bring_them(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(gpu_check, "NEEDS", gpu_check.NEEDS + ("no_such_package_xyz",))
+def test_missing_core_packages_are_named_with_the_way_to_bring_them(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(gpu_check, "CORE", gpu_check.CORE + ("no_such_package_xyz",))
     assert gpu_check.main([str(tmp_path / "out"), "prm"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gpu_check: missing Python packages no_such_package_xyz") and "docs/gpu.md#wheels" in err
     assert gpu_check.main(["--dry-run", "no_such_section"]) == 2
 
 
-def test_the_summary_reads_what_the_sections_wrote(tmp_path):
-    # an update section's two JSON files and a training section's metrics, as the children write them
+def test_each_section_names_its_own_packages():
+    # peft is lora's alone: without it the check starts and only lora is skipped
+    assert "peft" not in gpu_check.CORE
+    assert [s.name for s in gpu_check.SECTIONS if "peft" in s.needs] == ["lora"]
+    assert {"trl", "accelerate"} <= set(gpu_check.BY_NAME["trl"].needs)
+    assert "vllm" in gpu_check.BY_NAME["vllm"].needs
+    assert gpu_check.BY_NAME["numerics"].needs == () and gpu_check.BY_NAME["update"].needs == ()
+
+
+def test_a_section_missing_its_package_is_skipped_and_the_next_runs(tmp_path, monkeypatch):
+    lacking = gpu_check.Section("lacking", "needs a package that is not there", 30, True,
+                                needs=("no_such_package_xyz",))
+    fine = gpu_check.Section("fine", "runs", 30, True)
+    ctx = small_context(tmp_path, monkeypatch, {"fine": [sys.executable, "-c", "print('fine ran')"]})
+    for s in (lacking, fine):
+        gpu_check.run_section(s, ctx, 79.2, 30, None)
+    sections = json.loads((tmp_path / "summary.json").read_text())["sections"]
+    assert sections["lacking"]["status"] == "skipped: needs no_such_package_xyz (docs/gpu.md#wheels)"
+    assert sections["fine"]["status"] == "ok" and "fine ran" in (tmp_path / "fine.log").read_text()
+
+
+def test_versions_are_read_without_importing_the_package(tmp_path, monkeypatch):
+    # a package whose import fails (as a broken vLLM install does) still has a version, and the
+    # environment is read without importing vLLM
+    site = tmp_path / "site"
+    (site / "brokenpkg").mkdir(parents=True)
+    (site / "brokenpkg" / "__init__.py").write_text("raise ImportError('broken on purpose')\n")
+    (site / "brokenpkg-1.2.3.dist-info").mkdir()
+    (site / "brokenpkg-1.2.3.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: brokenpkg\n"
+                                                                 "Version: 1.2.3\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert gpu_check.version("brokenpkg") == "1.2.3" and gpu_check.version("no-such-dist-xyz") is None
+    vllm_before = "vllm" in sys.modules
+    env = gpu_check.environment()
+    assert ("vllm" in sys.modules) == vllm_before
+    assert set(gpu_check.DISTRIBUTIONS) <= set(env) and env["transformers"]
+
+
+def test_the_mfu_peak_by_card_name():
+    # NVIDIA's datasheets list bf16 Tensor Core TFLOP/s with sparsity: dense is half (1,979 / 1,671 / 1,513)
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("NVIDIA H100 NVL") == 835.0 and peak_tflops("NVIDIA H200 NVL") == 835.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0 and peak_tflops("NVIDIA GH200 480GB") == 989.0
+
+
+# ---- child processes -----------------------------------------------------------------------------
+
+SPAWNER = textwrap.dedent("""
+    import subprocess, sys, time
+    # a grandchild in a session of its own (as torchrun starts its workers), then a line without its end
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    print(f"grandchild {g.pid}", flush=True)
+    sys.stdout.write("a partial line"); sys.stdout.flush()
+    time.sleep(300)
+""")
+
+
+def grandchild(log: str) -> int:
+    return int(log.rsplit("grandchild ", 1)[1].split()[0])
+
+
+def test_a_timed_out_child_takes_every_process_it_started_down(tmp_path):
+    """Past its limit, the child and its grandchild in a new session (which the child's process group does
+    not reach) are stopped; the partial line (no newline, never finished) neither blocks the reader past
+    the limit nor is lost."""
+    log = tmp_path / "child.log"
+    start = time.monotonic()
+    with open(log, "w") as f:
+        status = child_process.run_child([sys.executable, "-c", SPAWNER], f, 4.0, echo=False)
+    elapsed = time.monotonic() - start
+    text = log.read_text()
+    pid = grandchild(text)
+    try:
+        assert status == "timed out" and elapsed < 4.0 + 2.5       # SIGTERM ends both at once, before the grace period
+        assert not running(pid)
+        assert "a partial line\n[killed: over its time limit]" in text and "stopped 2 process(es)" in text
+    finally:
+        if running(pid):
+            os.kill(pid, 9)
+
+
+def test_an_orphan_in_a_new_session_is_stopped_with_its_child(tmp_path):
+    """A child that starts a process in a new session and exits at once leaves an orphan no parent link
+    reaches: the check process, a subreaper (as `python bench/gpu_check.py` makes itself), gets it back
+    and stops it. Run in a process of its own, so that this test process does not become a subreaper."""
+    script = textwrap.dedent(f"""
+        import io, sys
+        sys.path.insert(0, {ROOT!r})
+        from bench.child_process import become_subreaper, run_child, process_table
+        assert become_subreaper()
+        log = io.StringIO()
+        status = run_child(["bash", "-c", "setsid sleep 300 & echo grandchild $!"], log, 20, echo=False)
+        pid = int(log.getvalue().rsplit("grandchild ", 1)[1].split()[0])
+        print(status, pid, pid in process_table())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    status, pid, alive = out.stdout.split()
+    try:
+        assert status == "ok" and alive == "False" and not running(int(pid))
+    finally:
+        if running(int(pid)):
+            os.kill(int(pid), 9)
+
+
+def test_done_ends_a_child_once_its_figures_are_in(tmp_path):
+    # a child that would run for minutes (train.py saving its final checkpoint) ends as soon as done() says
+    flag = tmp_path / "figures.json"
+    child = f"import time, pathlib; pathlib.Path({str(flag)!r}).write_text('{{}}'); time.sleep(300)"
+    start = time.monotonic()
+    with open(tmp_path / "log", "w") as f:
+        status = child_process.run_child([sys.executable, "-c", child], f, 60, done=flag.exists, echo=False)
+    assert status == "ok" and time.monotonic() - start < 20
+    assert "[stopped: its figures are in]" in (tmp_path / "log").read_text()
+
+
+def test_child_exit_codes_are_reported(tmp_path):
+    with open(tmp_path / "log", "w") as f:
+        assert child_process.run_child([sys.executable, "-c", "import sys; sys.exit(3)"], f, 30, echo=False) \
+            == "exit 3"
+        assert child_process.run_child([sys.executable, "-c", "print('x' * 100000)"], f, 30, echo=False) == "ok"
+    assert "x" * 100000 in (tmp_path / "log").read_text()            # a line longer than one read, whole
+
+
+# ---- sections and the summary --------------------------------------------------------------------
+
+def small_context(tmp_path, monkeypatch, argvs: dict[str, list[str]]):
+    """A Context whose sections run the given commands (by name), its summary as main starts it."""
+    ctx = gpu_check.Context(out=str(tmp_path), models=str(tmp_path / "m"), runs=str(tmp_path / "r"), small=True)
+    ctx.summary = gpu_check.merged(str(tmp_path), list(argvs), {"gpu": None, "torch": "t"})
+    os.makedirs(ctx.model(gpu_check.QWEN15))          # taken for built: these sections load no model
+    real = gpu_check.commands
+
+    def commands(section, ctx_):
+        if section.name == "broken":
+            raise RuntimeError("a bug in this section's commands")
+        if section.name in argvs:
+            return [gpu_check.Child(argvs[section.name])]
+        return real(section, ctx_)
+    monkeypatch.setattr(gpu_check, "commands", commands)
+    return ctx
+
+
+def test_an_exception_in_one_section_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
+    broken = gpu_check.Section("broken", "raises", 30, True)
+    fine = gpu_check.Section("fine", "runs", 30, True)
+    ctx = small_context(tmp_path, monkeypatch, {"fine": [sys.executable, "-c", "print('fine ran')"]})
+    for s in (broken, fine):
+        gpu_check.run_section(s, ctx, 79.2, 30, None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["sections"]["broken"]["status"] == "error: RuntimeError: a bug in this section's commands"
+    assert "Traceback" in (tmp_path / "broken.log").read_text()
+    assert summary["sections"]["fine"]["status"] == "ok"
+    assert "broken: error: RuntimeError: a bug in this section's commands" in summary["not_measured"]
+
+
+def test_a_failed_packed_check_runs_the_later_sections_unpacked(tmp_path, monkeypatch):
+    # numerics writes packed_ok false: the update times token-budget micro-batches and the recipe step and
+    # TRL's run train.py's config with packing off; the summary says why
+    numerics = [sys.executable, "-c", f"import json; json.dump({{'packed_ok': False}}, open({str(tmp_path)!r} "
+                "+ '/numerics.json', 'w'))"]
+    ctx = small_context(tmp_path, monkeypatch, {"numerics": numerics})
+    gpu_check.run_section(gpu_check.BY_NAME["numerics"], ctx, 79.2, 30, None)
+    assert not ctx.packing and ctx.summary["packing"]["why"] == "numerics: packed_ok false"
+    update = gpu_check.commands(gpu_check.BY_NAME["update"], ctx)[0].argv
+    assert update[update.index("--modes") + 1] == "token budget"
+    assert update[update.index("--checkpointing") + 1] == "auto"
+    for name in ("recipe", "trl"):
+        assert "--train.packing=false" in gpu_check.commands(gpu_check.BY_NAME[name], ctx)[0].argv
+    assert "Packing: OFF: the sections after numerics ran unpacked (numerics: packed_ok false)" in \
+        (tmp_path / "summary.md").read_text()
+    # the verdicts: only a numerics run that wrote packed_ok true packs
+    assert gpu_check.packing_verdict({"status": "ok", "figures": {"packed_ok": True}})[0]
+    assert gpu_check.packing_verdict({"status": "ok", "figures": {}}) == (False, "numerics wrote no packed_ok")
+    assert gpu_check.packing_verdict({"status": "timed out", "figures": {}}) == (False, "numerics: timed out")
+    ctx.packing = True
+    update = gpu_check.commands(gpu_check.BY_NAME["update"], ctx)[0].argv
+    assert update[update.index("--modes") + 1] == "packed"
+
+
+def test_the_recipe_step_and_trl_run_one_workload(tmp_path):
+    # one list of overrides for both sides: train.py gets it as given, TRL's worker loads the same config
     ctx = gpu_check.Context(out=str(tmp_path), models="M", runs="R", small=False)
-    mode = {"micro_batches": 3, "padded_share": 0.38, "update_s": 4.0, "real_tokens_per_s": 20000.0,
-            "mfu": 0.123, "peak_allocated_gib": 30.0, "peak_reserved_gib": 35.0}
+    recipe = gpu_check.commands(gpu_check.BY_NAME["recipe"], ctx)[0].argv
+    trl = gpu_check.commands(gpu_check.BY_NAME["trl"], ctx)[0].argv
+    overrides = trl[trl.index("--") + 1:]
+    assert recipe[1:4] == ["train.py", "--config", "configs/qwen2.5-math-1.5b/grpo.yaml"]
+    assert recipe[4:4 + len(overrides)] == overrides and "--model.name_or_path=M/qwen15-full" in overrides
+    assert trl[trl.index("--config") + 1] == "configs/qwen2.5-math-1.5b/grpo.yaml"
+    assert "--train.max_steps=2" in recipe and trl[trl.index("--steps") + 1] == "2"
+
+
+def test_the_summary_reads_what_the_sections_wrote(tmp_path):
+    ctx = gpu_check.Context(out=str(tmp_path), models="M", runs="R", small=False)
+    mode = {"micro_batches": 2, "padded_share": 0.0, "update_s": 1.5, "real_tokens_per_s": 31273.0,
+            "mfu": 0.301, "peak_allocated_gib": 30.0, "peak_reserved_gib": 35.0}
     profile = {"gemm": 0.5, "gemm_fp32": 0.0, "attention": 0.2, "elementwise": 0.1, "other": 0.1, "idle": 0.1,
-               "attention_backend": "cudnn"}
-    for tag, budget in (("-ckpt", 36864), ("-nockpt", 4096)):
-        (tmp_path / f"update{tag}.json").write_text(json.dumps(
-            {"budget": budget, "modes": {"packed": mode}, "profile": profile if tag == "-ckpt" else {}}))
-    (tmp_path / "recipe.metrics.jsonl").write_text(
-        json.dumps({"step": 0, "eval_accuracy": 0.0}) + "\n"
-        + json.dumps({"step": 1, "step_time_s": 30.0, "gen_s": 20.0, "advantages_s": 1.0, "update_s": 4.0,
-                      "peak_mem_gib": 34.6, "peak_reserved_gib": 43.0}) + "\n")
-    ctx.summary = {"env": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_gib": 79.2, "torch": "2.11.0", "cuda": "13.0",
-                           "transformers": "5.17.0", "date": "2026-11-26", "commit": "abc1234"},
-                   "smoke": None, "sections": {}, "not_measured": ["vllm: vLLM is not installed"]}
-    for name in ("update", "recipe"):
-        ctx.summary["sections"][name] = {"status": "ok", "seconds": 10.0,
+               "attention_backend": "flash"}
+    (tmp_path / "update.json").write_text(json.dumps({"budget": 36864, "checkpointing": "selective",
+                                                      "modes": {"packed": mode}, "profile": profile}))
+    (tmp_path / "numerics.json").write_text(json.dumps({"packed_ok": True, "packed_kernel": "varlen",
+                                                        "logp_gap_packed_vs_unpacked": [1e-2, 1e-3]}))
+    runs = [{"engine": "static-full", "ms_per_step": 4.5, "tokens_per_s": 9000.0, "first_call_s": 44.0,
+             "compiles": 2, "recompiles": 0, "skips": 0, "rows_equal": 48},
+            {"engine": "static", "ms_per_step": 1.8, "tokens_per_s": 20000.0, "first_call_s": 50.0,
+             "compiles": 6, "recompiles": 0, "skips": 0, "rows_equal": 45}]
+    (tmp_path / "decode.json").write_text(json.dumps({"rows": 48, "cache_len": 4096, "runs": runs}))
+    (tmp_path / "recipe.metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "step_time_s": t, "gen_s": 2.0, "reward_s": 0.1, "advantages_s": 1.0,
+                    "update_s": 4.0, "peak_mem_gib": 34.6, "peak_reserved_gib": 43.0}) + "\n"
+        for i, t in ((1, 50.0), (2, 8.0))) + '{"step": 3, "step_ti')                # a line being written
+    (tmp_path / "trl.json").write_text(json.dumps({"times": [30.0, 20.0], "gen_s": [12.0, 11.0], "length": 256}))
+    ctx.summary = {"calls": [{"gpu": "NVIDIA H100 80GB HBM3", "gpu_gib": 79.2, "torch": "2.11.0", "cuda": "13.0",
+                              "transformers": "5.17.0", "trl": "1.16.0", "date": "2026-11-28", "commit": "abc1234"}],
+                   "packing": {"packed": True, "why": "numerics: packed_ok", "call": 0}, "sections": {},
+                   "notes": ["vLLM's ms per step: vLLM is not installed"]}
+    for name in ("numerics", "update", "decode", "recipe", "trl"):
+        ctx.summary["sections"][name] = {"status": "ok", "seconds": 10.0, "call": 0,
                                          "figures": gpu_check.figures(gpu_check.BY_NAME[name], ctx)}
     gpu_check.write_summary(ctx)
     md = (tmp_path / "summary.md").read_text()
-    assert "12.3% / 20,000 / 4.00 / 0.38 / 30.0, 35.0" in md                   # MFU / tok/s / s / padded / peaks
-    assert "attention (cudnn)" in md and "50% / 20% / 10% / 10% / 10%" in md
-    assert "30.0 / 20.0 / 1.0 / 4.0; 34.6, 43.0" in md                          # the step split and peaks
-    assert "- vllm: vLLM is not installed" in md
-    assert json.loads((tmp_path / "summary.json").read_text())["sections"]["recipe"]["figures"]["eval"] == \
-        [{"step": 0, "eval_accuracy": 0.0}]
+    assert "GPU check, call 1: NVIDIA H100 80GB HBM3 (79.2 GiB), torch 2.11.0 (CUDA 13.0)" in md and "trl 1.16.0" in md
+    assert "Packing: on (numerics: packed_ok)" in md
+    assert "| packed_ok (packed forward and backward = unpacked within tolerance) | True |" in md
+    assert "| packed kernel | varlen |" in md and "1.0e-02 / 1.0e-03" in md
+    assert "packed, budget 36864, checkpointing selective" in md and "30.1% / 31,273 / 1.50 / 0.00 / 30.0, 35.0" in md
+    assert "attention (flash)" in md and "50% / 20% / 10% / 10% / 10%" in md
+    assert "1.80 / 20,000 / 50.0 / 6, 0, 0 / 45" in md and "| static-full / static ms per step | 2.50 |" in md
+    assert "8.0 / 2.0 / 0.1 / 1.0 / 4.0; 34.6, 43.0" in md                    # step 2's split and peaks
+    assert "| TRL step 2: step / generate s | 20.0 / 11.0 |" in md
+    assert "| train.py / TRL, last step each (goal <= 0.5) | 8.0 / 20.0 = 0.40 |" in md
+    assert "- vLLM's ms per step: vLLM is not installed" in md
 
 
-@pytest.mark.slow
-def test_the_small_rehearsal_runs_the_bench_sections(tmp_path):
-    """--small: the update section at CPU stand-in widths, end to end: the model built once, the children
-    run, their figures read into the summary, the models removed (the other sections' figures are read by
-    test_the_summary_reads_what_the_sections_wrote; decode's transformers static-cache loop is
-    tests/components/test_decode.py's)."""
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--small", str(tmp_path / "out"), "update",
-                           "--models", str(tmp_path / "models")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert {n: s["status"] for n, s in summary["sections"].items()} == {"update": "ok"}
-    modes = summary["sections"]["update"]["figures"]["checkpointing"]["modes"]
-    assert set(modes) == {"token budget", "packed"} and modes["packed"]["padded_share"] == 0
-    assert not os.path.exists(tmp_path / "models")                           # the models are removed
-
-
-def test_calls_into_one_out_add_up(tmp_path, monkeypatch):
-    # a check split over two calls: the second call's summary keeps the first call's sections
-    (tmp_path / "summary.json").write_text(json.dumps({"sections": {"update": {"status": "ok", "seconds": 1.0,
-                                                                              "figures": {}}},
-                                                       "not_measured": ["decode: timed out"]}))
-    monkeypatch.setattr(gpu_check, "run_section", lambda section, ctx, gib: ctx.summary["sections"].update(
-        {section.name: {"status": "ok", "seconds": 2.0, "figures": {}}}))
+def test_calls_into_one_out_add_up_each_with_its_environment(tmp_path, monkeypatch):
+    # a check split over two calls (two machines): the second call's summary keeps the first call's
+    # sections and the environment they ran in; a section run again is replaced
+    first = {"gpu": "NVIDIA H200", "torch": "2.11.0", "date": "d1", "commit": "aaa"}
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "env": first, "sections": {"update": {"status": "ok", "seconds": 1.0, "figures": {}},
+                                   "decode": {"status": "timed out", "seconds": 9.0, "figures": {}}}}))
+    def run_section(section, ctx, gib, limit, build):
+        ctx.summary["sections"][section.name] = {"status": "ok", "seconds": 2.0, "call": len(ctx.summary["calls"]) - 1,
+                                                 "figures": {}}
+    monkeypatch.setattr(gpu_check, "run_section", run_section)
     assert gpu_check.main([str(tmp_path), "decode", "--small", "--models", str(tmp_path / "m")]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["sections"]) == {"update", "decode"} and "decode: timed out" not in summary["not_measured"]
+    assert summary["calls"][0] == first and summary["calls"][1] == summary["env"]
+    assert summary["sections"]["update"]["call"] == 0 and summary["sections"]["decode"]["call"] == 1
+    md = (tmp_path / "summary.md").read_text()
+    assert "GPU check, call 1: NVIDIA H200" in md and "GPU check, call 2: no GPU" in md
+
+
+# ---- the rehearsal -------------------------------------------------------------------------------
+
+def supports(script: str, *texts: str) -> bool:
+    """The bench script has the interface the check's command uses (every text appears in its source)."""
+    with open(os.path.join(ROOT, script)) as f:
+        source = f.read()
+    return all(t in source for t in texts)
+
+
+@pytest.mark.slow
+def test_the_small_rehearsal_runs_the_default_sections(tmp_path):
+    """--small: every default section at CPU stand-in widths, end to end, in priority order: the model built
+    once in the background, the children run, their figures read into the summary, the models removed.
+    A section whose bench script lacks the flag the command passes fails alone, recorded; TRL's section is
+    skipped, saying so, where TRL is not installed."""
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--small", str(tmp_path / "out"),
+                           "--models", str(tmp_path / "models")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    status = {n: s["status"] for n, s in summary["sections"].items()}
+    assert list(status) == gpu_check.DEFAULT and summary["builds"]["qwen15"]["status"] == "ok"
+    assert status["smoke"] == status["numerics"] == status["recipe"] == "ok"
+    expected = {"update": supports("bench/micro_batches.py", '"auto"'),
+                "decode": supports("bench/rollout.py", '"static-full"', "--lengths")}
+    for name, supported in expected.items():
+        assert status[name] == "ok" if supported else status[name].endswith("exit 2"), status[name]
+    if importlib.util.find_spec("trl") is None:
+        assert status["trl"] == "skipped: needs trl (docs/gpu.md#wheels)"
+    else:
+        assert status["trl"] == "ok" and len(summary["sections"]["trl"]["figures"]["times"]) == 2
+    packed = summary["sections"]["numerics"]["figures"].get("packed_ok") is True
+    assert summary["packing"]["packed"] == packed
+    steps = summary["sections"]["recipe"]["figures"]["steps"]
+    assert len(steps) == 2 and all(s["gen_s"] > 0 and s["update_s"] > 0 for s in steps)
+    recipe_log = (tmp_path / "out" / "recipe.log").read_text()
+    assert ("--train.packing=false" in recipe_log) == (not packed)
+    assert "torch.distributed.run" not in recipe_log
+    assert (tmp_path / "out" / "summary.md").read_text().startswith("GPU check, call 1: no GPU")
+    assert not os.path.exists(tmp_path / "models")                           # the models are removed
