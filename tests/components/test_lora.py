@@ -99,6 +99,38 @@ def test_a_mismatched_adapter_is_refused_in_one_line(tiny_model_path, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_saving_an_adapter_asks_no_hub(tiny_model_path, tmp_path, monkeypatch):
+    # A policy loaded by hub id (its adapter_config's base_model_name_or_path is "Qwen/Qwen2.5-1.5B-Instruct", not
+    # a folder): peft's default save_embedding_layers="auto" asks the hub whether that repo has a config.json at
+    # every save (one HTTPS request per rank per adapter sync; offline, a timeout). HF_HUB_OFFLINE is unset here,
+    # so nothing but the code keeps the request from being made: every attempt to resolve or connect is recorded.
+    import socket
+
+    import huggingface_hub.constants
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args[1:3] if args and isinstance(args[0], socket.socket) else args[:2])
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    policy = lora_policy(tiny_model_path)
+    policy.peft.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-1.5B-Instruct"
+    folder = str(tmp_path / "adapter")
+    save_adapter(policy.peft, distributed.full_model_state(policy, trainable_only=True), folder)
+    assert attempts == []
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    # only the adapters were written: no embedding or head rows
+    from safetensors.torch import load_file
+    names = list(load_file(os.path.join(folder, "adapter_model.safetensors")))
+    assert names and all("lora_A" in n or "lora_B" in n for n in names)
+
+
 def test_bf16_base_float32_adapters_with_checkpointing(tiny_model_path):
     policy = lora_policy(tiny_model_path, bf16=True, checkpointing=True).train()
     dtypes = {("lora" if "lora_" in n else "base"): p.dtype for n, p in policy.named_parameters()
