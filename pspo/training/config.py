@@ -143,8 +143,7 @@ class RolloutConfig:
     compile: str = "auto"               # hf engine: compile the decoding step: auto (CUDA) | always | never
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
-    sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)
-    sync_check_tol: float = 0.02        # stop if the mean |Δ log π| per token exceeds this (nats)
+    sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
     # engine/trainer mismatch (§7): the PG term weighted by min(π_old/π_engine, C) per token | sequence | none
     is_correction: str = "none"
     is_cap: float = 2.0                 # C, the truncation of that weight (> 1)
@@ -483,7 +482,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
            r.gpu_memory_utilization)
     check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
-    check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)
     corrected = r.is_correction != "none"
     check(r.is_correction in IS_CORRECTIONS, "rollout.is_correction", " | ".join(IS_CORRECTIONS),
            r.is_correction)
