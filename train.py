@@ -189,7 +189,7 @@ class Run:
         (timed apart from the step), logged and shown; the run is saved when due, stopped (saved) by
         too many non-finite updates, and True is returned when a stop signal came (saved)."""
         cfg, device = self.cfg, self.dist.device
-        stale = stale_engine(sync, self.step, cfg.rollout)                      # the engine's weights lag
+        stale = stale_engine(sync, self.step)                                   # the engine's weights lag
         if stale is not None:
             self.save()
             raise stale

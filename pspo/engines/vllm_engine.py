@@ -11,6 +11,11 @@ vLLM renormalizes them over the nucleus, so the loop never uses them as π_old).
 are π_engine of the truncated importance weights min(π_old/π_engine, C) (rollout.is_correction,
 docs/methods.md §7), which config.py allows only there.
 
+The sync check (`sync_engine`, docs/gpu.md "Sync check"): after the first step and every
+rollout.sync_check_steps steps, the engine's weights are compared with the trainer's by exact integer
+checksums of every row (`row_sums`), and the engine's log-probs with the trainer's on fresh completions
+(logged: in bf16 the kernels' own gap is larger than what one small step changes).
+
 Sampling uses vLLM's per-request seeds, derived from the same counter-based seeds as the
 transformers engine, so a completion does not depend on batching or on the number of ranks,
 but the two engines draw different completions for the same seed.
@@ -29,12 +34,13 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from pspo.training import distributed
 from pspo.training.config import error_line
 from pspo.training.model import ModelError
-from pspo.training.lora import save_adapter
+from pspo.training.lora import ADAPTER_WEIGHTS, save_adapter
 from pspo.engines.sampling import sequence_seeds
 from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
 
@@ -125,6 +131,7 @@ class VLLMEngine:
         # policy's current adapter, a new version after every step (sync_weights); vLLM takes ranks
         # from a fixed list, so its slots are the smallest of them that holds ours
         self.lora_rank, self.lora_version, self.lora_request = lora_rank, 0, None
+        self.checked = False                      # sync_engine has checked it once (after the first step)
         self.lora_dir = tempfile.mkdtemp(prefix="pspo-adapter-") if lora_rank else ""
         if lora_rank:
             if lora_rank > VLLM_LORA_RANKS[-1]:
@@ -220,6 +227,20 @@ class VLLMEngine:
             self.llm.llm_engine.remove_lora(old.lora_int_id)    # vLLM's copy; then the files
             shutil.rmtree(old.lora_path, ignore_errors=True)
 
+    def stale_rows(self, policy: torch.nn.Module) -> tuple[int, int]:
+        """(rows that differ, rows compared) between what this engine computes with and the policy: its
+        weights (`weight_rows`), and with LoRA the adapter version it serves (`adapter_rows`). Collective
+        under FSDP2 (the trainer's side is gathered one tensor at a time, as for a sync)."""
+        packed, sums = self.llm.collective_rpc(_engine_row_sums)[0]       # one worker: no tensor parallelism
+        differ, compared = weight_rows(packed, sums, full_params(policy.lm))
+        if self.lora_rank:
+            served = None
+            if self.lora_request is not None:
+                served = load_file(os.path.join(self.lora_request.lora_path, ADAPTER_WEIGHTS))
+            more, also = adapter_rows(served, adapter_params(policy.lm))
+            differ, compared = differ + more, compared + also
+        return differ, compared
+
     def release(self) -> None:
         """The step generates nothing more: with rollout.sleep, free the engine's GPU memory (weights
         and KV cache) for the training phase, until `wake_up`."""
@@ -234,32 +255,120 @@ class VLLMEngine:
 
 def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], *, step: int, r,
                 seed: int, device: torch.device) -> dict[str, float]:
-    """After an optimizer step: wake the engine, load the new weights, and every
-    r.sync_check_steps steps (r: the RolloutConfig) measure its log-prob gap to the trainer on one
-    fresh completion per prompt in `check_ids`. Returns the logged metrics (gaps: max over ranks)."""
+    """After an optimizer step: wake the engine and load the new weights; after the first step of this
+    process and every r.sync_check_steps steps (r: the RolloutConfig), check it: `sync_stale_rows`, the
+    rows of its weights (or served adapter) whose checksum differs from the trainer's (> 0 stops the run,
+    `stale_engine`), and the log-prob gap on one fresh completion per prompt in `check_ids`, logged.
+    Returns the logged metrics (maxima over ranks)."""
     engine.wake_up()
     metrics = {"weight_sync_s": engine.sync_weights(policy)}
-    if r.sync_check_steps and step % r.sync_check_steps == 0:
+    if r.sync_check_steps and (not engine.checked or step % r.sync_check_steps == 0):
+        engine.checked = True
         seeds = sequence_seeds(seed + 1, step, torch.arange(len(check_ids)), 1)
         gap_max, gap_mean = sync_gap(engine, policy, check_ids, temperature=r.temperature,
                                      max_new_tokens=r.max_new_tokens, seeds=seeds)
-        metrics["sync_gap_max"] = float(distributed.all_reduce_max(torch.tensor(gap_max, device=device)))
-        metrics["sync_gap_mean"] = float(distributed.all_reduce_max(torch.tensor(gap_mean, device=device)))
+        differ, _ = engine.stale_rows(policy)
+        worst = distributed.all_reduce_max(torch.tensor([gap_max, gap_mean, float(differ)], device=device))
+        metrics.update(sync_gap_max=float(worst[0]), sync_gap_mean=float(worst[1]), sync_stale_rows=float(worst[2]))
     return metrics
 
 
 class SyncError(RuntimeError):
-    """The engine's log-probs disagree with the trainer's: its weights are stale or wrong."""
+    """The engine does not compute with the trainer's weights: its weights are stale or wrong."""
 
 
-def stale_engine(metrics: dict[str, float], step: int, r) -> SyncError | None:
-    """The error to stop with when sync_engine's measured gap exceeds rollout.sync_check_tol, else None."""
-    gap = metrics.get("sync_gap_mean", 0.0)
-    if gap <= r.sync_check_tol:
+def stale_engine(metrics: dict[str, float], step: int) -> SyncError | None:
+    """The error to stop with when sync_engine found rows of the engine's weights that differ from the
+    trainer's, else None."""
+    rows = int(metrics.get("sync_stale_rows", 0))
+    if rows == 0:
         return None
-    return SyncError(f"rollout.sync_check_tol: at step {step} the engine's log-probs differ from the "
-                     f"trainer's by {gap:.4g} per token on average (max {metrics['sync_gap_max']:.4g}) "
-                     f"> {r.sync_check_tol}: its weights are stale")
+    return SyncError(f"rollout.sync_check_steps: at step {step} the engine's weights differ from the trainer's in "
+                     f"{rows} rows (exact checksums, equal when synced): the weight sync did not reach the engine")
+
+
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def row_sums(t: Tensor) -> Tensor:
+    """Per row of `t` (its first dim; a 1-D tensor's rows are its elements) the sum of the elements' bits
+    read as integers: (rows,) int64, on the CPU. Integer sums are exact, so equal tensors give equal sums
+    on any device and in any order of summation, and a tensor made by concatenating others along dim 0
+    (vLLM's qkv_proj, gate_up_proj) has their sums concatenated. One element that changes changes its
+    row's sum (by the difference of its bits); two in a row cancel only if those differences do."""
+    bits = t.detach().contiguous().view(INT_OF_SIZE[t.element_size()])
+    bits = bits.reshape(bits.shape[0] if bits.dim() else 1, -1)                   # (rows, row length)
+    chunk = max(1, 2**24 // max(1, bits.shape[1]))                              # ≤ 128 MB of int64 at a time
+    sums = [bits[i:i + chunk].long().sum(dim=1) for i in range(0, bits.shape[0], chunk)]
+    return torch.cat(sums).cpu() if sums else torch.zeros(0, dtype=torch.long)
+
+
+def _engine_row_sums(worker) -> tuple[dict[str, list[str]], dict[str, tuple[torch.dtype, Tensor]]]:
+    """Run in the vLLM worker: its model's fused modules (packed_modules_mapping: qkv_proj -> q_proj, k_proj,
+    v_proj) and, by vLLM's name, the dtype and row_sums of every weight it holds (under LoRA a layer's base
+    weight is named as without LoRA). vLLM's CPU backend packs linear weights into its own kernels' layout
+    at load and leaves those parameters empty: they are not held here."""
+    model = worker.model_runner.get_model()
+    sums = {name.replace(".base_layer.", "."): (p.dtype, row_sums(p.data))
+            for name, p in model.named_parameters() if p.numel() and "lora_" not in name}
+    return dict(getattr(model, "packed_modules_mapping", None) or {}), sums
+
+
+def weight_rows(packed: dict[str, list[str]], engine: dict[str, tuple[torch.dtype, Tensor]],
+                params: Iterator[tuple[str, Tensor]]) -> tuple[int, int]:
+    """(rows that differ, rows compared) between the engine's weights (`engine`: vLLM name -> (dtype,
+    row_sums); `packed`: its fused modules) and the trainer's `params` ((name, full tensor); adapters
+    skipped), each rounded to the engine's dtype as vLLM's loader rounds it. A fused weight is compared
+    with its parts' sums concatenated in order, up to the trainer's rows (vLLM pads the vocabulary). A
+    trainer tensor the engine does not hold is skipped (a tied head, held once; the CPU backend's packed
+    weights); an engine weight the trainer has no parts for raises SyncError: it cannot be checked."""
+    fused_of = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    ours: dict[str, dict[int, Tensor]] = {}
+    for name, tensor in params:
+        if "lora_" in name:
+            continue
+        module, _, param = name.replace(".base_layer.", ".").rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        fused, i = fused_of.get(leaf, (leaf, 0))
+        key = ".".join(p for p in (parent, fused, param) if p)
+        if key in engine:
+            ours.setdefault(key, {})[i] = row_sums(tensor.to(engine[key][0]))
+    differ = compared = 0
+    for key, (_, theirs) in engine.items():
+        parts = ours.get(key, {})
+        count = len(packed.get(key.rsplit(".", 2)[-2], [None]))       # the parts a fused weight is made of
+        mine = torch.cat([parts[i] for i in range(count)]) if sorted(parts) == list(range(count)) else None
+        if mine is None or len(mine) > len(theirs):
+            raise SyncError(f"rollout.sync_check_steps: the engine's weight {key} has no counterpart of its shape "
+                            "among the trainer's parameters, so the sync cannot be checked on this model; "
+                            "rollout.sync_check_steps=0 trains without the check")
+        differ += int((theirs[:len(mine)] != mine).sum())
+        compared += len(mine)
+    return differ, compared
+
+
+def adapter_rows(served: dict[str, Tensor] | None, params: Iterator[tuple[str, Tensor]]) -> tuple[int, int]:
+    """(rows that differ, rows compared) between the adapter the engine serves (`served`: the state of its
+    current version's adapter_model.safetensors, what vLLM loaded; None: no version yet, the base) and the
+    trainer's adapters `params` (adapter_params: (name, full tensor)), bit for bit. Serving the base is
+    right while every B is 0: then a row of B that is not 0 differs."""
+    differ = compared = 0
+    for name, tensor in params:
+        ours = tensor.float().cpu()
+        if served is None:
+            if "lora_B" in name:
+                differ += int(ours.ne(0).any(dim=1).sum())
+                compared += ours.shape[0]
+            continue
+        key = "base_model.model." + name.replace(".default.", ".")     # peft's file drops the adapter's name
+        theirs = served.get(key)
+        if theirs is None or theirs.shape != ours.shape:
+            differ += ours.shape[0]
+        else:
+            differ += int((row_sums(theirs) != row_sums(ours)).sum())
+        compared += ours.shape[0]
+    return differ, compared
 
 
 @torch.no_grad()
@@ -268,7 +377,9 @@ def sync_gap(engine, policy: torch.nn.Module, prompt_ids: list[list[int]], *, te
     """(max, mean) |log π_engine − log π_trainer| over the tokens of one fresh completion per prompt.
 
     Sampled at top_p = 1, where the engine reports log softmax(z/T), the trainer's quantity (§1).
-    `policy` is the Policy wrapper (a collective under FSDP2).
+    `policy` is the Policy wrapper (a collective under FSDP2). The kernels' own gap: ~1e-6 nats in float32,
+    larger in bf16 than what one step at a small learning rate changes, so it is logged, not a test of
+    staleness (the checksums are).
     """
     rollout = engine.generate(prompt_ids, 1, temperature, 1.0, max_new_tokens, seeds)
     input_ids, attention = batch_inputs(prompt_ids, rollout.completion_ids, rollout.mask, engine.pad_id)

