@@ -19,6 +19,14 @@ float32: the logits are never rounded to bf16 (a logit of 20 rounded to bf16 is 
 i.e. ±6% in the ratio ρ), and the max, log-sum-exp, softmax and entropy are float32. On CUDA a bf16
 product is one cuBLAS call with a float32 output (torch.mm(..., out_dtype=float32)); elsewhere the
 bf16-rounded operands are multiplied in float32, which gives the same numbers.
+
+Two ways to run the elementwise work around the two matmuls (model.logprob_head), the same formulas:
+- "eager": in place on the chunk's (chunk x V) float32 logits block, one pass per operation (about ten
+  reads or writes of the block in forward, and as many in backward);
+- "compiled": each chunk's statistics (forward) and grad_z (backward) are one torch.compile'd function,
+  which inductor fuses: two reads of the block in forward, the entropy in the same pass; in backward
+  one read and one write of grad_z, straight in the compute dtype (half the bytes under bf16). The
+  numbers are the eager head's up to the order of the float32 sums (tests/math/test_token_logprobs.py).
 """
 from __future__ import annotations
 
