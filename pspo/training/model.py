@@ -22,7 +22,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from pspo.training.config import LoraConfig, first_line
+from pspo.training.config import Config, LoraConfig, first_line
 from pspo.training.lora import add_adapters
 from pspo.training.packed_attention import PACKED_ATTENTION, UNPINNED, Kernels, Packed, pin_kernels, scoring_mask
 from pspo.training.token_logprobs import token_logprobs
@@ -266,7 +266,7 @@ def build_policy(path: str, *, trust_remote_code: bool = False, chunk_tokens: in
     return policy
 
 
-def configure_scoring(policy: Policy, cfg, kernels: Kernels, device: torch.device) -> None:
+def configure_scoring(policy: Policy, cfg: Config, kernels: Kernels, device: torch.device) -> None:
     """The settings of how the policy scores, resolved on the run's device: the attention `kernels`
     (train.attention, chosen at start-up), train.compile and model.logprob_head. Before sharding."""
     set_scoring(policy, kernels=kernels, compiled=compiled_layers(cfg.train.compile, device),
