@@ -46,7 +46,9 @@ from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock, UpdateSums, gpu_memory, step_metrics
 from pspo.training.lora import LoraError
 from pspo.training.micro_batches import TokenRows, micro_batch_line, token_rows
-from pspo.training.model import ModelError, check_context, load_model_config, load_tokenizer
+from pspo.training.model import (ModelError, attention_heads, check_context, compile_line, load_model_config,
+                                 load_tokenizer)
+from pspo.training.packed_attention import choose_kernels
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
 from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, every, load_models, non_finite_error,
@@ -241,15 +243,18 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     resume_from = checkpoint.resolve_resume(cfg.train.resume, out)
     reward_pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts now
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
-    check_context(load_model_config(base_path, m.trust_remote_code), cfg.data.max_prompt_tokens,
-                  r.max_new_tokens)
+    model_config = load_model_config(base_path, m.trust_remote_code)
+    check_context(model_config, cfg.data.max_prompt_tokens, r.max_new_tokens)
     engine = engine_name(r.engine)
     print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine,      # PlanError: cannot fit
                          resolve=resolve_model_path))
     t = cfg.train
-    print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, dist_.device.type, m.bf16))
+    kernels = choose_kernels(t.attention, device=dist_.device, bf16=m.bf16,     # probed; ConfigError: refused
+                             **attention_heads(model_config))
+    print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, kernels))
+    print0(compile_line(t.compile, m.logprob_head, dist_.device))
     prm = load_prm(cfg, dist_.device)
-    policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path)
+    policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels)
     train, evals = prompt_sets(cfg, tokenizer)
     sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)

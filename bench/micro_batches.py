@@ -25,8 +25,10 @@ lookup, plus causal attention, 6 x layers x query width x L^2 per sequence) / ti
 dense bf16 peak (from its name: H100 or H200 989, A100 312; or --peak-tflops); the forward that
 checkpointing recomputes is not counted. --json writes the figures to a file (the GPU check's).
 The optimizer is AdamW (fused on a GPU, as train.py builds it) at lr 0, so the weights stay as
-built while its state is allocated as in training. --profile traces one more update of the last
-mode timed (packed by default) with torch.profiler and prints where the GPU's time went (and which
+built while its state is allocated as in training. --attention, --compile and --head
+are train.attention, train.compile and model.logprob_head (defaults: the config's, auto), resolved on
+this device as train.py resolves them; the header and the JSON name what ran. --profile traces one more
+update of the last mode timed (packed by default) with torch.profiler and prints where the GPU's time went (and which
 attention kernel ran: cudnn, flash, efficient): GEMMs (and the share of them in float32),
 attention, elementwise/reductions, other kernels, and idle (the wall time no kernel ran: the GPU waiting on the CPU; the
 profiler's own overhead counts there too, so idle is an upper bound).
@@ -46,9 +48,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from pspo.training.config import load_config  # noqa: E402
+from pspo.training.config import ATTENTIONS, COMPILES, LOGPROB_HEADS, load_config  # noqa: E402
 from pspo.training.distributed import Dist  # noqa: E402
-from pspo.training.model import build_policy  # noqa: E402
+from pspo.training.model import (attention_heads, build_policy, compile_line, compiled_layers,  # noqa: E402
+                                 head_mode, set_scoring)
+from pspo.training.packed_attention import choose_kernels  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
 from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
 from pspo.training.metrics import UpdateSums  # noqa: E402
@@ -215,6 +219,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--json", default="", help="also write the figures to this JSON file")
     ap.add_argument("--plan-only", action="store_true",
                     help="no model: each mode's micro-batches and padded share on the batch's lengths")
+    # how scoring runs, as train.py resolves it (defaults: the config's)
+    ap.add_argument("--attention", default="auto", choices=ATTENTIONS, help="train.attention (default: auto)")
+    ap.add_argument("--compile", default="auto", choices=COMPILES, help="train.compile (default: auto)")
+    ap.add_argument("--head", default="auto", choices=LOGPROB_HEADS, help="model.logprob_head (default: auto)")
     args = ap.parse_args(argv)
     if args.plan_only:
         return plan_table(args)
@@ -234,6 +242,11 @@ def main(argv: list[str]) -> None:
         name = "random Qwen2 8 x 512"
     policy = build_policy(folder, chunk_tokens=2048, bf16=args.bf16,
                           gradient_checkpointing=args.checkpointing).to(device)
+    kernels = choose_kernels(args.attention, device=device, bf16=args.bf16, **attention_heads(policy.lm.config))
+    compiled, head_kind = compiled_layers(args.compile, device), head_mode(args.head, device)
+    set_scoring(policy, kernels=kernels, compiled=compiled, head=head_kind)
+    scoring = (f"attention: {kernels.describe()} (--attention {args.attention}); "
+               + compile_line(args.compile, args.head, device).removeprefix("scoring: "))
     vocab = policy.lm.config.vocab_size
     params = sum(p.numel() for p in policy.parameters())
     embed, head = policy.lm.get_input_embeddings().weight, policy.lm.get_output_embeddings().weight
@@ -280,7 +293,7 @@ def main(argv: list[str]) -> None:
           f"checkpointing {'on' if args.checkpointing else 'off'}; median of {args.reps}; MFU: "
           + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal "
              f"attention) / time / {peak:g} TFLOP/s"
-             if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + "\n")
+             if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + f"\n{scoring}\n")
     print("| mode | micro-batches | padded share | update s | real tokens/s |"
           + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else ""))
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else ""))
@@ -328,7 +341,9 @@ def main(argv: list[str]) -> None:
                        "sequences": args.sequences, "real_tokens": int(attention.sum()), "longest": longest,
                        "bf16": args.bf16, "checkpointing": args.checkpointing, "budget": budget,
                        "update_tflops": flops / 1e12, "peak_tflops": peak, "modes": figures,
-                       "profile": profile}, f, indent=1)
+                       "profile": profile, "attention_setting": args.attention, "attention": kernels.describe(),
+                       "compile_setting": args.compile, "compiled": compiled, "head_setting": args.head,
+                       "head": head_kind}, f, indent=1)
 
 
 if __name__ == "__main__":

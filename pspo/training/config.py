@@ -104,6 +104,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
     logprob_chunk_tokens: int = 2048    # tokens per (chunk x vocab) logits block in the loss
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # the log-prob head's elementwise work: auto (compiled on CUDA, eager elsewhere) | eager | compiled
+    logprob_head: str = "auto"
 
 
 @dataclass
@@ -258,6 +260,11 @@ class TrainConfig:
     micro_batch_size: int = 64          # sequences per forward/backward on one rank
     micro_batch_tokens: int = 0         # > 0: token-budget micro-batches of at most this many padded tokens
     packing: bool = True                # with micro_batch_tokens: sequences back to back in one row, no padding
+    # scoring's attention kernels, chosen once at start-up: auto (probed: varlen for packed rows on CUDA in
+    # bf16, else sdpa per sequence; sdpa flash, efficient, else math) | varlen | flash | efficient | math | cudnn
+    attention: str = "auto"
+    # compile each decoder layer for scoring and the update: auto (CUDA only) | always | never
+    compile: str = "auto"
     eval_steps: int = 0                 # evaluate every N steps (0 = only before/after)
     save_steps: int = 0                 # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2           # newest checkpoints kept (0 = keep all)
@@ -371,6 +378,8 @@ class Config:
 ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
 COMPILES = ("auto", "always", "never")      # rollout.compile, resolved by rollout.compile_enabled
 REPORT_TO = ("tensorboard", "wandb", "none")  # train.report_to, comma-separated
+ATTENTIONS = ("auto", "varlen", "flash", "efficient", "math", "cudnn")   # train.attention: packed_attention.py
+LOGPROB_HEADS = ("auto", "eager", "compiled")          # model.logprob_head: model.head_mode, token_logprobs.py
 
 
 def _coerce(key: str, value: Any, typ: str) -> Any:
@@ -528,6 +537,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
     check(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", ">= 0 (0 = fixed micro_batch_size)",
            t.micro_batch_tokens)
+    check(t.attention in ATTENTIONS, "train.attention", " | ".join(ATTENTIONS), t.attention)
+    check(t.compile in COMPILES, "train.compile", " | ".join(COMPILES), t.compile)
+    check(cfg.model.logprob_head in LOGPROB_HEADS, "model.logprob_head", " | ".join(LOGPROB_HEADS),
+          cfg.model.logprob_head)
     for key in ("eval_steps", "save_steps", "keep_checkpoints"):
         check(getattr(t, key) >= 0, f"train.{key}", ">= 0", getattr(t, key))
     weights = {k: getattr(cfg.reward, k) for k in ("accuracy", "format", "cosine", "knights", "prm")}

@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
+from pspo.training.model import decoder_layers
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -92,21 +94,19 @@ def barrier() -> None:
 def shard(policy: torch.nn.Module, world_size: int, bf16: bool = False) -> torch.nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (the Policy wrapper).
 
-    Decoder layers are found by the model's own `_no_split_modules` class names, so any
-    transformers architecture works. A world of one is left unsharded (nothing to shard; there
+    Decoder layers are found by the model's own `_no_split_modules` class names (model.decoder_layers),
+    so any transformers architecture works. A world of one is left unsharded (nothing to shard; there
     model.bf16 is bf16 autocast, model.py). With bf16, FSDP2's mixed precision: the float32 master
     shards are all-gathered as bf16 for compute (no per-micro-batch casts of the weights) and the
     gradients are reduce-scattered in float32 into float32 shards, which AdamW updates.
+    Layers compiled by build_policy (train.compile, model.compile_layers) are sharded here, after: the
+    order torchtitan uses. Only their forward is compiled, so FSDP2's hooks (the all-gathers before a
+    layer runs, the reduce-scatters after its backward) run eagerly around the compiled code.
     """
     if world_size == 1:
         return policy
-    layer_names = set(getattr(policy.lm, "_no_split_modules", None) or [])
-    layers = [m for m in policy.lm.modules() if type(m).__name__ in layer_names]
-    if not layers:
-        raise ValueError(f"cannot find decoder layers ({sorted(layer_names)}) to shard in "
-                         f"{type(policy.lm).__name__}")
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
-    for layer in layers:
+    for layer in decoder_layers(policy.lm):
         fully_shard(layer, mp_policy=precision)
     fully_shard(policy, mp_policy=precision)
     return policy

@@ -26,7 +26,7 @@ import torch
 
 from pspo.training.tokens import batch_inputs
 from pspo.training import distributed
-from pspo.training.packed_attention import Packed, packed_kernel
+from pspo.training.packed_attention import Kernels, Packed
 
 
 @dataclass
@@ -132,15 +132,16 @@ def _pack(prompt_len: list[int], completion_len: list[int], P: int,
     return batches
 
 
-def micro_batch_line(micro_batch_size: int, micro_batch_tokens: int, packing: bool, device_type: str,
-                     bf16: bool) -> str:
-    """The start-up line naming how the update's micro-batches are made, and with packing the attention
-    kernel the packed rows run with (packed_attention.packed_kernel: the one place it is chosen)."""
+def micro_batch_line(micro_batch_size: int, micro_batch_tokens: int, packing: bool, kernels: Kernels) -> str:
+    """The start-up line naming how the update's micro-batches are made and the attention kernel they run
+    with (packed_attention.choose_kernels: the one place it is chosen)."""
     if micro_batch_tokens <= 0:
-        return f"micro-batches: {micro_batch_size} rows each (train.micro_batch_size)"
+        return (f"micro-batches: {micro_batch_size} rows each (train.micro_batch_size), attention: "
+                f"sdpa {kernels.sdpa or 'any'}")
     if not packing:
-        return f"micro-batches: a token budget of {micro_batch_tokens} (rows x the longest row), unpacked"
-    kernel = packed_kernel(device_type, torch.bfloat16 if bf16 else torch.float32)
+        return (f"micro-batches: a token budget of {micro_batch_tokens} (rows x the longest row), unpacked, "
+                f"attention: sdpa {kernels.sdpa or 'any'}")
+    kernel = "varlen" if kernels.packed == "varlen" else f"sdpa {kernels.sdpa or 'any'} per sequence"
     return (f"micro-batches: sequences packed into rows of at most {micro_batch_tokens} tokens "
             f"(first-fit-decreasing), attention: {kernel}")
 
@@ -166,8 +167,7 @@ def _packed_batch(rows: list[int], prompt_len: list[int], real: list[int], compl
                   P: int) -> MicroBatch:
     """A packed micro-batch: the rows cut as _micro_batch cuts them, with the packed row's sizes."""
     batch = _micro_batch(rows, prompt_len, completion_len, P)
-    tokens = [prompt_len[i] + real[i] for i in rows]
-    batch.packed = Packed(sum(tokens), sum(real[i] for i in rows), max(tokens))
+    batch.packed = Packed(tuple(int(prompt_len[i]) + real[i] for i in rows), sum(real[i] for i in rows))
     return batch
 
 

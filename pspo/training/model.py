@@ -6,19 +6,25 @@ completion tokens, from logits divided by the sampling temperature, in float32, 
 sampling temperature"). Generation also goes through
 `Policy.__call__` (generate=True): under FSDP2 the wrapper is the root module, and only work done
 inside the root's forward sees its gathered parameters (embeddings, final norm, lm_head).
+
+What makes scoring fast (docs/gpu.md, "The update's speed"), each chosen once at start-up: the attention
+kernels (packed_attention.py, train.attention), each decoder layer compiled (`compile_layers`,
+train.compile) and the log-prob head (token_logprobs.py, model.logprob_head).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 
 import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from pspo.training.config import LoraConfig, first_line
+from pspo.training.config import Config, LoraConfig, first_line
 from pspo.training.lora import add_adapters
-from pspo.training.packed_attention import PACKED_ATTENTION, Packed
+from pspo.training.packed_attention import PACKED_ATTENTION, UNPINNED, Kernels, Packed, pin_kernels, scoring_mask
 from pspo.training.token_logprobs import token_logprobs
 
 
@@ -66,9 +72,9 @@ def load_causal_lm(path: str, trust_remote_code: bool = False, dtype: torch.dtyp
 class Policy(torch.nn.Module):
     """A causal LM that scores completions (forward) and generates (forward(generate=True))."""
 
-    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = 2048, bf16: bool = False):
+    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = 2048, bf16: bool = False, head: str = "eager"):
         super().__init__()
-        self.lm, self.chunk_tokens, self.bf16 = lm, chunk_tokens, bf16
+        self.lm, self.chunk_tokens, self.bf16, self.head = lm, chunk_tokens, bf16, head
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int = 0,
                 temperature: float = 1.0, generate: bool = False, packed_width: int = 0,
@@ -78,7 +84,8 @@ class Policy(torch.nn.Module):
         Returns (logp (N, T), entropy (N, T)) for the last T = num_completion_tokens positions.
 
         Scoring runs padding-free on the left: each row's real tokens are moved to the start
-        (right-padded to the longest row) and attention is plain causal, with no padding mask.
+        (right-padded to the longest row) and attention is plain causal, with no padding mask (the
+        attention_mask passed to the model is packed_attention.scoring_mask: none is built).
         Causality keeps the pads at a row's end out of every real token's context, so the
         log-probs are those of the left-padded rows, while the attention kernel skips the
         masked triangle (flash attention on a GPU; a padding mask would force the
@@ -109,12 +116,13 @@ class Policy(torch.nn.Module):
         at = (prompts[:, None] - 1 + steps[None]).clamp(0, width - 1)                       # (N, T)
         with self._autocast():
             hidden = self.lm.base_model(input_ids=packed_ids, position_ids=cols.expand(N, width),
+                                        attention_mask=self._no_mask(input_ids.device),
                                         use_cache=False).last_hidden_state                  # (N, width, H)
             hidden = hidden.gather(1, at[:, :, None].expand(-1, -1, hidden.shape[-1]))        # (N, T, H)
             # Under bf16 autocast the head multiplies bf16 operands into float32 logits.
             weight = self.lm.get_output_embeddings().weight                   # (V, H)
             logp, entropy = token_logprobs(hidden, weight, input_ids[:, L - T:], temperature,
-                                           self.chunk_tokens)
+                                           self.chunk_tokens, self.head)
         return logp.clone(), entropy   # not a view: FSDP2 hooks backward on the root's outputs
 
     def _packed(self, input_ids: Tensor, attention_mask: Tensor, T: int, temperature: float,
@@ -137,20 +145,28 @@ class Policy(torch.nn.Module):
         seq_c = torch.repeat_interleave(torch.arange(N, device=device), completions, output_size=C)  # (C,)
         t_c = torch.arange(C, device=device) - (completions.cumsum(0) - completions)[seq_c]
         at = starts[seq_c] + (lengths - completions)[seq_c] - 1 + t_c                             # (C,)
-        # an all-ones 2-D mask keeps transformers from building a (S, S) block mask out of the
-        # position resets: the attention function separates the sequences by their offsets
+        # the scoring mask keeps transformers from building a mask (or reading one back): the attention
+        # separates the sequences by their offsets, on the device for varlen, on the host for the
+        # per-sequence loop (packed_attention.py)
         with self._autocast():
             hidden = self.lm.base_model(input_ids=row_ids, position_ids=within[None], use_cache=False,
-                                        attention_mask=torch.ones_like(row_ids),
-                                        cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
-                                        max_length_q=packed.longest, max_length_k=packed.longest
+                                        attention_mask=scoring_mask(device), cu_seq_lens_q=offsets,
+                                        cu_seq_lens_k=offsets, cu_seq_lens_host=packed.bounds
                                         ).last_hidden_state                          # (1, S, H)
             weight = self.lm.get_output_embeddings().weight                          # (V, H)
             logp_c, entropy_c = token_logprobs(hidden[:, at], weight, input_ids[:, L - T:][seq_c, t_c][None],
-                                               temperature, self.chunk_tokens)       # (1, C)
+                                               temperature, self.chunk_tokens, self.head)   # (1, C)
         zeros = torch.zeros(N, T, device=device, dtype=logp_c.dtype)
         return (zeros.index_put((seq_c, t_c), logp_c[0]),
                 zeros.index_put((seq_c, t_c), entropy_c[0].to(zeros.dtype)))
+
+    def _no_mask(self, device: torch.device) -> Tensor | None:
+        """What scoring passes as the attention mask: packed_attention.scoring_mask under the policy's
+        own attention (build_policy installs it), None under another (transformers then builds the
+        causal mask itself)."""
+        if self.lm.config._attn_implementation.startswith(PACKED_ATTENTION):
+            return scoring_mask(device)
+        return None
 
     def _autocast(self):
         if not self.bf16:
@@ -188,7 +204,7 @@ def check_packing(policy: Policy, train) -> None:
     if not (train.packing and train.micro_batch_tokens > 0):
         return
     config = policy.lm.config
-    if config._attn_implementation != PACKED_ATTENTION:
+    if not config._attn_implementation.startswith(PACKED_ATTENTION):
         raise ModelError(f"train.packing: packed sequences need sdpa attention, {type(policy.lm).__name__} runs "
                          f"{config._attn_implementation!r}; set train.packing=false")
     if getattr(config, "use_sliding_window", False) or "sliding_attention" in (getattr(config, "layer_types", None)
@@ -231,11 +247,13 @@ def build_policy(path: str, *, trust_remote_code: bool = False, chunk_tokens: in
     mode drops the KV cache, so generation and scoring must run in eval mode.
     lora (rank > 0): peft adapters on a frozen base (lora.py), held in bf16 under model.bf16; the
     PeftModel is `policy.peft` (None without adapters).
+    It scores with torch's choice of sdpa kernel per call, eager layers and the eager head until
+    configure_scoring (or set_scoring) says otherwise.
     """
     lora = lora if lora is not None and lora.rank > 0 and trainable else None
     lm = load_causal_lm(path, trust_remote_code, torch.bfloat16 if lora and bf16 else torch.float32)
     if lm.config._attn_implementation == "sdpa":
-        lm.config._attn_implementation = PACKED_ATTENTION    # sdpa, and packed sequences (packed_attention.py)
+        pin_kernels(lm, UNPINNED)              # sdpa, and packed sequences (packed_attention.py)
     check_plain_head(lm)
     disable_dropout(lm)
     if gradient_checkpointing and trainable:
@@ -246,3 +264,92 @@ def build_policy(path: str, *, trust_remote_code: bool = False, chunk_tokens: in
     if not trainable:
         policy.requires_grad_(False)
     return policy
+
+
+def configure_scoring(policy: Policy, cfg: Config, kernels: Kernels, device: torch.device) -> None:
+    """The settings of how the policy scores, resolved on the run's device: the attention `kernels`
+    (train.attention, chosen at start-up), train.compile and model.logprob_head. Before sharding."""
+    set_scoring(policy, kernels=kernels, compiled=compiled_layers(cfg.train.compile, device),
+                head=head_mode(cfg.model.logprob_head, device))
+
+
+def set_scoring(policy: Policy, *, kernels: Kernels, compiled: bool, head: str) -> None:
+    """Pin the attention kernels (packed_attention.pin_kernels), compile each decoder layer (compile_layers:
+    after LoRA's adapters, which the layers then hold, and before FSDP2 shards them) and choose the
+    log-prob head (token_logprobs.py)."""
+    if policy.lm.config._attn_implementation.startswith(PACKED_ATTENTION):
+        pin_kernels(policy.lm, kernels)
+    if compiled:
+        compile_layers(policy.lm)
+    policy.head = head
+
+
+def decoder_layers(lm: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers, found by its own `_no_split_modules` class names (any transformers
+    architecture); ValueError if it names none that it holds."""
+    names = set(getattr(lm, "_no_split_modules", None) or [])
+    layers = [m for m in lm.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers ({sorted(names)}) in {type(lm).__name__}")
+    return layers
+
+
+def compile_layers(lm: torch.nn.Module) -> None:
+    """Each decoder layer's forward compiled for scoring passes (torch.compile, dynamic shapes), before
+    FSDP2 shards the layer (distributed.shard), as torchtitan compiles each block and then applies
+    fully_shard.
+
+    Only forward is replaced, so the layer's hooks run around the compiled code: FSDP2's all-gathers
+    and transformers' gradient checkpointing (which recomputes through the compiled forward); the
+    parameters keep their names (checkpoints, the engine sync). Inductor fuses what the profile showed
+    as separate elementwise kernels: the norms, the rotary embedding, the MLP's activation and the
+    residual adds. Micro-batches change length every step: with dynamic shapes the layers compile once
+    for each kind of pass (packed or unpacked rows, train or eval mode, with or without grad), shared
+    by all layers; the attention runs between the compiled graphs, outside them (packed_attention.py).
+    Generation (a pass with a KV cache) runs the layer eagerly: its loop compiles its own step
+    (rollout.compile), and the decoding twin (engines/decode.py), a deep copy, gets this forward bound
+    to its own layers.
+    """
+    for layer in decoder_layers(lm):
+        layer.forward = types.MethodType(_scoring_forward, layer)
+
+
+def _scoring_forward(layer: torch.nn.Module, *args, **kwargs):
+    """A decoder layer's forward: compiled without a KV cache (scoring), eager with one (generation)."""
+    forward = type(layer).forward
+    if kwargs.get("past_key_values") is not None:
+        return forward(layer, *args, **kwargs)
+    return _compiled(forward)(layer, *args, **kwargs)
+
+
+@functools.cache
+def _compiled(forward):
+    """A decoder layer class's forward, compiled once per process (shared by its layers and policies)."""
+    return torch.compile(forward, dynamic=True)
+
+
+def compiled_layers(setting: str, device: torch.device) -> bool:
+    """train.compile resolved: auto compiles on CUDA only (on CPU, bench/micro_batches.py --compile
+    measured no gain: docs/gpu.md, "The update's speed"); always; never."""
+    return setting == "always" or (setting == "auto" and device.type == "cuda")
+
+
+def compile_line(compile_setting: str, head_setting: str, device: torch.device) -> str:
+    """The start-up line naming how scoring runs: compiled layers or eager, and the log-prob head."""
+    layers = "compiled" if compiled_layers(compile_setting, device) else "eager"
+    return (f"scoring: decoder layers {layers} (train.compile={compile_setting}), log-prob head "
+            f"{head_mode(head_setting, device)} (model.logprob_head={head_setting})")
+
+
+def attention_heads(config) -> dict[str, int]:
+    """A transformers config's attention shape, as packed_attention.choose_kernels probes it."""
+    heads = config.num_attention_heads
+    return {"heads": heads, "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads}
+
+
+def head_mode(setting: str, device: torch.device) -> str:
+    """model.logprob_head resolved: auto is compiled on CUDA, eager elsewhere (bench/logprob_head.py)."""
+    if setting == "auto":
+        return "compiled" if device.type == "cuda" else "eager"
+    return setting

@@ -17,7 +17,8 @@ from pspo.training.config import Config, report_sinks, save_config, to_dict
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
 from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, trainable_share
-from pspo.training.model import Policy, build_policy, check_packing
+from pspo.training.model import Policy, build_policy, check_packing, configure_scoring
+from pspo.training.packed_attention import Kernels
 from pspo.training.optim import adopt_optim_config
 
 MAX_SKIPPED_IN_A_ROW = 3     # non-finite updates in a row before the run stops
@@ -27,10 +28,11 @@ class NonFiniteError(RuntimeError):
     """Several updates in a row were non-finite: the run stops (weights untouched, saved)."""
 
 
-def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Policy, Policy | None]:
+def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
+                kernels: Kernels) -> tuple[Policy, Policy | None]:
     """The policy from `path` (the base model or the checkpoint resumed) and, when algo.needs_reference
     (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
-    rank's device and sharded over the ranks."""
+    rank's device and sharded over the ranks, scoring with the attention `kernels` chosen at start-up."""
     m = cfg.model
     lora, resumed = m.lora.rank > 0, path != base_path
     if resumed and lora != is_adapter(path):
@@ -40,6 +42,7 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
     policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
                           chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
                           gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
+    configure_scoring(policy, cfg, kernels, dist_.device)               # before sharding (compiled layers)
     if lora and resumed:
         load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed
     check_packing(policy, cfg.train)
@@ -59,6 +62,7 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
         return policy, BaseReference(policy)                            # the base: adapters off, no copy
     ref = build_policy(base_path, trust_remote_code=m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,
                        bf16=m.bf16, trainable=False)
+    configure_scoring(ref, cfg, kernels, dist_.device)
     return policy, distributed.shard(ref.to(dist_.device), dist_.world_size, m.bf16)
 
 

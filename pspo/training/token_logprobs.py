@@ -19,15 +19,27 @@ float32: the logits are never rounded to bf16 (a logit of 20 rounded to bf16 is 
 i.e. ±6% in the ratio ρ), and the max, log-sum-exp, softmax and entropy are float32. On CUDA a bf16
 product is one cuBLAS call with a float32 output (torch.mm(..., out_dtype=float32)); elsewhere the
 bf16-rounded operands are multiplied in float32, which gives the same numbers.
+
+Two ways to run the elementwise work around the two matmuls (model.logprob_head), the same formulas:
+- "eager": in place on the chunk's (chunk x V) float32 logits block, one pass per operation (about ten
+  reads or writes of the block in forward, and as many in backward);
+- "compiled": each chunk's statistics (forward) and grad_z (backward) are one torch.compile'd function,
+  which inductor fuses: two reads of the block in forward, the entropy in the same pass; in backward
+  one read and one write of grad_z, straight in the compute dtype (half the bytes under bf16). The
+  numbers are the eager head's up to the order of the float32 sums (tests/math/test_token_logprobs.py).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
+HEADS = ("eager", "compiled")       # model.logprob_head, resolved (model.head_mode)
+
 
 def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                   chunk_tokens: int = 2048) -> tuple[Tensor, Tensor]:
+                   chunk_tokens: int = 2048, head: str = "eager") -> tuple[Tensor, Tensor]:
     """log softmax(h·Wᵀ / temperature)[target] per token, the logπ of docs/methods.md §1.
 
     hidden (N, T, H), weight (V, H) (the lm_head; with tied embeddings also the embedding matrix,
@@ -35,14 +47,17 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
     (N, T) float32 detached (float64 both for float64 inputs). The N·T tokens are processed
     chunk_tokens at a time; alive at once: two (chunk_tokens x V) float32 blocks in forward (the
     logits and their exp), one and its bf16 copy in backward, plus the head's float32 gradient.
-    Nothing of vocabulary size per token is kept for backward, only lse (N·T,).
+    Nothing of vocabulary size per token is kept for backward, only lse (N·T,). head: "eager" or
+    "compiled" (the module docstring).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
+    if head not in HEADS:
+        raise ValueError(f"head: expected one of {', '.join(HEADS)}, got {head!r}")
     N, T, H = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(N * T, H), targets.reshape(N * T)   # (N·T, H), (N·T,)
     logp, entropy = _LogprobHead.apply(flat_hidden, weight, flat_targets, temperature, chunk_tokens,
-                                       _compute_dtype(hidden))
+                                       _compute_dtype(hidden), head == "compiled")
     return logp.view(N, T), entropy.view(N, T)
 
 
@@ -76,9 +91,65 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)    # CUDA: bf16/fp16 operands, fp32 output
 
 
-def _chunk_logits(h: Tensor, w: Tensor, temperature: float) -> Tensor:
-    """(n, H), (V, H) operands -> z (n, V) in the statistics dtype, a fresh block to modify in place."""
-    return _matmul(h, w.T).div_(temperature)
+def _chunk_stats_inplace(z: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager head's forward statistics of one chunk, in place in its block. z (n, V): h·Wᵀ (before the
+    temperature), overwritten; targets (n,) -> logp, lse, entropy (n,) each."""
+    z = z.div_(temperature)                                              # (n, V) z
+    target_z = z.gather(1, targets[:, None]).squeeze(1)                  # (n,) z_target
+    top = z.amax(1, keepdim=True)                                        # (n, 1) max
+    z.sub_(top)                                                          # (n, V) z - max ≤ 0
+    e = torch.exp(z)                                                     # (n, V) exp(z - max)
+    total = e.sum(1)                                                     # (n,) Σ e
+    weighted = z.mul_(e).sum(1)                                          # (n,) Σ e·(z - max)
+    log_total = total.log()                                              # (n,)
+    lse = top.squeeze(1) + log_total                                     # (n,)
+    # H = lse - Σ p·z = log Σ e - Σ e·(z - max) / Σ e   (the max cancels)
+    return target_z - lse, lse, log_total - weighted / total
+
+
+def _chunk_stats(z: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """_chunk_stats_inplace without writing anything of z's size: what the compiled head fuses."""
+    z = z / temperature                                                  # (n, V)
+    top = z.amax(1, keepdim=True)                                        # (n, 1)
+    shifted = z - top                                                    # (n, V) ≤ 0
+    e = torch.exp(shifted)
+    total = e.sum(1)                                                     # (n,) Σ e
+    weighted = (e * shifted).sum(1)                                      # (n,) Σ e·(z - max)
+    log_total = total.log()
+    lse = top.squeeze(1) + log_total
+    target_z = z.gather(1, targets[:, None]).squeeze(1)                  # (n,)
+    return target_z - lse, lse, log_total - weighted / total
+
+
+def _grad_logits_inplace(z: Tensor, lse: Tensor, g: Tensor, targets: Tensor, temperature: float,
+                         dtype: torch.dtype) -> Tensor:
+    """The eager head's grad_z = g·(onehot - softmax) of one chunk, in place in z (n, V), h·Wᵀ before the
+    temperature; lse, g (n,) with g = dL/dlogp / temperature -> grad_z (n, V), in z's dtype."""
+    grad_z = z.div_(temperature).sub_(lse[:, None]).exp_().mul_(-g[:, None])    # (n, V) -g·softmax
+    return grad_z.scatter_add_(1, targets[:, None], g[:, None])                 # + g at the target
+
+
+def _grad_logits(z: Tensor, lse: Tensor, g: Tensor, targets: Tensor, temperature: float,
+                 dtype: torch.dtype) -> Tensor:
+    """_grad_logits_inplace in one pass, written straight in the compute dtype (half the bytes of a
+    float32 block under bf16): what the compiled head fuses."""
+    p = torch.exp(z / temperature - lse[:, None])                               # (n, V) softmax
+    at_target = torch.arange(z.shape[1], device=z.device)[None] == targets[:, None]   # (n, V) onehot
+    grad_z = -g[:, None] * p + torch.where(at_target, g[:, None], 0.0)             # the eager sums' order
+    return grad_z.to(dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    """fn compiled once per process, for any chunk length (the last chunk is shorter)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _chunk_functions(compiled: bool):
+    """(forward statistics, backward grad_z) of one chunk: in place and eager, or fused and compiled."""
+    if compiled:
+        return _compiled(_chunk_stats), _compiled(_grad_logits)
+    return _chunk_stats_inplace, _grad_logits_inplace
 
 
 class _LogprobHead(torch.autograd.Function):
@@ -86,8 +157,9 @@ class _LogprobHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                chunk_tokens: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                chunk_tokens: int, dtype: torch.dtype, compiled: bool) -> tuple[Tensor, Tensor]:
         M, stat = hidden.shape[0], _stat_dtype(dtype)
+        stats, _ = _chunk_functions(compiled)
         logp = torch.empty(M, dtype=stat, device=hidden.device)              # (M,)
         entropy = torch.empty(M, dtype=stat, device=hidden.device)           # (M,)
         lse = torch.empty(M, dtype=stat, device=hidden.device)               # (M,) kept for backward
@@ -95,21 +167,11 @@ class _LogprobHead(torch.autograd.Function):
             w = _operand(weight, dtype)                                      # (V, H), cast once
             for start in range(0, M, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                z = _chunk_logits(_operand(hidden[rows], dtype), w, temperature)   # (n, V)
-                target_z = z.gather(1, targets[rows, None]).squeeze(1)       # (n,) z_target
-                top = z.amax(1, keepdim=True)                                # (n, 1) max
-                z.sub_(top)                                                  # (n, V) z - max ≤ 0
-                e = torch.exp(z)                                             # (n, V) exp(z - max)
-                total = e.sum(1)                                             # (n,) Σ e
-                weighted = z.mul_(e).sum(1)                                  # (n,) Σ e·(z - max)
-                log_total = total.log()                                      # (n,)
-                lse[rows] = top.squeeze(1) + log_total                       # (n,)
-                logp[rows] = target_z - lse[rows]
-                # H = lse - Σ p·z = log Σ e - Σ e·(z - max) / Σ e   (the max cancels)
-                entropy[rows] = log_total - weighted / total
-                del z, e                                                     # freed before the next block
+                z = _matmul(_operand(hidden[rows], dtype), w.T)              # (n, V) h·Wᵀ
+                logp[rows], lse[rows], entropy[rows] = stats(z, targets[rows], temperature)
+                del z                                                        # freed before the next block
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_tokens, ctx.dtype = temperature, chunk_tokens, dtype
+        ctx.temperature, ctx.chunk_tokens, ctx.dtype, ctx.compiled = temperature, chunk_tokens, dtype, compiled
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -123,16 +185,15 @@ class _LogprobHead(torch.autograd.Function):
         if need_weight:
             grad_weight = torch.zeros(weight.shape, dtype=stat, device=weight.device)
         g = grad_logp.to(stat) / temperature                                 # (M,) dL/dlogp / temp
+        _, grad_logits = _chunk_functions(ctx.compiled)
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             w = _operand(weight, dtype)                                      # (V, H)
             for start in range(0, hidden.shape[0], ctx.chunk_tokens):
                 rows = slice(start, start + ctx.chunk_tokens)
                 h = _operand(hidden[rows], dtype)                            # (n, H)
-                z = _chunk_logits(h, w, temperature)                         # (n, V) recomputed
-                # grad_z = g·(onehot - softmax)/temp, in place in z: -g·softmax, then + g at the target
-                grad_z = z.sub_(lse[rows, None]).exp_().mul_(-g[rows, None])           # (n, V)
-                grad_z.scatter_add_(1, targets[rows, None], g[rows, None])
-                grad_z = _operand(grad_z, dtype)                             # (n, V) compute dtype
+                z = _matmul(h, w.T)                                          # (n, V) recomputed
+                # grad_z = g·(onehot - softmax)/temp, rounded to the compute dtype
+                grad_z = _operand(grad_logits(z, lse[rows], g[rows], targets[rows], temperature, dtype), dtype)
                 if need_hidden:
                     grad_hidden[rows] = _matmul(grad_z, w)                   # (n, H) grad_z @ W
                 if need_weight:
@@ -140,7 +201,7 @@ class _LogprobHead(torch.autograd.Function):
                 del z, grad_z                                                # freed before the next block
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:

@@ -1,4 +1,7 @@
-"""Loading checks: the output head pspo can score exactly, the context length, the engine choice."""
+"""Loading checks: the output head pspo can score exactly, the context length, the engine choice; the
+settings of how the policy scores (train.compile, model.logprob_head) and compiled decoder layers."""
+import os
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -123,3 +126,193 @@ def test_scoring_is_padding_free_and_equals_each_row_alone(tiny_model_path):
             want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, completion[:, None])[:, 0]
             torch.testing.assert_close(logp[i, :len(completion)], want, atol=1e-5, rtol=1e-5)
             assert torch.isfinite(logp[i]).all()                                          # pads: finite, masked later
+
+
+# ---------------------------------------------------------------- compiled decoder layers (train.compile)
+
+def test_compile_and_head_settings_resolve_per_device():
+    # auto compiles on CUDA only, and runs the compiled head there; always / never / a named head anywhere
+    from pspo.training.config import ConfigError, load_config
+    from pspo.training.model import compile_line, compiled_layers, head_mode
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (compiled_layers("auto", cpu), compiled_layers("auto", cuda)) == (False, True)
+    assert (compiled_layers("always", cpu), compiled_layers("never", cuda)) == (True, False)
+    assert (head_mode("auto", cpu), head_mode("auto", cuda), head_mode("compiled", cpu)) == ("eager", "compiled",
+                                                                                              "compiled")
+    assert compile_line("auto", "auto", cpu) == ("scoring: decoder layers eager (train.compile=auto), "
+                                                 "log-prob head eager (model.logprob_head=auto)")
+    cfg = load_config(None, [])
+    assert (cfg.train.attention, cfg.train.compile, cfg.model.logprob_head) == ("auto", "auto", "auto")
+    for key, bad in (("train.attention", "flash2"), ("train.compile", "yes"), ("model.logprob_head", "liger")):
+        with pytest.raises(ConfigError, match=f"^{key}: expected .* got '{bad}'$"):
+            load_config(None, [f"--{key}={bad}"])
+
+
+def test_every_named_attention_setting_is_a_kernel():
+    # the config's names (config.ATTENTIONS) and the kernels packed_attention pins are one list
+    from pspo.training.config import ATTENTIONS
+    from pspo.training.packed_attention import SDPA_BACKENDS
+    assert set(ATTENTIONS) == {"auto", "varlen"} | set(SDPA_BACKENDS)
+
+
+def _steps(policy, seeds, packing=True):
+    """Log-probs and the flat gradient of one update-like pass per seed: 6-9 sequences of random
+    lengths (prompts 1-11, completions 1-14 tokens), a new packed-row length each time."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_micro_batches import masks
+    from pspo.training.micro_batches import plan_micro_batches
+    out = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        n = 6 + seed % 4
+        prompts = torch.randint(1, 12, (n,), generator=g).tolist()
+        completions = torch.randint(1, 15, (n,), generator=g).tolist()
+        P, T = max(prompts), max(completions)
+        attention, mask = masks(prompts, completions, P, T)
+        ids = torch.randint(3, policy.lm.config.vocab_size, attention.shape, generator=g) * attention
+        policy.zero_grad(set_to_none=True)
+        logps = []
+        for b in plan_micro_batches(attention, mask, 2, 40 if packing else 0, packing):
+            logp, _ = policy(b.cut(ids, P), b.cut(attention, P), b.width, 0.7, packed_width=b.length,
+                             packed=b.packed)
+            (logp * mask[b.rows, :b.width]).sum().backward()
+            logps.append(logp.detach().flatten())
+        grad = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        out.append((torch.cat(logps), grad))
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_layers_equal_eager_and_do_not_recompile_per_length(tiny_model_path):
+    # train.compile=always on CPU (inductor, ~15-60 s to compile here): the same log-probs and
+    # gradients as eager layers within float32 rounding, on packed micro-batches of a new length every
+    # step, under gradient checkpointing (which recomputes through the compiled forward); and after
+    # the first step no layer compiles again (dynamic shapes; the per-sequence attention is outside)
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from pspo.training.model import build_policy, set_scoring
+    from pspo.training.packed_attention import Kernels
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = (build_policy(tiny_model_path, chunk_tokens=64, gradient_checkpointing=True).train()
+                       for _ in range(2))
+    set_scoring(compiled, kernels=Kernels("sdpa", "flash"), compiled=True, head="eager")
+    set_scoring(eager, kernels=Kernels("sdpa", "flash"), compiled=False, head="eager")
+    first = _steps(compiled, [0])
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0                                                   # it compiled
+    later = _steps(compiled, [1, 2, 3])
+    assert counters["stats"]["unique_graphs"] == graphs                 # no recompile for new lengths
+    for (logp, grad), (want_logp, want_grad) in zip(first + later, _steps(eager, [0, 1, 2, 3])):
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+        assert float((grad - want_grad).norm() / want_grad.norm()) < 1e-5
+    # the parameters keep their names: checkpoints and the engine sync read the same keys
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
+@pytest.mark.parametrize("loop", ["static", "generate"])
+def test_generation_runs_compiled_layers_eagerly(tiny_model_path, loop):
+    # Layers compiled for scoring run eagerly in a pass with a KV cache: transformers' generate, and the
+    # static-cache loop's decoding twin (a deep copy of the model, whose layers get the forward bound to
+    # themselves, with the twin's own attention). The same tokens as an uncompiled policy; nothing compiled.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from pspo.engines.hf_engine import HFEngine
+    from pspo.engines.sampling import sequence_seeds
+    from pspo.training.model import build_policy, load_tokenizer, set_scoring
+    from pspo.training.packed_attention import Kernels
+    torch._dynamo.reset()
+    counters.clear()
+    tokenizer = load_tokenizer(tiny_model_path)
+    ids = [tokenizer(f"{a}+{a + 3}=", add_special_tokens=False)["input_ids"] for a in (12, 40, 7)]
+    rollouts = []
+    for compiled in (False, True):
+        policy = build_policy(tiny_model_path, chunk_tokens=64)
+        set_scoring(policy, kernels=Kernels("sdpa", "flash"), compiled=compiled, head="eager")
+        engine = HFEngine(policy, tokenizer, batch_size=16, loop=loop)
+        rollouts.append(engine.generate(ids, 2, 1.0, 1.0, max_new_tokens=6,
+                                        seeds=sequence_seeds(3, 0, torch.arange(3), 2)))
+    assert torch.equal(rollouts[0].completion_ids, rollouts[1].completion_ids)
+    torch.testing.assert_close(rollouts[0].logprobs, rollouts[1].logprobs, atol=1e-6, rtol=0)
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+def _packed_rows(vocab: int, seed: int):
+    """8 sequences of random lengths as left-padded rows: ids, attention (8, P+T), mask (8, T), P."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_micro_batches import masks
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(1, 12, (8,), generator=g).tolist()
+    completions = torch.randint(1, 15, (8,), generator=g).tolist()
+    attention, mask = masks(prompts, completions, max(prompts), max(completions))
+    return torch.randint(3, vocab, attention.shape, generator=g) * attention, attention, mask, max(prompts)
+
+
+def _half_loss_gradient_step(policy, rows: slice, seed: int) -> None:
+    """SGD(lr .02) on the sum of the log-probs of rows (packed micro-batches of at most 40 tokens), halved:
+    over two FSDP2 ranks holding half the rows each, the mean of their gradients is the same step (a
+    spare micro-batch, which keeps the ranks' collectives matched, adds nothing)."""
+    from pspo.training.micro_batches import plan_micro_batches
+    ids, attention, mask, P = (x[rows] if isinstance(x, torch.Tensor) else x
+                               for x in _packed_rows(policy.lm.config.vocab_size, seed))
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.02)
+    for b in plan_micro_batches(attention, mask, 2, 40, True):
+        logp, _ = policy(b.cut(ids, P), b.cut(attention, P), b.width, 0.7, packed_width=b.length, packed=b.packed)
+        weight = 0.0 if b.spare else 0.5 if rows == slice(None) else 1.0
+        ((logp * mask[b.rows, :b.width]).sum() * weight).backward()
+    optimizer.step()
+
+
+def _compiled_fsdp_step_on_rank(rank, init_file, path, out_dir):
+    import torch.distributed as dist
+    from pspo.training import distributed
+    from pspo.training.model import build_policy, set_scoring
+    from pspo.training.packed_attention import Kernels
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    policy = build_policy(path, chunk_tokens=64).train()
+    set_scoring(policy, kernels=Kernels("sdpa", "flash"), compiled=True, head="eager")
+    policy = distributed.shard(policy, 2)                  # compiled, then sharded
+    _half_loss_gradient_step(policy, slice(4 * rank, 4 * rank + 4), seed=7)
+    state = distributed.full_model_state(policy)
+    if rank == 0:
+        torch.save(state, f"{out_dir}/state.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)           # as train.py ends a rank (distributed.finish): no interpreter finalization
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_fsdp2_step_like_one_eager_process(tiny_model_path, tmp_path):
+    # compile each decoder layer, then fully_shard it (torchtitan's order): two gloo ranks, each with half
+    # of 8 packed sequences, take the step one eager unsharded process takes on all 8 (gradients averaged)
+    import torch.multiprocessing as mp
+    from pspo.training.model import build_policy
+    mp.spawn(_compiled_fsdp_step_on_rank, args=(str(tmp_path / "init"), tiny_model_path, str(tmp_path)), nprocs=2)
+    policy = build_policy(tiny_model_path, chunk_tokens=64).train()
+    before = {k: v.clone() for k, v in policy.lm.state_dict().items()}
+    _half_loss_gradient_step(policy, slice(None), seed=7)
+    want, got = policy.lm.state_dict(), torch.load(tmp_path / "state.pt")
+    assert set(got) == set(want)
+    assert max(float((want[k] - before[k]).abs().max()) for k in want) > 1e-2      # the step moved the weights
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-6, rtol=1e-5)
+
+
+def test_the_update_bench_records_how_it_scored(tmp_path):
+    # bench/micro_batches.py takes the three settings as --attention, --compile and --head (defaults: the
+    # config's) and writes what ran into its JSON
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("micro_bench", os.path.join(root, "bench", "micro_batches.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "update.json"
+    bench.main(["--sequences", "3", "--max-completion", "12", "--max-prompt", "12", "--reps", "1", "--modes",
+                "packed", "--attention", "math", "--json", str(out)])
+    import json
+    got = json.loads(out.read_text())
+    assert got["attention"] == "packed rows sdpa math per sequence, unpacked rows sdpa math"
+    assert (got["attention_setting"], got["compile_setting"], got["compiled"]) == ("math", "auto", False)
+    assert (got["head_setting"], got["head"]) == ("auto", "eager")

@@ -1,8 +1,11 @@
 """The chunked log-prob head (pspo/training/token_logprobs.py): hand-worked values and gradients, agreement with
-a float64 autograd reference, chunking, bf16 precision and what is kept for backward."""
+a float64 autograd reference, chunking, bf16 precision and what is kept for backward; the same for the
+fused head (model.logprob_head=compiled), whose per-chunk functions are checked eagerly here and compiled
+in a slow test."""
 import pytest
 import torch
 
+from pspo.training import token_logprobs as head_module
 from pspo.training.token_logprobs import token_logprobs
 
 
@@ -238,6 +241,109 @@ def test_nothing_of_vocabulary_size_per_token_is_saved_for_backward():
     assert hidden.grad.abs().sum() > 0 and weight.grad.abs().sum() > 0
 
 
+# ---------------------------------------------------------------- the fused head (model.logprob_head=compiled)
+
+@pytest.fixture
+def fused_uncompiled(monkeypatch):
+    """head="compiled" with its per-chunk functions run as written, not compiled: their math, in milliseconds."""
+    monkeypatch.setattr(head_module, "_compiled", lambda fn: fn)
+
+
+def test_fused_head_hand_worked(fused_uncompiled):
+    # the numbers of test_values_and_gradients_hand_worked: V = 3, H = 2, W = [[1,0],[0,1],[1,1]];
+    # token 1 h = (2, 1) -> z = (2, 1, 3), target 0; token 2 h = (0, 0), target 2
+    weight = torch.tensor([[1., 0.], [0., 1.], [1., 1.]], requires_grad=True)
+    hidden = torch.tensor([[[2., 1.], [0., 0.]]], requires_grad=True)
+    logp, entropy = token_logprobs(hidden, weight, torch.tensor([[0, 2]]), 1.0, chunk_tokens=1, head="compiled")
+    torch.testing.assert_close(logp, torch.tensor([[-1.407606, -1.098612]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, torch.tensor([[.832396, 1.098612]]), atol=1e-5, rtol=0)
+    logp.sum().backward()
+    torch.testing.assert_close(hidden.grad, torch.tensor([[[.090031, -.755272], [1 / 3, 1 / 3]]]),
+                               atol=1e-5, rtol=0)
+    want_w = torch.tensor([[1.510544, .755272], [-.180062, -.090031], [-1.330482, -.665241]])
+    torch.testing.assert_close(weight.grad, want_w, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [4, 15])
+def test_fused_head_matches_float64_and_the_eager_head(fused_uncompiled, chunk_tokens):
+    # float64 operands: the fused functions are exact to float64 rounding; float32: to float32 rounding,
+    # and to the eager head's numbers up to the order of the sums
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        hidden, weight, targets, upstream = _random_head(12, dtype=dtype, scale=1.0)
+        got = {}
+        for head in ("eager", "compiled"):
+            hidden.grad = weight.grad = None
+            logp, entropy = token_logprobs(hidden, weight, targets, 0.7, chunk_tokens, head=head)
+            (logp * upstream.to(dtype)).sum().backward()
+            got[head] = (logp.detach(), entropy, hidden.grad, weight.grad)
+        h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+        want_logp, want_entropy = _reference(h64, w64, targets, 0.7)
+        (want_logp * upstream.double()).sum().backward()
+        for g, w, e in zip(got["compiled"], (want_logp.detach(), want_entropy.detach(), h64.grad, w64.grad),
+                           got["eager"]):
+            torch.testing.assert_close(g.double(), w, atol=tolerance, rtol=0)
+            torch.testing.assert_close(g, e, atol=tolerance, rtol=0)
+
+
+def test_fused_head_keeps_the_bf16_contract(fused_uncompiled):
+    # under bf16 autocast: float32 logits of bf16 operands (as the eager head), float32 gradients within
+    # bf16 tolerance of float64; nothing of vocabulary size saved for backward
+    hidden, weight, targets, upstream = _random_head(13, N=4, T=16, H=64, V=300, scale=0.5)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            logp, _ = token_logprobs(hidden, weight, targets, 0.7, chunk_tokens=24, head="compiled")
+    assert sorted(saved) == sorted([(64, 64), (300, 64), (64,), (64,)])
+    rounded = _reference(hidden.detach().bfloat16(), weight.detach().bfloat16(), targets, 0.7)
+    torch.testing.assert_close(logp.double(), rounded[0], atol=2e-5, rtol=0)
+    (logp * upstream).sum().backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (_reference(h64, w64, targets, 0.7)[0] * upstream.double()).sum().backward()
+    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_an_unknown_head_is_refused():
+    hidden, weight, targets, _ = _random_head(14)
+    with pytest.raises(ValueError, match="head: expected one of eager, compiled, got 'liger'"):
+        token_logprobs(hidden, weight, targets, 1.0, head="liger")
+
+
+@pytest.mark.slow
+def test_compiled_head_equals_the_eager_head():
+    # the fused functions compiled by inductor (~10-20 s on 2 CPU cores): float32, the eager numbers up to
+    # the order of the sums, for chunks of several lengths; dynamic shapes compile any length once, and
+    # a one-token chunk once more (dynamo specializes sizes 0 and 1): 15 tokens in chunks of 4 (4, 4, 4, 3)
+    # and 7 (7, 7, 1) compile both, then chunks of 15 and 6 (6, 6, 3) compile nothing. bf16 autocast:
+    # as close to float64 as the eager head is (bf16 tolerance)
+    from torch._dynamo.utils import counters
+    for seed, chunk_tokens in ((15, 4), (16, 7), (17, 15), (18, 6)):
+        hidden, weight, targets, upstream = _random_head(seed, scale=1.0)
+        got = {}
+        for head in ("eager", "compiled"):
+            hidden.grad = weight.grad = None
+            logp, entropy = token_logprobs(hidden, weight, targets, 0.7, chunk_tokens, head=head)
+            (logp * upstream).sum().backward()
+            got[head] = (logp.detach(), entropy, hidden.grad, weight.grad)
+        for g, e in zip(got["compiled"], got["eager"]):
+            torch.testing.assert_close(g, e, atol=2e-6, rtol=0)
+        if seed == 16:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs                  # no recompile per chunk length
+    hidden, weight, targets, upstream = _random_head(19, N=4, T=16, H=64, V=300, scale=0.5)
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (_reference(h64, w64, targets, 0.7)[0] * upstream.double()).sum().backward()
+    gaps = {}
+    for head in ("eager", "compiled"):
+        hidden.grad = weight.grad = None
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            logp, _ = token_logprobs(hidden, weight, targets, 0.7, chunk_tokens=24, head=head)
+        (logp * upstream).sum().backward()
+        gaps[head] = [float((g.double() - w).abs().max() / w.abs().max())
+                      for g, w in ((hidden.grad, h64.grad), (weight.grad, w64.grad))]
+    assert all(c <= 2e-2 and c <= 1.5 * e + 1e-3 for c, e in zip(gaps["compiled"], gaps["eager"])), gaps
+
+
 # ---------------------------------------------------------------- in the policy
 
 def test_policy_bf16_head_scores_and_trains_a_tied_model():
@@ -265,7 +371,8 @@ def test_policy_bf16_head_scores_and_trains_a_tied_model():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the bf16 head's cuBLAS call "
                     "(torch.mm with a float32 output) runs only there")
 @pytest.mark.parametrize("bf16", [True, False])
-def test_cuda_head_against_float64(bf16):
+@pytest.mark.parametrize("head", ["eager", "compiled"])
+def test_cuda_head_against_float64(bf16, head):
     # On one H100 (2048 tokens x 1536 x 151,936) the bf16 head was within 0.0047 of float64 in log π and
     # 0.5% in its gradients (bench/RESULTS.md §22); float32 (TF32 off by default) within 3e-6.
     torch.manual_seed(0)
@@ -279,7 +386,7 @@ def test_cuda_head_against_float64(bf16):
     (want * g).sum().backward()
     h32, W32 = h.clone().requires_grad_(), W.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        logp, _ = token_logprobs(h32, W32, y, 0.7, chunk_tokens=128)
+        logp, _ = token_logprobs(h32, W32, y, 0.7, chunk_tokens=128, head=head)
     (logp * g.float()).sum().backward()
     assert logp.dtype == torch.float32
     tol = 0.02 if bf16 else 1e-4
