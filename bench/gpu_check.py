@@ -71,10 +71,10 @@ RECIPE = ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens=
 
 SECTIONS = (
     Section("update", "the 1.5B recipe's update: 48 sequences (completions 10-3584 tokens), token budget 36864 "
-            "with checkpointing, unpacked and packed (a profile of packed), then packed at 4096 without checkpointing "
-            "(the largest the plan fits); MFU, real tokens/s, peak memory", 420, True,
+            "with checkpointing, unpacked and packed (a profile of packed), then packed at 4096 with checkpointing auto "
+            "(the plan's choice for that batch); MFU, real tokens/s, peak memory", 420, True,
             (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),
-                        PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf", "--model.gradient_checkpointing=false",
+                        PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf", "--model.gradient_checkpointing=auto",
                                                       "--train.micro_batch_tokens=4096")))),
     Section("decode", "decoding 48 completions of 512 tokens at the recipe's cache length (4096): the static-cache "
             "loop, transformers' static-cache generate, plain generate; ms per step, compiles, CUDA-graph skips",
@@ -131,7 +131,8 @@ def commands(section: Section, ctx: Context) -> list[list[str]]:
             base = base[:4] + ["--sequences", "6", "--max-completion", "64", "--max-prompt", "32",
                                "--modes", "token budget,packed", "--reps", "1"]
         return [base + ["--checkpointing", "--budget", "512" if small else "36864", "--profile", "--json", j("-ckpt")],
-                base + ["--budget", "256" if small else "4096", "--modes", "packed", "--json", j("-nockpt")]]
+                base + ["--checkpointing", "auto", "--budget", "256" if small else "4096", "--modes", "packed",
+                        "--json", j("-nockpt")]]
     if section.name == "decode":
         shape = ["--prompts", "2", "--n", "2", "--max-new-tokens", "16", "--repeats", "1", "--cache-len", "64"] \
             if small else ["--prompts", "8", "--n", "6", "--max-new-tokens", "512", "--repeats", "2",

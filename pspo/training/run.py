@@ -27,10 +27,12 @@ class NonFiniteError(RuntimeError):
     """Several updates in a row were non-finite: the run stops (weights untouched, saved)."""
 
 
-def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Policy, Policy | None]:
+def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
+                checkpointing: str) -> tuple[Policy, Policy | None]:
     """The policy from `path` (the base model or the checkpoint resumed) and, when algo.needs_reference
     (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
-    rank's device and sharded over the ranks."""
+    rank's device and sharded over the ranks. checkpointing: model.gradient_checkpointing resolved
+    (plan.startup_check)."""
     m = cfg.model
     lora, resumed = m.lora.rank > 0, path != base_path
     if resumed and lora != is_adapter(path):
@@ -39,7 +41,7 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str) -> tuple[Po
                               "resume with the settings it was trained with")
     policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
                           chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
-                          gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
+                          gradient_checkpointing=checkpointing, lora=m.lora)
     if lora and resumed:
         load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed
     check_packing(policy, cfg.train)
