@@ -71,8 +71,8 @@ RECIPE = ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens=
 
 SECTIONS = (
     Section("update", "the 1.5B recipe's update: 48 sequences (completions 10-3584 tokens), token budget 36864 "
-            "with checkpointing, unpacked and packed (a profile of packed), then packed at 4096 with checkpointing auto "
-            "(the plan's choice for that batch); MFU, real tokens/s, peak memory", 420, True,
+            "with checkpointing, unpacked and packed (a profile of packed), then packed at 4096 with checkpointing "
+            "auto (the plan's choice for that batch); MFU, real tokens/s, peak memory", 420, True,
             (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),
                         PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf", "--model.gradient_checkpointing=auto",
                                                       "--train.micro_batch_tokens=4096")))),

@@ -305,7 +305,8 @@ def main(argv: list[str]) -> None:
           f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters, "
           f"{matmul_params / 1e9:.3f}B in the decoder's matmuls, the head apart); {where}; "
           f"bf16 {'on' if args.bf16 else 'off'}, "
-          f"checkpointing {checkpointing}{' (auto)' if args.checkpointing == 'auto' else ''}; median of {args.reps}; MFU: "
+          f"checkpointing {checkpointing}{' (auto)' if args.checkpointing == 'auto' else ''}; "
+          f"median of {args.reps}; MFU: "
           + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal "
              f"attention) / time / {peak:g} TFLOP/s"
              if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + "\n")

@@ -1,20 +1,19 @@
-"""Will it fit? A per-GPU memory plan of a training run, from the model's config.json alone.
+"""Will it fit? A per-GPU memory plan of a training run, from the model's config.json alone (docs/gpu.md#plan).
 
     python train.py --config X --plan [--gpus=8] [--gpu_gib=80]     # table; no GPU, no download
 
-train.py's start-up prints the same plan in one line and stops (exit 2) when it cannot fit.
-Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master weights
-(model.py) and bf16 autocast when model.bf16:
+train.py's start-up prints the same plan in one line and stops (exit 2) when it cannot fit; it also
+resolves model.gradient_checkpointing=auto there (`startup_check`): the first of none, selective, full
+whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GPUs
+(distributed.shard) with float32 master weights (model.py) and bf16 autocast when model.bf16:
 - parameters, gradients (fp32) and AdamW's m and v (2 x fp32), each sharded 1/N, and the frozen
   reference model when algo.beta > 0 or REINFORCE++'s kl_coef > 0 (built like the policy: fp32, sharded 1/N);
 - FSDP2's unsharded parameters in flight (N > 1): the root (embeddings, final norm, an untied
   head) stays gathered from forward to backward, with its unsharded gradient; two decoder layers
   (the current one and the prefetched next) and one layer's unsharded gradient;
-- activations of one micro-batch (train.micro_batch_size sequences) at the longest sequence,
-  data.max_prompt_tokens + rollout.max_new_tokens (`saved_bytes`, `activation_peak`);
-- the largest log-prob block (token_logprobs.py): forward holds two (chunk x vocab) float32 blocks
-  (the logits and their exp); backward one, its bf16 copy under model.bf16, and the head's
-  (vocab x hidden) float32 gradient (under bf16 also W's bf16 copy and one float32 product);
+- the update's largest micro-batch (`micro_batch_shape`) at its peak moment (`micro_batch_moments`:
+  the head's forward and backward, a layer's backward, the embedding's), what each layer keeps for
+  the checkpointing mode (`layer_bytes`), and UPDATE_MARGIN; `update_peak` plans an explicit batch;
 - vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
   weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
   rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
@@ -31,32 +30,25 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   weight copies and the gathered FSDP2 parameters, during generation;
 - the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
   larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
-  block up (512 B below 1 MiB, 2 MiB multiples above), keeps freed blocks cached for reuse, and
-  the blocks of one step vary in size (micro-batches of other lengths, the log-prob blocks), so
-  segments hold holes no later request fits; a block cached in the update is still reserved in the
-  next generation (only a waking vLLM empties the cache). Measured on one H100: the 1.5B GRPO
-  recipe (1 GPU, 512 new tokens, transformers `generate` before the static-cache loop) reserved 43.0
-  GiB at its peak where the plan then counted 36.3 GiB of tensors (38.3 with the constant): 1.19 x;
-  bench/micro_batches.py's 1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing)
-  reserved 35.1 GiB for 28.8 allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens,
-  35.7 for 30.3 (1.18 x; the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what
-  is allocated, so 0.2 of them covers every reserved peak seen (at most 1.19 x the plan);
+  block up (512 B below 1 MiB), keeps freed blocks cached for reuse, and the blocks of one step vary
+  in size (micro-batches of other lengths, the log-prob blocks), so segments hold holes no later
+  request fits; a block cached in the update is still reserved in the next generation (only a waking
+  vLLM empties the cache). Measured reserved / allocated: 1.07-1.21 for bench/micro_batches.py's 1.5B
+  update, 1.24 for the 1.5B GRPO recipe end to end (bench/RESULTS.md §20, §22, §24);
 - PSPO*'s process reward model (reward.prm != 0, docs/related.md §C): its bf16 weights, a whole copy
   per GPU, and one scoring forward of prm.batch_tokens tokens in the generation phase (no grad: about
   the hidden states, q, k, v and the MLP's intermediate of those tokens alive at once, (6H + 2I) x 2 B
   per token);
-- OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces.
+- OVERHEAD_GIB for the CUDA context and NCCL, outside PyTorch's allocator.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
-were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
-block, vLLM unless it sleeps). The activation and log-prob peaks do not coincide: their sum
-makes the update an upper bound.
+were freed by zero_grad(set_to_none)) or update (all training state, the micro-batch's peak moment,
+vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach.
 
-Attention assumed: PyTorch sdpa. The update scores rows padding-free with plain causal attention
-(model.py), where a GPU runs the flash kernel; the count is that of the memory-efficient kernel
-with a padding mask, an upper bound: it saves q, k, v (KV heads repeated), the output, the
-log-sum-exp and the mask as a bias; no (heads x s x s) probabilities. tests/components/test_plan.py
-checks the
-count against what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
+Attention assumed: flash kernels (varlen for packed rows, sdpa's flash or cuDNN kernels unpacked:
+the update runs without a mask, model.py), which keep q, k, v, the output and the log-sum-exp, no
+(heads x s x s) matrix; the KV heads counted repeated to every head, as varlen attention without a GQA
+switch needs (an upper bound elsewhere). tests/components/test_plan.py checks each count against what
+a real-width Qwen2 layer keeps on CPU, and the whole update's peak against a measured one.
 """
 from __future__ import annotations
 
@@ -290,9 +282,10 @@ def micro_batch_moments(a: Arch, *, tokens: int, completion: int, bf16: bool, ch
       the head's backward blocks and the fp32 gradient of its hidden states (4H per completion token);
     - the last layer's backward: the layers' K (of the head's tensors only RoPE's are left), C without
       checkpointing, and with it that layer recomputed (its tensors as without checkpointing and its
-      weights' bf16 copies), plus `layer_backward_bytes` and `weight_grad_bytes`. A tied head's gradient waits in autograd's
-      buffer for the embedding's until the backward ends (4 x vocab x H). In the first micro-batch the
-      gradients grow as the layers' tensors are freed: its largest layer moment is the top layer's
+      weights' bf16 copies), plus `layer_backward_bytes` and `weight_grad_bytes`. A tied head's
+      gradient waits in autograd's buffer for the embedding's until the backward ends (4 x vocab x H).
+      In the first micro-batch the gradients grow as the layers' tensors are freed: its largest layer
+      moment is the top layer's
       (every layer's tensors; the head's gradient and the top layer's down projection's) or the bottom
       layer's (its own tensors; every gradient but the embedding's and its own, bar its down projection);
     - the embedding's backward (full fine-tuning): every gradient, its dense fp32 (vocab x H) gradient

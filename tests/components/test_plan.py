@@ -401,7 +401,8 @@ WANT = {"dr_grpo.yaml": (9216, "selective"), "pspo_lora.yaml": (11264, "none")}
 
 
 @pytest.mark.parametrize("config, gpus, gib, want", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2, 5120),
-                                                     ("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", 8, 80.0, 8192)])
+                                                     ("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", 8, 80.0,
+                                                      8192)])
 def test_gpu_recipes_use_the_largest_token_budget_auto_keeps(config, gpus, gib, want):
     # The GPU recipes leave checkpointing to auto and set their budget to the largest at which auto keeps the
     # mode it picks for one full-length sequence (the least recompute first, then the fewest micro-batches).
@@ -520,8 +521,8 @@ def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equa
     # the 1.5B's widths: update_peak less UPDATE_MARGIN (the CUDA workspaces it stands for are not on CPU)
     # against the most bytes alive: the weights and AdamW state (12 B per parameter, made before the tracker)
     # plus the tracker's peak. Vocab 1000: a layer's backward peaks; 65536 (tied): the embedding's backward
-    # (3 x 384 MiB vocab x hidden gradients at once). Skewed lengths: the first micro-batch, the larger, runs
-    # without gradients. Measured on this CPU: the plan 1.02-1.08 x what was alive.
+    # (3 x 384 MiB vocab x hidden gradients at once). Skewed lengths: one micro-batch of 951 tokens, which
+    # starts without gradients. Measured on a 2-core x86 CPU: the plan 1.003-1.056 x what was alive.
     config = real_width_config(2, vocab)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
@@ -558,7 +559,8 @@ def test_update_peak_against_the_update_measured_on_an_h200():
     spec.loader.exec_module(bench)
     a, _ = plan.load_arch("Qwen/Qwen2.5-Math-1.5B", RECIPE)
     _, attention, mask, _, _ = bench.skewed_batch(48, a.vocab, max_completion=3584, max_prompt=512)
-    for mode, budget, allocated, reserved, want in (("full", 36864, 35.1, 42.5, 36.38), ("none", 4096, 42.2, 45.1, 42.84)):
+    measured = (("full", 36864, 35.1, 42.5, 36.38), ("none", 4096, 42.2, 45.1, 42.84))
+    for mode, budget, allocated, reserved, want in measured:
         sizes = plan.micro_batch_sizes(plan_micro_batches(attention, mask, 4, budget, False))
         peak = plan.update_peak(a, sizes, bf16=True, checkpointing=mode, chunk_tokens=2048) / GiB
         assert abs(peak - want) < 0.01 and 1.0 <= peak / allocated <= 1.2, (mode, peak)
@@ -572,7 +574,8 @@ def test_auto_picks_the_least_recompute_that_fits():
     a, _ = plan.load_arch(cfg.model.name_or_path, RECIPE)
 
     def planned(mode: str, gib: float) -> plan.Plan:
-        c = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", f"--model.gradient_checkpointing={mode}"], 1)
+        c = load_config(os.path.join(QWEN, "grpo.yaml"),
+                        ["--rollout.engine=hf", f"--model.gradient_checkpointing={mode}"], 1)
         return plan.make_plan(c, a, gpus=1, gpu_bytes=int(gib * GiB), engine="hf")
     peaks = {mode: planned(mode, 80).peak / GiB for mode in ("none", "selective", "full")}
     assert peaks["none"] > peaks["selective"] > peaks["full"]
