@@ -285,9 +285,9 @@ def micro_batch_moments(a: Arch, *, tokens: int, completion: int, bf16: bool, ch
       weights' bf16 copies), plus `layer_backward_bytes` and `weight_grad_bytes`. A tied head's
       gradient waits in autograd's buffer for the embedding's until the backward ends (4 x vocab x H).
       In the first micro-batch the gradients grow as the layers' tensors are freed: its largest layer
-      moment is the top layer's
-      (every layer's tensors; the head's gradient and the top layer's down projection's) or the bottom
-      layer's (its own tensors; every gradient but the embedding's and its own, bar its down projection);
+      moment is the top layer's (every layer's tensors; the head's gradient and the top layer's down
+      projection's) or the bottom layer's (its own tensors; every gradient but the embedding's and its
+      own, bar its down projection's);
     - the embedding's backward (full fine-tuning): every gradient, its dense fp32 (vocab x H) gradient
       (tied: with the head's waiting one and their sum, 3 of them), and the fp32 gradient of the
       embedding output (2 x 4H per token).
