@@ -246,15 +246,16 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     model_config = load_model_config(base_path, m.trust_remote_code)
     check_context(model_config, cfg.data.max_prompt_tokens, r.max_new_tokens)
     engine = engine_name(r.engine)
-    print0(startup_check(cfg, base_path, dist_.world_size, dist_.device, engine,      # PlanError: cannot fit
-                         resolve=resolve_model_path))
+    plan_line, checkpointing = startup_check(cfg, base_path, dist_.world_size, dist_.device, engine,
+                                             resolve=resolve_model_path)  # PlanError: cannot fit; auto resolved
+    print0(plan_line)
     t = cfg.train
     kernels = choose_kernels(t.attention, device=dist_.device, bf16=m.bf16,     # probed; ConfigError: refused
                              **attention_heads(model_config))
     print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, kernels))
     print0(compile_line(t.compile, m.logprob_head, dist_.device))
     prm = load_prm(cfg, dist_.device)
-    policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels)
+    policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels, checkpointing)
     train, evals = prompt_sets(cfg, tokenizer)
     sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)

@@ -4,7 +4,7 @@ train.packing).
     python bench/micro_batches.py                 # 2-core CPU: ~3 min; prints one table
     python bench/micro_batches.py --reps 5 --sequences 64     # longer, steadier
     python bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 \
-        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing --budget 36864 --profile
+        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing auto --budget 36864 --profile
                                                   # a GPU: the 1.5B recipe's update (scripts/gpu_check.sh OUT update)
 
 A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded) runs
@@ -23,7 +23,11 @@ of the update (allocated and reserved, AdamW state included) and the model FLOPs
 update's FLOPs (6 x the matrix-multiply parameters x real tokens, the input embedding being a
 lookup, plus causal attention, 6 x layers x query width x L^2 per sequence) / time / the GPU's
 dense bf16 peak (from its name: H100 or H200 989, A100 312; or --peak-tflops); the forward that
-checkpointing recomputes is not counted. --json writes the figures to a file (the GPU check's).
+checkpointing recomputes is not counted. --checkpointing none | selective | full | auto (model.gradient_checkpointing;
+the flag alone: full): auto takes the least recompute whose memory plan for this batch fits the GPU (pspo/training/
+plan.py: update_peak, the largest of the modes timed; on CPU none). Each mode's row adds the plan's peak for the
+micro-batches it ran (what torch.cuda.max_memory_allocated should reach, and with the allocator's cache what it
+reserves). --json writes the figures to a file (the GPU check's).
 The optimizer is AdamW (fused on a GPU, as train.py builds it) at lr 0, so the weights stay as
 built while its state is allocated as in training. --attention, --compile and --head
 are train.attention, train.compile and model.logprob_head (defaults: the config's, auto), resolved on
@@ -46,7 +50,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from pspo.training.config import ATTENTIONS, COMPILES, LOGPROB_HEADS, load_config  # noqa: E402
 from pspo.training.distributed import Dist  # noqa: E402
@@ -55,6 +59,7 @@ from pspo.training.model import (attention_heads, build_policy, compile_line, co
 from pspo.training.packed_attention import choose_kernels  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
 from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
+from pspo.training import plan as memory_plan  # noqa: E402
 from pspo.training.metrics import UpdateSums  # noqa: E402
 from pspo.training.micro_batches import UpdateBatch  # noqa: E402
 from pspo.update import policy_update  # noqa: E402
@@ -172,6 +177,25 @@ def profiled_update(run) -> tuple[dict[str, float], list[tuple[str, float]]]:
     return profile_shares(kernels, wall_us), kernels
 
 
+CHUNK = 2048          # model.logprob_chunk_tokens, as the recipes set it
+
+
+def resolve_checkpointing(asked: str, arch, runs: list[list[tuple[int, int]]], *, bf16: bool, gpu_bytes: int) -> str:
+    """--checkpointing auto: the first of none, selective, full whose planned update peak (plan.update_peak, the
+    largest over the runs' micro-batch sizes), with the allocator's cache and the constant (plan.device_bytes),
+    fits gpu_bytes; full if none does; none on CPU (gpu_bytes 0: no GPU memory to fit). Other modes as asked."""
+    if asked != "auto":
+        return asked
+    if not gpu_bytes:
+        return "none"
+    for mode in ("none", "selective", "full"):
+        need = max(memory_plan.update_peak(arch, sizes, bf16=bf16, checkpointing=mode, chunk_tokens=CHUNK)
+                   for sizes in runs)
+        if memory_plan.device_bytes(need) <= gpu_bytes:
+            return mode
+    return "full"
+
+
 def mode_configs(budget: int, micro: int, completion: int) -> dict:
     """The three modes' configs (configs/grpo.yaml with the batch's shape)."""
     shape_args = ["--rollout.num_generations=2", f"--rollout.max_new_tokens={completion}"]
@@ -210,7 +234,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--max-completion", type=int, default=512)
     ap.add_argument("--max-prompt", type=int, default=120)
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (model.bf16)")
-    ap.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    ap.add_argument("--checkpointing", nargs="?", const="full", default="none",
+                    choices=("none", "selective", "full", "auto"),
+                    help="model.gradient_checkpointing (the flag alone: full; auto: the plan's choice)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the GPU's dense bf16 peak, for MFU (default: from its name: H100/H200 989, A100 312)")
     ap.add_argument("--budget", type=int, default=0, help="token budget (default: micro x the longest sequence)")
@@ -240,19 +266,8 @@ def main(argv: list[str]) -> None:
                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
         Qwen2ForCausalLM(config).save_pretrained(folder)
         name = "random Qwen2 8 x 512"
-    policy = build_policy(folder, chunk_tokens=2048, bf16=args.bf16,
-                          gradient_checkpointing=args.checkpointing).to(device)
-    kernels = choose_kernels(args.attention, device=device, bf16=args.bf16, **attention_heads(policy.lm.config))
-    compiled, head_kind = compiled_layers(args.compile, device), head_mode(args.head, device)
-    set_scoring(policy, kernels=kernels, compiled=compiled, head=head_kind)
-    scoring = (f"attention: {kernels.describe()} (--attention {args.attention}); "
-               + compile_line(args.compile, args.head, device).removeprefix("scoring: "))
-    vocab = policy.lm.config.vocab_size
-    params = sum(p.numel() for p in policy.parameters())
-    embed, head = policy.lm.get_input_embeddings().weight, policy.lm.get_output_embeddings().weight
-    # the decoder's matmuls: no embedding (a lookup) and no head (it scores completion tokens only;
-    # tied to the embedding, parameters() counts it once)
-    matmul_params = params - embed.numel() - (0 if head is embed else head.numel())
+    arch = memory_plan.arch_from_config(AutoConfig.from_pretrained(folder))
+    vocab = arch.vocab
     batch = skewed_batch(args.sequences, vocab, max_completion=args.max_completion, max_prompt=args.max_prompt)
     input_ids, attention, mask, advantages = (t.to(device) for t in batch[:4])
     lengths = batch[4]
@@ -260,6 +275,23 @@ def main(argv: list[str]) -> None:
     budget = args.budget or args.micro * longest
     configs = mode_configs(budget, args.micro, mask.shape[1])
     modes = {m: cfg for m, cfg in configs.items() if m in args.modes.split(",")}
+    sizes = {m: memory_plan.micro_batch_sizes(plan_micro_batches(attention, mask, cfg.train.micro_batch_size,
+                                                                 cfg.train.micro_batch_tokens, cfg.train.packing))
+             for m, cfg in modes.items()}
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    checkpointing = resolve_checkpointing(args.checkpointing, arch, list(sizes.values()), bf16=args.bf16,
+                                          gpu_bytes=total)
+    policy = build_policy(folder, chunk_tokens=CHUNK, bf16=args.bf16, gradient_checkpointing=checkpointing).to(device)
+    kernels = choose_kernels(args.attention, device=device, bf16=args.bf16, **attention_heads(policy.lm.config))
+    compiled, head_kind = compiled_layers(args.compile, device), head_mode(args.head, device)
+    set_scoring(policy, kernels=kernels, compiled=compiled, head=head_kind)
+    scoring = (f"attention: {kernels.describe()} (--attention {args.attention}); "
+               + compile_line(args.compile, args.head, device).removeprefix("scoring: "))
+    params = sum(p.numel() for p in policy.parameters())
+    embed, head = policy.lm.get_input_embeddings().weight, policy.lm.get_output_embeddings().weight
+    # the decoder's matmuls: no embedding (a lookup) and no head (it scores completion tokens only;
+    # tied to the embedding, parameters() counts it once)
+    matmul_params = params - embed.numel() - (0 if head is embed else head.numel())
     batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
     times: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, tuple[float, float]] = {}
@@ -290,30 +322,37 @@ def main(argv: list[str]) -> None:
           f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters, "
           f"{matmul_params / 1e9:.3f}B in the decoder's matmuls, the head apart); {where}; "
           f"bf16 {'on' if args.bf16 else 'off'}, "
-          f"checkpointing {'on' if args.checkpointing else 'off'}; median of {args.reps}; MFU: "
+          f"checkpointing {checkpointing}{' (auto)' if args.checkpointing == 'auto' else ''}; "
+          f"median of {args.reps}; MFU: "
           + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal "
              f"attention) / time / {peak:g} TFLOP/s"
              if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + f"\n{scoring}\n")
     print("| mode | micro-batches | padded share | update s | real tokens/s |"
-          + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else ""))
-    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else ""))
+          + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else "") + " plan allocated / reserved GiB |")
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else "") + "---:|")
     figures: dict[str, dict] = {}
     for mode in modes:
         s = sums[mode]
         t = modes[mode].train
         plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens, t.packing)
         median = statistics.median(times[mode])
+        planned = memory_plan.update_peak(arch, sizes[mode], bf16=args.bf16, checkpointing=checkpointing,
+                                          chunk_tokens=CHUNK)
+        reserved = memory_plan.device_bytes(planned) - int(memory_plan.OVERHEAD_GIB * memory_plan.GiB)
         figures[mode] = {"micro_batches": len(plan), "padded_share": 1 - s.update_tokens / s.update_positions,
                          "update_s": median, "real_tokens_per_s": s.update_tokens / median,
                          "mfu": mfu(flops, median, peak) if gpu and peak else None,
                          "peak_allocated_gib": peaks[mode][0] if gpu else None,
-                         "peak_reserved_gib": peaks[mode][1] if gpu else None}
+                         "peak_reserved_gib": peaks[mode][1] if gpu else None,
+                         # the memory plan of these micro-batches: what max_memory_allocated should reach (never
+                         # under it, within 1.2x), and with the allocator's cache what max_memory_reserved may
+                         "plan_peak_gib": planned / 2 ** 30, "plan_reserved_gib": reserved / 2 ** 30}
         row = (f"| {mode} | {len(plan)} | {figures[mode]['padded_share']:.2f} | {median:.2f} | "
                f"{figures[mode]['real_tokens_per_s']:,.0f} |")
         if gpu:
             row += (f" {figures[mode]['mfu']:.1%} |" if peak else " - |") \
                 + f" {peaks[mode][0]:.1f} | {peaks[mode][1]:.1f} |"
-        print(row)
+        print(row + f" {planned / 2 ** 30:.1f} / {reserved / 2 ** 30:.1f} |")
     names = list(modes)
     for slow, fast in zip(names, names[1:]):
         ratio = statistics.median(times[slow]) / statistics.median(times[fast])
@@ -335,11 +374,17 @@ def main(argv: list[str]) -> None:
         print(f"| {shares['gemm']:.0%} | {shares['gemm_fp32']:.0%} | {shares['attention']:.0%} | "
               f"{shares['elementwise']:.0%} | {shares['other']:.0%} | {shares['idle']:.0%} | "
               f"{profile['attention_backend']} |")
+    # what the GPU holds beyond PyTorch's allocator (the CUDA context, library workspaces): plan.OVERHEAD_GIB
+    outside = None
+    if gpu:
+        free, total = torch.cuda.mem_get_info()
+        outside = (total - free - torch.cuda.memory_reserved()) / 2 ** 30
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": where, "model": name, "parameters": params, "matmul_parameters": matmul_params,
                        "sequences": args.sequences, "real_tokens": int(attention.sum()), "longest": longest,
-                       "bf16": args.bf16, "checkpointing": args.checkpointing, "budget": budget,
+                       "bf16": args.bf16, "checkpointing": checkpointing, "checkpointing_asked": args.checkpointing,
+                       "budget": budget, "outside_allocator_gib": outside,
                        "update_tflops": flops / 1e12, "peak_tflops": peak, "modes": figures,
                        "profile": profile, "attention_setting": args.attention, "attention": kernels.describe(),
                        "compile_setting": args.compile, "compiled": compiled, "head_setting": args.head,

@@ -101,7 +101,10 @@ class ModelConfig:
     name_or_path: str = "builtin:tiny"  # hub id, local folder, or builtin:tiny (cached demo model)
     trust_remote_code: bool = False     # run model code shipped with a checkpoint (off: safer)
     bf16: bool = False                  # bf16 autocast for forward passes (GPU); log-probs stay fp32
-    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # activations recomputed in backward to save memory: none | selective (matmul and attention outputs
+    # kept, the rest recomputed) | full (each decoder layer) | auto (the cheapest the memory plan fits:
+    # docs/gpu.md#plan); true / false, from older configs, mean full / none
+    gradient_checkpointing: str = "auto"
     logprob_chunk_tokens: int = 2048    # tokens per (chunk x vocab) logits block in the loss
     lora: LoraConfig = field(default_factory=LoraConfig)
     # the log-prob head's elementwise work: auto (compiled on CUDA, eager elsewhere) | eager | compiled
@@ -376,6 +379,9 @@ class Config:
 
 
 ENGINES, BAD_GOLD = ("auto", "vllm", "hf"), ("skip", "error")
+# model.gradient_checkpointing: the modes in order of recompute cost, then auto (plan.py picks the first that fits)
+CHECKPOINTING = ("none", "selective", "full", "auto")
+CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}     # the field was a boolean
 COMPILES = ("auto", "always", "never")      # rollout.compile, resolved by rollout.compile_enabled
 REPORT_TO = ("tensorboard", "wandb", "none")  # train.report_to, comma-separated
 ATTENTIONS = ("auto", "varlen", "flash", "efficient", "math", "cudnn")   # train.attention: packed_attention.py
@@ -434,6 +440,8 @@ def _set(cfg: Config, key: str, value: Any) -> None:
         sub, name = getattr(sub, name), rest
     if rest:
         raise ConfigError(f"{key}: {key[:len(key) - len(rest) - 1]} has no sub-keys")
+    if key == "model.gradient_checkpointing":                    # YAML true / false, "true" / "false"
+        value = CHECKPOINTING_ALIASES.get(str(value).lower(), value)
     setattr(sub, name, _coerce(key, value, str(fields[name].type)))
 
 
@@ -570,6 +578,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.data.bad_gold in BAD_GOLD, "data.bad_gold", " | ".join(BAD_GOLD), cfg.data.bad_gold)
     check(cfg.model.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", ">= 1",
            cfg.model.logprob_chunk_tokens)
+    check(cfg.model.gradient_checkpointing in CHECKPOINTING, "model.gradient_checkpointing",
+          " | ".join(CHECKPOINTING) + " (or true / false: full / none)", cfg.model.gradient_checkpointing)
     sinks = report_sinks(t.report_to)
     check(set(sinks) <= set(REPORT_TO) and ("none" not in sinks or sinks == ["none"]), "train.report_to",
           "tensorboard, wandb, tensorboard,wandb or none", t.report_to)

@@ -19,6 +19,7 @@ import types
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -237,11 +238,54 @@ def check_context(config, max_prompt_tokens: int, max_new_tokens: int) -> None:
                          f"max_position_embeddings ({limit}); lower one of them")
 
 
+def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective checkpointing's rule, op by op inside a decoder layer: keep the outputs of the attention
+    kernel (sdpa's flash, memory-efficient or cuDNN kernels, varlen) and of the matrix multiplies (a
+    linear layer is mm or addmm) over an inner dimension of at least SAVED_MATMUL_INNER, recompute
+    everything else in backward (the norms, RoPE, SiLU and the product, the casts, KV heads repeated, a
+    LoRA adapter's rank-r up-projection): no projection of the model runs twice."""
+    name = op.name()                                    # "aten::mm", "torch_attn::_varlen_attn", ...
+    if "attention" in name or "attn" in name:
+        return CheckpointPolicy.MUST_SAVE
+    if op in SAVED_MATMULS and args[op is torch.ops.aten.addmm.default].shape[-1] >= SAVED_MATMUL_INNER:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SAVED_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+# a matmul's recompute costs 2 x its inner dimension in FLOPs per output element: worth keeping its output
+# (2 bytes under bf16) from 128 on; a LoRA adapter's B (inner dimension: the rank) is recomputed instead
+SAVED_MATMUL_INNER = 128
+
+
+def enable_checkpointing(lm: torch.nn.Module, mode: str | bool) -> None:
+    """Activation checkpointing of each decoder layer, through transformers (non-reentrant, so it works
+    under FSDP2 and with frozen inputs; transformers recomputes only in train mode):
+    - full: the layer keeps only its input; backward runs its whole forward again;
+    - selective: torch's selective activation checkpointing (`create_selective_checkpoint_contexts`) with
+      `save_matmuls`: the layer also keeps its matmul and attention outputs, and backward recomputes
+      only the elementwise ops between them;
+    - none: everything is kept. True / False (older configs): full / none.
+    docs/gpu.md#plan counts what each mode keeps."""
+    mode = {True: "full", False: "none"}.get(mode, mode)
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"gradient_checkpointing: expected none, selective or full, got {mode!r} "
+                         "(auto is resolved by the memory plan)")
+    if mode == "none":
+        return
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, save_matmuls)
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def build_policy(path: str, *, trust_remote_code: bool = False, chunk_tokens: int, bf16: bool = False,
-                 gradient_checkpointing: bool = False, trainable: bool = True,
+                 gradient_checkpointing: str | bool = "none", trainable: bool = True,
                  lora: LoraConfig | None = None) -> Policy:
     """The trainable policy, or (trainable=False) a frozen reference. Both start in eval mode.
 
+    gradient_checkpointing: none | selective | full (`enable_checkpointing`; True / False: full / none),
+    resolved: model.gradient_checkpointing=auto is the memory plan's choice (plan.py: startup_check).
     The training loop switches the policy to train mode for the update only: transformers
     recomputes checkpointed layers only when `self.training`, and a checkpointed layer in train
     mode drops the KV cache, so generation and scoring must run in eval mode.
@@ -256,8 +300,8 @@ def build_policy(path: str, *, trust_remote_code: bool = False, chunk_tokens: in
         pin_kernels(lm, UNPINNED)              # sdpa, and packed sequences (packed_attention.py)
     check_plain_head(lm)
     disable_dropout(lm)
-    if gradient_checkpointing and trainable:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trainable:
+        enable_checkpointing(lm, gradient_checkpointing)
     peft_model = add_adapters(lm, lora) if lora else None                   # in place: lm holds them
     policy = Policy(lm, chunk_tokens, bf16).eval()
     object.__setattr__(policy, "peft", peft_model)                          # not a submodule: lm is

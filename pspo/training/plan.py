@@ -1,20 +1,19 @@
-"""Will it fit? A per-GPU memory plan of a training run, from the model's config.json alone.
+"""Will it fit? A per-GPU memory plan of a training run, from the model's config.json alone (docs/gpu.md#plan).
 
     python train.py --config X --plan [--gpus=8] [--gpu_gib=80]     # table; no GPU, no download
 
-train.py's start-up prints the same plan in one line and stops (exit 2) when it cannot fit.
-Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master weights
-(model.py) and bf16 autocast when model.bf16:
+train.py's start-up prints the same plan in one line and stops (exit 2) when it cannot fit; it also
+resolves model.gradient_checkpointing=auto there (`startup_check`): the first of none, selective, full
+whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GPUs
+(distributed.shard) with float32 master weights (model.py) and bf16 autocast when model.bf16:
 - parameters, gradients (fp32) and AdamW's m and v (2 x fp32), each sharded 1/N, and the frozen
   reference model when algo.beta > 0 or REINFORCE++'s kl_coef > 0 (built like the policy: fp32, sharded 1/N);
 - FSDP2's unsharded parameters in flight (N > 1): the root (embeddings, final norm, an untied
   head) stays gathered from forward to backward, with its unsharded gradient; two decoder layers
   (the current one and the prefetched next) and one layer's unsharded gradient;
-- activations of one micro-batch (train.micro_batch_size sequences) at the longest sequence,
-  data.max_prompt_tokens + rollout.max_new_tokens (`saved_bytes`, `activation_peak`);
-- the largest log-prob block (token_logprobs.py): forward holds two (chunk x vocab) float32 blocks
-  (the logits and their exp); backward one, its bf16 copy under model.bf16, and the head's
-  (vocab x hidden) float32 gradient (under bf16 also W's bf16 copy and one float32 product);
+- the update's largest micro-batch (`micro_batch_shape`) at its peak moment (`micro_batch_moments`:
+  the head's forward and backward, a layer's backward, the embedding's), what each layer keeps for
+  the checkpointing mode (`layer_bytes`), and UPDATE_MARGIN; `update_peak` plans an explicit batch;
 - vLLM (rollout.engine vllm, or auto on a GPU): rollout.gpu_memory_utilization x the GPU, its
   weights in bf16 and a KV cache in the rest (less vLLM's own profiled activations, not counted).
   rollout.sleep frees it during the update (level 1: weights to CPU, KV cache dropped);
@@ -31,32 +30,25 @@ Counted per GPU, for FSDP2 over N GPUs (distributed.shard) with float32 master w
   weight copies and the gathered FSDP2 parameters, during generation;
 - the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
   larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
-  block up (512 B below 1 MiB, 2 MiB multiples above), keeps freed blocks cached for reuse, and
-  the blocks of one step vary in size (micro-batches of other lengths, the log-prob blocks), so
-  segments hold holes no later request fits; a block cached in the update is still reserved in the
-  next generation (only a waking vLLM empties the cache). Measured on one H100: the 1.5B GRPO
-  recipe (1 GPU, 512 new tokens, transformers `generate` before the static-cache loop) reserved 43.0
-  GiB at its peak where the plan then counted 36.3 GiB of tensors (38.3 with the constant): 1.19 x;
-  bench/micro_batches.py's 1.5B update (48 sequences, micro-batches of 4, bf16, checkpointing)
-  reserved 35.1 GiB for 28.8 allocated (1.22 x; the plan: 30.5) with completions up to 512 tokens,
-  35.7 for 30.3 (1.18 x; the plan: 32.8) up to 3584. The plan's tensors are an upper bound of what
-  is allocated, so 0.2 of them covers every reserved peak seen (at most 1.19 x the plan);
+  block up (512 B below 1 MiB), keeps freed blocks cached for reuse, and the blocks of one step vary
+  in size (micro-batches of other lengths, the log-prob blocks), so segments hold holes no later
+  request fits; a block cached in the update is still reserved in the next generation (only a waking
+  vLLM empties the cache). Measured reserved / allocated: 1.07-1.21 for bench/micro_batches.py's 1.5B
+  update, 1.24 for the 1.5B GRPO recipe end to end (bench/RESULTS.md §20, §22, §24);
 - PSPO*'s process reward model (reward.prm != 0, docs/related.md §C): its bf16 weights, a whole copy
   per GPU, and one scoring forward of prm.batch_tokens tokens in the generation phase (no grad: about
   the hidden states, q, k, v and the MLP's intermediate of those tokens alive at once, (6H + 2I) x 2 B
   per token);
-- OVERHEAD_GIB for the CUDA context, NCCL and cuBLAS workspaces.
+- OVERHEAD_GIB for the CUDA context and NCCL, outside PyTorch's allocator.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
-were freed by zero_grad(set_to_none)) or update (all training state, activations, the log-prob
-block, vLLM unless it sleeps). The activation and log-prob peaks do not coincide: their sum
-makes the update an upper bound.
+were freed by zero_grad(set_to_none)) or update (all training state, the micro-batch's peak moment,
+vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach.
 
-Attention assumed: PyTorch sdpa. The update scores rows padding-free with plain causal attention
-(model.py), where a GPU runs the flash kernel; the count is that of the memory-efficient kernel
-with a padding mask, an upper bound: it saves q, k, v (KV heads repeated), the output, the
-log-sum-exp and the mask as a bias; no (heads x s x s) probabilities. tests/components/test_plan.py
-checks the
-count against what a real-width Qwen2 layer saves on CPU, whose flash kernel saves the same tensors.
+Attention assumed: flash kernels (varlen for packed rows, sdpa's flash or cuDNN kernels unpacked:
+the update runs without a mask, model.py), which keep q, k, v, the output and the log-sum-exp, no
+(heads x s x s) matrix; the KV heads counted repeated to every head, as varlen attention without a GQA
+switch needs (an upper bound elsewhere). tests/components/test_plan.py checks each count against what
+a real-width Qwen2 layer keeps on CPU, and the whole update's peak against a measured one.
 """
 from __future__ import annotations
 
@@ -69,15 +61,21 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from pspo.training.config import Config, ConfigError, LoraConfig, error_line, first_line, load_config
+from pspo.training.config import CHECKPOINTING, Config, ConfigError, LoraConfig, error_line, first_line, load_config
+from pspo.training.micro_batches import MicroBatch
 from pspo.training.model import load_model_config
 from pspo.training.tokens import bucket
 
 GiB = 2**30
 Resolve = Callable[[str], str]      # a model name -> its folder (offline/builtin.py: resolve_model_path)
-OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL/cuBLAS workspaces
-# PyTorch's caching allocator: reserved / the plan's tensors - 1 (the docstring: at most 0.19 seen)
-ALLOCATOR_SLACK = 0.2
+OVERHEAD_GIB = 2.0        # CUDA context (~0.5 GiB), NCCL workspaces: outside PyTorch's allocator
+# PyTorch's caching allocator: what it reserves beyond the tensors, as a share of them (the most measured:
+# 43.0 reserved / 34.6 allocated = 1.243, bench/RESULTS.md §20)
+ALLOCATOR_SLACK = 0.25
+# the update's tensors the moments do not list (cuBLAS / cuBLASLt workspaces, 32 MiB each on Hopper; the
+# batch, the loss's per-token tensors, the norms' fp32 temporaries): the gap the moments left below the
+# measured peak of bench/RESULTS.md §24 (0.1-0.3 GiB)
+UPDATE_MARGIN = 2**28
 # the sampler's working set per generated row, about 8 float32 (vocab,) blocks (logits/T, log_softmax,
 # Gumbel noise and its int64 hashes): a rough figure
 SAMPLER_BLOCKS = 8
@@ -107,6 +105,11 @@ class Arch:
     def root_params(self) -> int:
         """Embeddings, final norm and an untied head: the root FSDP2 unit."""
         return self.params - self.layers * self.layer_params
+
+    @property
+    def tied(self) -> bool:
+        """The output head is the input embedding (tie_word_embeddings): the root holds one vocab x hidden."""
+        return self.root_params < 2 * self.vocab * self.hidden
 
 
 def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
@@ -196,60 +199,163 @@ def load_prm_arch(cfg: Config, *, local_only: bool, resolve: Resolve) -> tuple[P
                    getattr(config, "intermediate_size", 0) or 4 * hidden), ""
 
 
-def layer_saved_bytes(a: Arch, tokens: int, seq: int, bf16: bool) -> int:
-    """Bytes one decoder layer saves for backward, for `tokens` tokens in sequences of length `seq`.
-
-    Per token, H hidden, I intermediate, q = heads x head_dim; residual stream and RMSNorm in fp32:
-      bf16: both norms' input and normalized 4 x 4H; the bf16 casts of their outputs for the q, k,
-            v, gate, up projections 5 x 2H; attention q, k, v (KV heads repeated to all heads: the
-            mask rules out sdpa's GQA path) and output 4 x 2q; gate, SiLU, up, product 4 x 2I
-      fp32: both norms' input, normalized and output 6 x 4H; attention 4 x 4q; MLP 4 x 4I
-      both: the mask as a bias, seq x 2 (bf16) or 4 bytes; log-sum-exp 4 x heads; rsqrt 2 x 4
-    """
-    H, I, q = a.hidden, a.intermediate, a.heads * a.head_dim
-    per_token = 26 * H + 8 * q + 8 * I + 2 * seq if bf16 else 24 * H + 16 * q + 16 * I + 4 * seq
-    return tokens * (per_token + 4 * a.heads + 8)
-
-
-def saved_bytes(a: Arch, *, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
-    """What the forward of one micro-batch leaves saved for backward.
-
-    Without checkpointing: every layer's tensors, plus the bf16 copy of its weights autocast made.
-    With it: each layer's fp32 input (4H per token) only. Both: the final norm (8H per token),
-    RoPE cos/sin (8 x head_dim), the boolean mask (seq bytes) and the loss's copy of the
-    completion's hidden states (4H per completion token).
-    """
-    tokens = micro * seq
-    head = tokens * (8 * a.hidden + 8 * a.head_dim + seq) + micro * completion * 4 * a.hidden
-    if checkpointing:
-        return a.layers * tokens * 4 * a.hidden + head
-    copies = 2 * a.layer_params if bf16 else 0
-    return a.layers * (layer_saved_bytes(a, tokens, seq, bf16) + copies) + head
+def layer_bytes(a: Arch, *, bf16: bool, checkpointing: str) -> int:
+    """Bytes per token one decoder layer keeps from its forward to its backward (model.py:
+    enable_checkpointing). H hidden, I intermediate, q = heads x head_dim, kv = KV heads x head_dim;
+    the residual stream and RMSNorm in fp32, the matmuls in bf16 under model.bf16.
+    - none, bf16: both norms' input and normalized 4 x 4H; the bf16 casts of their outputs for the q,
+      k, v, gate, up projections 5 x 2H; attention q, k, v (KV heads repeated to all heads, as varlen
+      attention without a GQA switch needs: an upper bound) and output 4 x 2q; gate, SiLU, up,
+      product 4 x 2I; log-sum-exp 4 x heads; both norms' rsqrt 2 x 4.
+      fp32: both norms' input, normalized and output 6 x 4H; attention 4 x 4q; MLP 4 x 4I; the same.
+    - selective: the layer's fp32 input 4H; the matmul outputs q, k, v (q + 2kv), o and down (2 x H),
+      gate and up (2 x I), at 2 bytes (bf16) or 4; the attention output (2 or 4 x q) and log-sum-exp.
+    - full: the layer's fp32 input only, 4H.
+    Autocast's bf16 weight copies are not in these: `micro_batch_moments` counts them.
+    tests/components/test_plan.py checks each against what a real-width Qwen2 layer keeps on CPU."""
+    H, I, q, kv = a.hidden, a.intermediate, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    w = 2 if bf16 else 4                                                # bytes of a matmul's output
+    if checkpointing == "full":
+        return 4 * H
+    if checkpointing == "selective":
+        return 4 * H + w * (q + 2 * kv + 2 * H + 2 * I + q) + 4 * a.heads
+    if checkpointing != "none":
+        raise ValueError(f"checkpointing: expected none, selective or full, got {checkpointing!r}")
+    per_token = 26 * H + 8 * q + 8 * I if bf16 else 24 * H + 16 * q + 16 * I
+    return per_token + 4 * a.heads + 8
 
 
-def activation_peak(a: Arch, *, micro: int, seq: int, completion: int, bf16: bool, checkpointing: bool) -> int:
-    """saved_bytes, plus with checkpointing the larger of: autocast's bf16 copies of all weights
-    (its cast cache lives until the forward ends) and one layer's recompute in backward (its saved
-    tensors and weight copies, and the fp32 gradient in and out, 8H per token)."""
-    saved = saved_bytes(a, micro=micro, seq=seq, completion=completion, bf16=bf16, checkpointing=checkpointing)
-    if not checkpointing:
-        return saved
-    copies = 2 * a.layer_params if bf16 else 0
-    tokens = micro * seq
-    recompute = layer_saved_bytes(a, tokens, seq, bf16) + copies + tokens * 8 * a.hidden
-    return saved + max(a.layers * copies, recompute)
+def layer_backward_bytes(a: Arch, bf16: bool) -> int:
+    """Bytes per token a decoder layer's backward adds while its saved tensors are still alive: the
+    fp32 gradient of the residual stream in and out (2 x 4H) and, at the MLP (the first op in
+    backward), the gradients of its product, SiLU output and up projection before the product is
+    freed (3 x 2I in bf16, 3 x 4I in fp32)."""
+    return 8 * a.hidden + (6 if bf16 else 12) * a.intermediate
 
 
-def logprob_chunk_bytes(a: Arch, chunk_tokens: int, bf16: bool = False) -> int:
-    """Peak of the log-prob head (token_logprobs.py), forward or backward, whichever is larger.
+def weight_grad_bytes(a: Arch, bf16: bool) -> int:
+    """An MLP projection's fresh gradient (H x I) before it is added into its .grad: fp32, and under
+    bf16 autocast also the bf16 gradient of the weight's bf16 copy it is cast from."""
+    return (6 if bf16 else 4) * a.hidden * a.intermediate
 
-    float32: forward 2 x (chunk x V) fp32; backward 1 block + the head's fp32 gradient (V x H).
-    bf16: forward adds W's bf16 copy (2VH); backward the block, its bf16 copy (2 bytes), the fp32
-    gradient, W's bf16 copy and one fp32 (V x H) product before it is added in (4 + 2 + 4 VH)."""
+
+def head_saved_bytes(a: Arch, tokens: int, completion: int) -> int:
+    """What the forward outside the decoder layers keeps for backward: per position the final norm's
+    input, normalized value and output (12H, the output kept by the gather that picks the completion
+    positions), RoPE's cos and sin (8 x head_dim) and the ids (16); per completion token the log-prob
+    head's copy of its hidden state (4H) and its log-sum-exp and log-prob (16)."""
+    return tokens * (12 * a.hidden + 8 * a.head_dim + 16) + completion * (4 * a.hidden + 16)
+
+
+def head_bytes(a: Arch, chunk_tokens: int, *, bf16: bool, trains_head: bool = True) -> tuple[int, int]:
+    """(forward, backward) bytes of the log-prob head (token_logprobs.py) at its largest, for blocks of
+    chunk_tokens (k) tokens x vocab (V); H hidden.
+    forward: two (k x V) fp32 blocks (the logits, then their exp), and under bf16 W's bf16 copy (2VH).
+    backward: one fp32 block; under bf16 its bf16 copy (2 bytes), W's bf16 copy, and one fp32 (V x H)
+    product before it is added in; and the head's fp32 gradient (4VH) when it trains (not LoRA's
+    frozen head, whose bf16 weight needs no copy either)."""
     block, head = chunk_tokens * a.vocab, a.vocab * a.hidden
+    copy = 2 * head if bf16 and trains_head else 0
+    forward = 2 * 4 * block + copy
     if not bf16:
-        return max(2 * block * 4, block * 4 + 4 * head)
-    return max(2 * block * 4 + 2 * head, block * (4 + 2) + 10 * head)
+        return forward, 4 * block + (4 * head if trains_head else 0)
+    return forward, 6 * block + copy + (8 * head if trains_head else 0)
+
+
+def micro_batch_moments(a: Arch, *, tokens: int, completion: int, bf16: bool, checkpointing: str,
+                        chunk_tokens: int, grads: int, first: bool = False, lora: bool = False,
+                        gpus: int = 1) -> dict[str, int]:
+    """Bytes one micro-batch holds above the weights and AdamW state at each moment its forward and
+    backward peak, gradients included; its peak is the largest (docs/gpu.md#plan).
+
+    tokens: the positions the model runs over (a packed row's tokens; rows x the longest row unpacked);
+    completion: the positions the head scores; grads: the bytes of all gradients, alive from the first
+    backward to the optimizer step; first: the update's first micro-batch (the largest: micro_batches.py
+    packs the longest first), which starts with none. With L layers, each keeping `layer_bytes` per
+    token, K = L x layer_bytes x tokens, and C the bf16 copies of the decoder's weights autocast makes
+    (2 B x L x layer parameters; 0 in float32, for LoRA's bf16 base, whose adapters are small, and under
+    FSDP2, gpus > 1, whose bf16 parameters are gathered a layer at a time: the fsdp row):
+    - head forward, the end of the forward: K, `head_saved_bytes`, C (kept for backward without
+      checkpointing, else in autocast's cast cache, which lives until the forward ends), the head's
+      forward blocks;
+    - head backward, the start of the backward: K, the head's saved tensors, C without checkpointing,
+      the head's backward blocks and the fp32 gradient of its hidden states (4H per completion token);
+    - the last layer's backward: the layers' K (of the head's tensors only RoPE's are left), C without
+      checkpointing, and with it that layer recomputed (its tensors as without checkpointing and its
+      weights' bf16 copies), plus `layer_backward_bytes` and `weight_grad_bytes`. A tied head's
+      gradient waits in autograd's buffer for the embedding's until the backward ends (4 x vocab x H).
+      In the first micro-batch the gradients grow as the layers' tensors are freed: its largest layer
+      moment is the top layer's (every layer's tensors; the head's gradient and the top layer's down
+      projection's) or the bottom layer's (its own tensors; every gradient but the embedding's and its
+      own, bar its down projection's);
+    - the embedding's backward (full fine-tuning): every gradient, its dense fp32 (vocab x H) gradient
+      (tied: with the head's waiting one and their sum, 3 of them), and the fp32 gradient of the
+      embedding output (2 x 4H per token).
+    """
+    L, per_token = a.layers, layer_bytes(a, bf16=bf16, checkpointing=checkpointing)
+    copies = 2 * a.layer_params if bf16 and not lora and gpus == 1 else 0   # one layer's weights in bf16
+    kept = L * per_token * tokens
+    head_forward, head_backward = head_bytes(a, min(chunk_tokens, max(1, completion)), bf16=bf16,
+                                             trains_head=not lora)
+    before = 0 if first else grads
+    head_grad = 0 if lora else 4 * a.vocab * a.hidden
+    recompute = 0
+    if checkpointing != "none":                  # the layer runs again, keeping what it keeps without
+        recompute = (layer_bytes(a, bf16=bf16, checkpointing="none") - per_token) * tokens + copies
+
+    def layer_backward(j: int) -> int:
+        """The backward of the j-th layer from the top (j = 0 runs first): the layers below still keep
+        their tensors; in the first micro-batch the gradients so far are the head's, the j layers above's
+        and this layer's down projection's (its first)."""
+        done = grads + (head_grad if a.tied else 0)                # a tied head's gradient waits (above)
+        if first:
+            done = min(grads, head_grad + 4 * j * a.layer_params + 4 * a.hidden * a.intermediate)
+        left = L - j
+        saved = left * (per_token * tokens + (copies if checkpointing == "none" else 0))
+        return (done + saved + 8 * a.head_dim * tokens + recompute + layer_backward_bytes(a, bf16) * tokens
+                + weight_grad_bytes(a, bf16))
+    moments = {
+        "head forward": before + kept + head_saved_bytes(a, tokens, completion) + L * copies + head_forward,
+        "head backward": (before + kept + head_saved_bytes(a, tokens, completion) + head_backward
+                          + (L * copies if checkpointing == "none" else 0) + 4 * a.hidden * completion),
+        "layer backward": max(layer_backward(0), layer_backward(L - 1))}
+    if not lora:
+        moments["embedding backward"] = grads + (3 if a.tied else 1) * head_grad + 8 * a.hidden * tokens
+    return moments
+
+
+def micro_batch_peak(a: Arch, **shape) -> tuple[int, str]:
+    """(bytes, the moment) of micro_batch_moments at its largest."""
+    moments = micro_batch_moments(a, **shape)
+    moment = max(moments, key=moments.get)
+    return moments[moment], moment
+
+
+def update_peak(a: Arch, micro_batches: list[tuple[int, int]], *, bf16: bool, checkpointing: str,
+                chunk_tokens: int) -> int:
+    """What one GPU allocates at the peak of a full fine-tuning update of these micro-batches, in the
+    order it runs them, each (positions, completion positions the head scores), as bench/micro_batches.py
+    runs it: the fp32 parameters, AdamW's m and v (12 B per parameter; the fused optimizer adds
+    nothing), and the largest moment of its micro-batches, gradients (4 B per parameter) included.
+    Comparable with torch.cuda.max_memory_allocated; UPDATE_MARGIN added."""
+    peaks = [micro_batch_peak(a, tokens=n, completion=c, bf16=bf16, checkpointing=checkpointing,
+                              chunk_tokens=chunk_tokens, grads=4 * a.params, first=i == 0)[0]
+             for i, (n, c) in enumerate(micro_batches)]
+    return 12 * a.params + max(peaks) + UPDATE_MARGIN
+
+
+def micro_batch_sizes(batches: list[MicroBatch]) -> list[tuple[int, int]]:
+    """(positions, completion positions) of each micro-batch as Policy.forward runs it: a packed row's
+    tokens and completion tokens; unpacked, rows x (the longest row - 1) positions (the last token
+    predicts nothing) and rows x its completion columns scored. The input of `update_peak`."""
+    return [(b.packed.tokens, b.packed.completion_tokens) if b.packed else
+            (len(b.rows) * max(1, b.length - 1), len(b.rows) * b.width) for b in batches]
+
+
+def device_bytes(tensors: int) -> int:
+    """What a GPU must hold for `tensors` bytes of PyTorch tensors: the caching allocator's share
+    (ALLOCATOR_SLACK) and the constant outside it (OVERHEAD_GIB), as a plan adds them."""
+    return tensors + int(ALLOCATOR_SLACK * tensors) + int(OVERHEAD_GIB * GiB)
 
 
 def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
@@ -342,9 +448,19 @@ class Plan:
     rows: list[tuple[str, str, int, str]]
     notes: list[str]
     blocker: str = ""                       # a reason it cannot start whatever the sum says
+    checkpointing: str = "none"             # the mode planned (model.gradient_checkpointing, auto resolved)
+    auto: bool = False                      # chosen by model.gradient_checkpointing=auto
 
     def phase_bytes(self, phase: str) -> int:
         return sum(b for _, _, b, ph in self.rows if ph in ("both", phase))
+
+    @property
+    def tensors(self) -> int:
+        """The larger phase's PyTorch tensors, vLLM's share, the allocator's cache and the constant left
+        out: what torch.cuda.max_memory_allocated should reach on a transformers-engine run."""
+        return max(sum(b for key, _, b, ph in self.rows
+                       if key not in ("vllm", "allocator", "overhead") and ph in ("both", phase))
+                   for phase in ("generation", "update"))
 
     @property
     def peak(self) -> int:
@@ -381,24 +497,50 @@ def lora_params(a: Arch, lora: LoraConfig) -> int:
     return a.layers * rank * sum(sum(LORA_SHAPES[n](a)) if n in LORA_SHAPES else largest for n in names)
 
 
+def micro_batch_shape(cfg: Config, update_rows: int) -> tuple[int, int, bool]:
+    """(positions, completion positions, whether it is the step's only micro-batch) of the largest
+    micro-batch a step trains (micro_batches.py), upper bounds from the settings alone. S = P_max + T:
+    - a token budget B, packed or not: max(B, S) positions (a packed row holds at most B tokens, a
+      sequence longer than B goes alone; unpacked, rows x the longest row stays within B unless one row
+      is longer), at most the step's rows x S;
+    - fixed micro-batches of m rows: m x S;
+    the head scores at most every position, and at most T per row."""
+    t, S, T = cfg.train, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens
+    if t.micro_batch_tokens:
+        tokens = min(max(t.micro_batch_tokens, S), update_rows * S)
+        return tokens, min(tokens, update_rows * T), t.micro_batch_tokens >= update_rows * S
+    rows = min(t.micro_batch_size, update_rows)
+    return rows * S, rows * T, rows == update_rows
+
+
 def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
               prm: PRMArch | None = None) -> Plan:
     """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved); prm: the
-    process reward model's shape when reward.prm != 0."""
+    process reward model's shape when reward.prm != 0. model.gradient_checkpointing auto: the plan of
+    the first of none, selective, full (in order of recompute) that fits, else full's;
+    Plan.checkpointing names the mode planned."""
+    mode = cfg.model.gradient_checkpointing
+    if mode != "auto":
+        return _make_plan(cfg, a, mode, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
+    plans = [_make_plan(cfg, a, m, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
+             for m in CHECKPOINTING if m != "auto"]
+    chosen = next((p for p in plans if p.fits), plans[-1])
+    peaks = ", ".join(f"{p.checkpointing} {p.peak / GiB:.1f}" for p in plans)
+    chosen.notes.append(f"model.gradient_checkpointing auto -> {chosen.checkpointing}: the first of none, "
+                        f"selective, full (in order of recompute) that fits; peak GiB {peaks}")
+    chosen.auto = True
+    return chosen
+
+
+def _make_plan(cfg: Config, a: Arch, mode: str, *, gpus: int, gpu_bytes: int, engine: str,
+               prm: PRMArch | None) -> Plan:
+    """make_plan with the checkpointing mode given (none, selective or full)."""
     m, r, N = cfg.model, cfg.rollout, gpus
-    seq, T = cfg.data.max_prompt_tokens + r.max_new_tokens, r.max_new_tokens
+    seq = cfg.data.max_prompt_tokens + r.max_new_tokens
     shape = step_shape(cfg, cfg.train.prompts_per_step // N)
     calls, update_rows = shape.calls, shape.update_rows
-    micro = min(cfg.train.micro_batch_size, update_rows)
-    # a token budget: at most that many tokens at once, counted as full-length rows (packed: as many
-    # rows as hold the budget, since a packed row fills it with sequences of any length)
-    budget = cfg.train.micro_batch_tokens
-    if budget:
-        micro = min(update_rows, max(1, -(-budget // seq) if cfg.train.packing else budget // seq))
+    tokens, completion, only = micro_batch_shape(cfg, update_rows)
     P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
-    ckpt = m.gradient_checkpointing
-    other = activation_peak(a, micro=micro, seq=seq, completion=T, bf16=m.bf16, checkpointing=not ckpt) / GiB
-    chunk = min(m.logprob_chunk_tokens, micro * T)
     notes: list[str] = []
     lora = m.lora.rank > 0
     if lora:                                 # a frozen base (bf16 under model.bf16), float32 adapters
@@ -419,11 +561,16 @@ def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
     if N > 1:
         rows.append(("fsdp", "FSDP2 unsharded: root params + grad, 2 layers + 1 grad",
                      4 * (2 * a.root_params + 3 * L), "update"))
-    rows.append(("acts", f"activations, {micro} x {seq} tokens, checkpointing {'on' if ckpt else 'off'} "
-                 f"({'off' if ckpt else 'on'}: {other:.1f})",
-                 activation_peak(a, micro=micro, seq=seq, completion=T, bf16=m.bf16, checkpointing=ckpt), "update"))
-    rows.append(("logp", f"log-prob head ({chunk} x {a.vocab} blocks + head grad)",
-                 logprob_chunk_bytes(a, chunk, m.bf16), "update"))
+    # the largest micro-batch at its peak moment, gradients included (the grads row holds them); counted
+    # as the step's second micro-batch (gradients alive from its start) unless it is the only one
+    grads = 0 if lora else 4 * P // N
+    shape_args = dict(tokens=tokens, completion=completion, bf16=m.bf16, chunk_tokens=m.logprob_chunk_tokens,
+                      grads=grads, first=only, lora=lora, gpus=N)
+    peak, moment = micro_batch_peak(a, checkpointing=mode, **shape_args)
+    rows.append(("acts", f"activations: {tokens} positions, checkpointing {mode}, at the {moment}",
+                 peak - grads, "update"))
+    rows.append(("margin", "cuBLAS workspaces and small tensors the plan does not list", UPDATE_MARGIN,
+                 "update"))
     blocker = ""
     if engine == "vllm":
         share, weights = int(r.gpu_memory_utilization * gpu_bytes), P * dtype
@@ -471,23 +618,38 @@ def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
     slack = f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)"
     rows.append(("allocator", slack, int(ALLOCATOR_SLACK * tensors), "both"))
     rows.append(("overhead", "CUDA context, NCCL, cuBLAS (constant)", int(OVERHEAD_GIB * GiB), "both"))
-    return Plan(N, gpu_bytes, rows, notes, blocker)
+    return Plan(N, gpu_bytes, rows, notes, blocker, checkpointing=mode)
+
+
+BUDGET_STEP = 1024          # largest_token_budget tries budgets in steps of this many tokens
 
 
 def largest_token_budget(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
                          prm: PRMArch | None = None) -> int:
-    """The largest train.micro_batch_tokens whose plan fits: k full-length sequences (the plan
-    counts a token budget as budget // (prompt + completion) rows at full length), k up to the rows
-    one GPU trains in a step; 0 when not even one fits. The GPU recipes set their budget to this on
-    one 80 GB GPU (tests/components/test_plan.py), and `--plan` prints it for the GPUs asked about."""
+    """The largest train.micro_batch_tokens whose plan fits: one full-length sequence (P_max + T), then
+    multiples of BUDGET_STEP tokens, up to the tokens one GPU trains in a step; 0 when not even one
+    sequence fits. With model.gradient_checkpointing auto, at the mode auto picks for one sequence (the
+    least recompute that fits): a larger budget that fits only with more recompute is not offered. The
+    GPU recipes set their budget to this on one 80 GB GPU (tests/components/test_plan.py), and `--plan`
+    prints it for the GPUs asked about."""
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    rows = step_shape(cfg, cfg.train.prompts_per_step // gpus).update_rows
-    best = 0
-    for k in range(1, rows + 1):
-        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=k * seq))
-        if not make_plan(trial, a, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm).fits:
+    most = step_shape(cfg, cfg.train.prompts_per_step // gpus).update_rows * seq
+
+    def plan_at(budget: int, mode: str) -> Plan:
+        model = dataclasses.replace(cfg.model, gradient_checkpointing=mode)
+        trial = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, micro_batch_tokens=budget))
+        return make_plan(trial, a, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
+    first = plan_at(seq, cfg.model.gradient_checkpointing)
+    if not first.fits:
+        return 0
+    best = seq
+    for budget in range(-(-seq // BUDGET_STEP) * BUDGET_STEP, most + BUDGET_STEP, BUDGET_STEP):
+        budget = min(budget, most)
+        if budget <= best:
+            continue
+        if not plan_at(budget, first.checkpointing).fits:
             break
-        best = k * seq
+        best = budget
     return best
 
 
@@ -501,10 +663,11 @@ def format_plan(plan: Plan, title: str) -> str:
 
 
 def one_line(plan: Plan) -> str:
-    """The start-up line: every component, then the verdict."""
+    """The start-up line: every component, the checkpointing mode planned, then the verdict."""
     parts = " + ".join(f"{key} {b / GiB:.1f}" for key, _, b, _ in plan.rows)
-    return (f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB): {parts} GiB; "
-            f"{plan.verdict()}")
+    mode = f"{'auto -> ' if plan.auto else ''}{plan.checkpointing}"
+    return (f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB, checkpointing {mode}): "
+            f"{parts} GiB; tensors {plan.tensors / GiB:.1f} GiB; {plan.verdict()}")
 
 
 def check_fits(plan: Plan, cfg: Config) -> None:
@@ -512,13 +675,14 @@ def check_fits(plan: Plan, cfg: Config) -> None:
     if plan.fits:
         return
     vllm = any(key == "vllm" for key, *_ in plan.rows)
-    knobs = ["a smaller train.micro_batch_size" if cfg.train.micro_batch_size > 1 else "",
-             "" if cfg.model.gradient_checkpointing else "model.gradient_checkpointing=true",
+    t = cfg.train
+    knobs = ["a smaller train.micro_batch_tokens" if t.micro_batch_tokens else
+             "a smaller train.micro_batch_size" if t.micro_batch_size > 1 else "",
+             "" if plan.checkpointing == "full" else "model.gradient_checkpointing=auto",
              "rollout.sleep=true" if vllm and not cfg.rollout.sleep else "",
              "more GPUs"]
     raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} "
-                    "(train.py --config ... --plan); the plan is an upper bound: train.memory_check=false "
-                    "starts anyway")
+                    "(train.py --config ... --plan); train.memory_check=false starts anyway")
 
 
 def host_memory() -> int:
@@ -526,28 +690,35 @@ def host_memory() -> int:
 
 
 def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.device, engine: str, *,
-                  resolve: Resolve) -> str:
-    """train.py's start-up: the plan in one line; on CUDA, PlanError when it cannot fit. engine: the
-    resolved rollout.engine ("vllm" or "hf", rollout.engine_name); resolve: as for `plan_cli`.
+                  resolve: Resolve) -> tuple[str, str]:
+    """train.py's start-up: (the plan in one line, the checkpointing mode to build the policy with);
+    on CUDA, PlanError when it cannot fit. engine: the resolved rollout.engine ("vllm" or "hf",
+    rollout.engine_name); resolve: as for `plan_cli`.
 
-    On CPU it is printed against the host's memory for information only: the plan models GPU
-    kernels and vLLM's GPU share, and host memory is shared with everything else (and swap).
+    model.gradient_checkpointing auto is resolved here: on CUDA, the mode the plan picks (the least
+    recompute that fits the GPU); on CPU, none: there is no GPU memory to fit, and the plan is printed
+    against the host's memory for information only (it models GPU kernels and vLLM's GPU share, and
+    host memory is shared with everything else, and swap); full when the plan cannot be made.
     """
+    asked, on_gpu = cfg.model.gradient_checkpointing, device.type == "cuda"
+    mode = "none" if asked == "auto" and not on_gpu else asked
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=mode))
     try:
         model_config = load_model_config(model_path, cfg.model.trust_remote_code)
         a = arch_from_config(model_config, cfg.model.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - an architecture the plan cannot read: train anyway, say why
-        return f"memory plan: unavailable ({error_line(e, 200)})"
-    on_gpu = device.type == "cuda"
+        mode = "full" if mode == "auto" else mode
+        return f"memory plan: unavailable ({error_line(e, 200)}); checkpointing {mode}", mode
     total = torch.cuda.get_device_properties(device).total_memory if on_gpu else host_memory()
     plan = make_plan(cfg, a, gpus=world_size, gpu_bytes=total, engine=engine,
                      prm=load_prm_arch(cfg, local_only=False, resolve=resolve)[0])
     if on_gpu and cfg.train.memory_check:
         check_fits(plan, cfg)
-        return one_line(plan)
+        return one_line(plan), plan.checkpointing
     if on_gpu:
-        return one_line(plan) + " (train.memory_check=false: not enforced)"
-    return one_line(plan) + " (CPU run: not enforced)"
+        return one_line(plan) + " (train.memory_check=false: not enforced)", plan.checkpointing
+    auto = "; checkpointing auto -> none on CPU: no GPU memory to fit" if asked != mode else ""
+    return one_line(plan) + f" (CPU run: not enforced{auto})", plan.checkpointing
 
 
 def plan_cli(argv: list[str], *, resolve: Resolve) -> str:
@@ -584,14 +755,17 @@ def plan_cli(argv: list[str], *, resolve: Resolve) -> str:
              f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, "
              f"hidden {a.hidden}, MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x "
              f"{a.head_dim}, vocab {a.vocab}\n"
-             f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; attention: sdpa memory-efficient (no s x s "
-             f"matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; overhead constant "
-             f"{OVERHEAD_GIB:g} GiB; "
-             f"update peak is an upper bound")
+             f"bf16 autocast {'on' if cfg.model.bf16 else 'off'}; checkpointing {cfg.model.gradient_checkpointing}; "
+             f"attention: flash / varlen (no s x s matrix); allocator cache {ALLOCATOR_SLACK:g} x tensors; "
+             f"overhead constant {OVERHEAD_GIB:g} GiB")
     budget = largest_token_budget(cfg, a, gpus=gpus, gpu_bytes=int(gpu_gib * GiB), engine=engine, prm=prm)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     this_run = cfg.train.micro_batch_tokens or f"fixed {cfg.train.micro_batch_size}"
-    advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget // seq} "
-              f"sequences of {seq} tokens; this run: {this_run})" if budget else
-              "no token budget fits: not even one full-length sequence")
+    if budget:
+        at = make_plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=budget)),
+                       a, gpus=gpus, gpu_bytes=int(gpu_gib * GiB), engine=engine, prm=prm)
+        advice = (f"largest token budget that fits: train.micro_batch_tokens={budget} ({budget / seq:.2g} "
+                  f"sequences of {seq} tokens, checkpointing {at.checkpointing}; this run: {this_run})")
+    else:
+        advice = "no token budget fits: not even one full-length sequence"
     return format_plan(plan, title) + "\n" + advice

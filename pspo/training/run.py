@@ -29,10 +29,11 @@ class NonFiniteError(RuntimeError):
 
 
 def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
-                kernels: Kernels) -> tuple[Policy, Policy | None]:
+                kernels: Kernels, checkpointing: str) -> tuple[Policy, Policy | None]:
     """The policy from `path` (the base model or the checkpoint resumed) and, when algo.needs_reference
     (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
-    rank's device and sharded over the ranks, scoring with the attention `kernels` chosen at start-up."""
+    rank's device and sharded over the ranks, scoring with the attention `kernels` chosen at start-up.
+    checkpointing: model.gradient_checkpointing resolved (plan.startup_check)."""
     m = cfg.model
     lora, resumed = m.lora.rank > 0, path != base_path
     if resumed and lora != is_adapter(path):
@@ -41,7 +42,7 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
                               "resume with the settings it was trained with")
     policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
                           chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
-                          gradient_checkpointing=m.gradient_checkpointing, lora=m.lora)
+                          gradient_checkpointing=checkpointing, lora=m.lora)
     configure_scoring(policy, cfg, kernels, dist_.device)               # before sharding (compiled layers)
     if lora and resumed:
         load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed

@@ -1,20 +1,24 @@
 """The memory plan (pspo/training/plan.py): hand-worked static parts, the activation and log-prob estimates
 against what PyTorch really saves / allocates on CPU, the `--plan` command and the start-up check."""
-import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import Qwen2Config
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pspo.offline.builtin import resolve_model_path
 from pspo.training import plan
 from pspo.training.config import LoraConfig, load_config
+from pspo.training.distributed import Dist
+from pspo.training.logprobs import forward_logprobs
+from pspo.training.micro_batches import UpdateBatch, plan_micro_batches
+from pspo.training.model import build_policy
 from pspo.training.token_logprobs import token_logprobs
+from pspo.update import policy_update
 from pspo.engines.decode import bucket
 from pspo.training.plan import GiB, PlanError
 
@@ -63,108 +67,174 @@ def test_qwen_recipe_static_numbers():
     assert dict((k, b) for k, _, b, _ in p.rows)["vllm"] == 24 * GiB
 
 
-@functools.lru_cache(maxsize=1)
-def real_width_model() -> Qwen2Model:
-    """One decoder layer of Qwen2.5-Math-1.5B's width (random weights), built once."""
-    torch.manual_seed(0)
-    config = Qwen2Config.from_pretrained(os.path.join(QWEN, "model_config.json"))
-    config.num_hidden_layers, config.vocab_size, config._attn_implementation = 1, 1000, "sdpa"
-    return Qwen2Model(config).train()
+def test_layer_bytes_hand_worked():
+    # Qwen2.5-Math-1.5B: H 1536, I 8960, 12 heads x 128 (q 1536), 2 KV heads (kv 256). Per token and layer:
+    # none, bf16: 26*1536 + 8*1536 + 8*8960 + 4*12 + 8 = 39936 + 12288 + 71680 + 56 = 123960;
+    #       fp32: 24*1536 + 16*1536 + 16*8960 + 56 = 36864 + 24576 + 143360 + 56 = 204856;
+    # selective: 4*1536 + w * (q + 2kv + 2H + 2I + q) + 4*12, with q + 2kv + 2H + 2I + q = 1536 + 512 + 3072
+    #       + 17920 + 1536 = 24576: bf16 (w 2) 6144 + 49152 + 48 = 55344, fp32 (w 4) 6144 + 98304 + 48 = 104496;
+    # full: the fp32 input, 4*1536 = 6144.
+    a, _ = plan.load_arch("Qwen/Qwen2.5-Math-1.5B", RECIPE)
+    got = {(mode, bf16): plan.layer_bytes(a, bf16=bf16, checkpointing=mode)
+           for mode in ("none", "selective", "full") for bf16 in (True, False)}
+    assert got == {("none", True): 123960, ("none", False): 204856, ("selective", True): 55344,
+                   ("selective", False): 104496, ("full", True): 6144, ("full", False): 6144}
+    with pytest.raises(ValueError):
+        plan.layer_bytes(a, bf16=True, checkpointing="auto")          # auto is resolved before counting
 
 
-def measure_saved(bf16: bool, checkpointing: bool, b: int = 2, s: int = 256) -> tuple[int, int, plan.Arch]:
-    """(activation bytes, bf16 weight-copy bytes) the model saves for backward: unique storages, not params."""
-    model = real_width_model()
-    config = model.config
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-    ids = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(0))
-    attention = torch.ones(b, s, dtype=torch.long)
-    attention[1, :40] = 0                                     # left padding: sdpa gets a mask, as in training
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
-    activations, copies = {}, {}
+def real_width_config(layers: int, vocab: int) -> Qwen2Config:
+    """Qwen2.5-Math-1.5B's widths (its config.json) with `layers` decoder layers and a vocabulary of `vocab`."""
+    with open(os.path.join(QWEN, "model_config.json")) as f:
+        fields = json.load(f)
+    fields.update(num_hidden_layers=layers, vocab_size=vocab, bos_token_id=0, eos_token_id=0)
+    return Qwen2Config(**fields)
 
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() in params:
-            return t
-        # a math-path sdpa would save (b, heads, s, s) probabilities, which the GPU kernels never keep
-        if t.dim() == 4 and t.shape[1] == config.num_attention_heads and t.shape[-2:] == (s, s):
-            return t
-        kind = copies if tuple(t.shape) in weight_shapes else activations     # autocast's cast of a weight
-        kind[storage.data_ptr()] = storage.nbytes()
-        return t
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0))
-    arch = plan.Arch(config.hidden_size, config.intermediate_size, 1, config.num_attention_heads,
-                     config.num_key_value_heads, 128, 1000, sum(p.numel() for p in model.parameters()),
-                     sum(p.numel() for p in model.layers[0].parameters()))
-    return sum(activations.values()), sum(copies.values()), arch
+
+@pytest.fixture(scope="module")
+def real_width_models(tmp_path_factory) -> dict[int, str]:
+    """Folders of Qwen2.5-Math-1.5B's widths (random weights, vocab 1000) with 1 and 2 decoder layers."""
+    folders = {}
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        folders[layers] = str(tmp_path_factory.mktemp(f"real-width-{layers}"))
+        Qwen2ForCausalLM(real_width_config(layers, 1000)).save_pretrained(folders[layers])
+    return folders
+
+
+def kept_after_forward(path: str, mode: str, bf16: bool, lora: int = 0) -> tuple[int, int]:
+    """(bytes the policy's forward leaves alive for backward: storages made in it and not freed, the
+    positions it ran over) for 2 rows of 256 tokens (one left-padded by 40), as build_policy builds it."""
+    lora_cfg = LoraConfig(rank=lora) if lora else None
+    policy = build_policy(path, chunk_tokens=2048, bf16=bf16, gradient_checkpointing=mode, lora=lora_cfg).train()
+    ids = torch.randint(0, 1000, (2, 256), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones(2, 256, dtype=torch.long)
+    attention[1, :40] = 0
+    mask = attention[:, -100:].float()
+    [micro] = plan_micro_batches(attention, mask, 2, 0)
+    with LiveBytes() as live:
+        logp, _ = forward_logprobs(policy, micro, input_ids=ids, attention_mask=attention, T=100, temperature=1.0)
+        kept = live.now
+    [(positions, _)] = plan.micro_batch_sizes([micro])
+    return kept, positions
 
 
 @pytest.mark.parametrize("bf16", [True, False])
-def test_activation_estimate_matches_saved_tensors(bf16):
-    # hidden 1536, MLP 8960, 12 heads, 2 KV heads; 2 x 256 tokens. bf16, per token and layer:
-    # 26*1536 + 8*1536 + 8*8960 + 2*256 + 4*12 + 8 = 124472 B (fp32: 24H + 16H + 16I + 4s + 56 = 205880 B);
-    # the head adds the final norm 8*1536, RoPE cos/sin 8*128 and the boolean mask 256 = 13568 B per token.
-    b, s = 2, 256
-    acts, copies, arch = measure_saved(bf16, checkpointing=False)
-    acts_ckpt, copies_ckpt, _ = measure_saved(bf16, checkpointing=True)
-    weight_copies = 2 * arch.layer_params if bf16 else 0                 # 2 B x 46.8M (biases are not saved)
-    per_token = (124472 if bf16 else 205880) + 13568
-    shape = dict(micro=b, seq=s, completion=0, bf16=bf16)
-    assert plan.saved_bytes(arch, **shape, checkpointing=False) == b * s * per_token + weight_copies
-    predicted = plan.saved_bytes(arch, **shape, checkpointing=False) - weight_copies
-    assert abs(predicted / acts - 1) < 0.25, (predicted, acts)
-    if bf16:
-        assert abs(weight_copies / copies - 1) < 0.25, (weight_copies, copies)
-    # checkpointed: the layer's fp32 input (4H per token) and the head only, no weight copies saved
-    predicted_ckpt = plan.saved_bytes(arch, **shape, checkpointing=True)
-    assert abs(predicted_ckpt / acts_ckpt - 1) < 0.25 and copies_ckpt == 0, (predicted_ckpt, acts_ckpt)
-    # and at its peak one layer's recompute: at least what that layer saves without checkpointing
-    layer_measured = acts - acts_ckpt + b * s * 4 * arch.hidden + copies
-    extra = plan.activation_peak(arch, **shape, checkpointing=True) - predicted_ckpt
-    assert extra >= 0.75 * layer_measured, (extra, layer_measured)
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_layer_bytes_match_what_a_real_width_layer_keeps(real_width_models, mode, bf16):
+    # One more layer of the 1.5B's widths adds what one layer keeps for backward: layer_bytes per position
+    # (2 x 255 = 510 positions) and, without checkpointing under bf16, autocast's bf16 copies of its
+    # weights (the plan: 2 B x its 46.8M parameters). CPU's attention keeps the KV heads unrepeated (sdpa's
+    # GQA path), the plan counts them repeated: 2 tensors x 2 (or 4) B x (1536 - 256) = 5120 (10240) B a
+    # position over, 4% of none's count; selective and full keep no repeated heads: exact.
+    one, positions = kept_after_forward(real_width_models[1], mode, bf16)
+    two, _ = kept_after_forward(real_width_models[2], mode, bf16)
+    a, _ = plan.load_arch("Qwen/Qwen2.5-Math-1.5B", RECIPE)
+    copies = 2 * a.layer_params if bf16 and mode == "none" else 0
+    predicted = plan.layer_bytes(a, bf16=bf16, checkpointing=mode) * positions + copies
+    measured = two - one
+    repeated_kv = 2 * (2 if bf16 else 4) * (a.heads - a.kv_heads) * a.head_dim * positions if mode == "none" else 0
+    assert measured <= predicted <= measured + repeated_kv + 2 * 5120, (predicted, measured)   # biases, norms
 
 
-def test_logprob_chunk_estimate_matches_allocations():
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_layer_bytes_bound_a_lora_layer(real_width_models, mode):
+    # LoRA rank 16 on every linear layer of a bf16 base (model.bf16): the residual stream is bf16 there (the
+    # plan counts it fp32) and selective checkpointing recomputes each adapter's rank-16 B (inner dimension
+    # 16 < 128: model.py), so the full fine-tuning count bounds what a layer keeps (no weight copies: the
+    # base is bf16 already)
+    one, positions = kept_after_forward(real_width_models[1], mode, True, lora=16)
+    two, _ = kept_after_forward(real_width_models[2], mode, True, lora=16)
+    a, _ = plan.load_arch("Qwen/Qwen2.5-Math-1.5B", RECIPE)
+    predicted = plan.layer_bytes(a, bf16=True, checkpointing=mode) * positions
+    assert two - one <= predicted <= 2 * (two - one), (predicted, two - one)
+
+
+def test_head_bytes_hand_worked_and_measured():
     # chunks of 256 tokens x vocab 32768 in float32 = 32 MiB a block; the head's gradient 32768 x 128 x 4 = 16 MiB.
-    # Estimate: forward 2 x 32 = 64 MiB, backward 32 + 16 = 48 MiB -> 64 MiB.
-    # bf16: forward 64 + 2 x 4 MiB (W in bf16) = 72; backward 32 x 1.5 + 10 x 4 = 88 MiB -> 88 MiB.
+    # float32: forward 2 x 32 = 64 MiB, backward 32 + 16 = 48 MiB.
+    # bf16: forward 64 + 2 x 4 MiB (W in bf16) = 72; backward 32 x 1.5 + 2 x 4 + 8 x 4 = 88 MiB; a frozen head
+    # (LoRA): no copy, no gradient: 64 and 48 MiB.
     torch.manual_seed(0)
-    V, H, chunk = 32768, 128, 256
+    V, H, chunk, MiB = 32768, 128, 256, 2**20
+    a = plan.Arch(H, 4 * H, 1, 2, 2, H // 2, V, 0, 0)
+    assert plan.head_bytes(a, chunk, bf16=False) == (64 * MiB, 48 * MiB)
+    assert plan.head_bytes(a, chunk, bf16=True) == (72 * MiB, 88 * MiB)
+    assert plan.head_bytes(a, chunk, bf16=True, trains_head=False) == (64 * MiB, 48 * MiB)
     weight = torch.nn.Parameter(torch.randn(V, H) * 0.02)
     hidden = torch.randn(2, 256, H, requires_grad=True)
     targets = torch.randint(0, V, (2, 256))
     with LiveBytes() as live:
         logp, _ = token_logprobs(hidden, weight, targets, 0.7, chunk)
+        forward, kept = live.peak, live.now
+        live.peak = live.now
         logp.sum().backward()
-    a = plan.Arch(H, 4 * H, 1, 2, 2, H // 2, V, 0, 0)
-    assert plan.logprob_chunk_bytes(a, chunk) == 64 * 2**20
-    assert plan.logprob_chunk_bytes(a, chunk, bf16=True) == 88 * 2**20
-    assert abs(plan.logprob_chunk_bytes(a, chunk) / live.peak - 1) < 0.25, live.peak
+    # forward: the two blocks, then the (512,) lse, logp and entropy; backward (above what forward kept): one
+    # block and the head's gradient, then the hidden states' gradient, 512 x 128 x 4 = 256 KiB (counted apart
+    # by micro_batch_moments), and a chunk's product before it is stored, 256 x 128 x 4 = 128 KiB
+    assert 64 * MiB <= forward <= 64 * MiB + 2**16, forward
+    assert 48 * MiB + 2**18 <= live.peak - kept <= 48 * MiB + 2**18 + 2**17 + 2**16, live.peak - kept
 
 
-def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
-    small_config().save_pretrained(tmp_path)
-    cfg = load_config(None, ["--train.prompts_per_step=8"], 1)
+def test_micro_batch_moments_hand_worked():
+    # small_config: H 64, I 128, 2 layers, 4 heads x 16 (q 64), 2 KV heads (kv 32), vocab 100, tied; 80704
+    # parameters, 37120 a layer; gradients 4 x 80704 = 322816. A micro-batch of 10 positions, 4 scored.
+    # float32 per token and layer: none 24*64 + 16*64 + 16*128 + 4*4 + 8 = 4632; full 4*64 = 256.
+    # the head's saved tensors: 10 x (12*64 + 8*16 + 16) + 4 x (4*64 + 16) = 9120 + 1088 = 10208;
+    # head blocks of k = min(2048, 4) = 4 tokens x 100: forward 8 x 400 = 3200, backward 4 x 400 + 4 x 6400 = 27200;
+    # the tied head's gradient 4 x 100 x 64 = 25600; RoPE 8 x 16 x 10 = 1280; a layer's backward 10 x (8*64 +
+    # 12*128) = 20480, the MLP weight's fresh gradient 4 x 64 x 128 = 32768.
     a = plan.arch_from_config(small_config())
-    # 1 MiB: the 2 GiB overhead alone exceeds it
-    too_small = plan.make_plan(cfg, a, gpus=1, gpu_bytes=2**20, engine="hf")
-    assert not too_small.fits and "does not fit" in too_small.verdict()
-    with pytest.raises(PlanError) as e:
-        plan.check_fits(too_small, cfg)
-    assert "\n" not in str(e.value) and "train.micro_batch_size" in str(e.value)
-    plan.check_fits(plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf"), cfg)      # fits: no error
-    monkeypatch.setattr(plan, "host_memory", lambda: 2**20)
-    # CPU: printed, never stops
-    line = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"), "hf", resolve=resolve_model_path)
-    assert "does not fit" in line and "not enforced" in line and "\n" not in line
+    assert a.tied and (a.params, a.layer_params) == (80704, 37120)
+    shape = dict(tokens=10, completion=4, bf16=False, chunk_tokens=2048, grads=322816)
+    # none, a later micro-batch (every gradient alive): kept 2 x 4632 x 10 = 92640
+    #   head forward  322816 + 92640 + 10208 + 3200 = 428864
+    #   head backward 322816 + 92640 + 10208 + 27200 + 4*64*4 = 453888
+    #   layer backward (the top one) 322816 + 25600 (the head's gradient waiting) + 92640 + 1280 + 20480 + 32768
+    #     = 495584
+    #   embedding backward 322816 + 3 x 25600 + 8*64*10 = 404736
+    assert plan.micro_batch_moments(a, checkpointing="none", **shape) == {
+        "head forward": 428864, "head backward": 453888, "layer backward": 495584, "embedding backward": 404736}
+    assert plan.micro_batch_peak(a, checkpointing="none", **shape) == (495584, "layer backward")
+    # full, the first micro-batch (no gradient yet): kept 2 x 256 x 10 = 5120
+    #   head forward 5120 + 10208 + 3200 = 18528; head backward 5120 + 10208 + 27200 + 1024 = 43552
+    #   the recompute of a layer: (4632 - 256) x 10 = 43760
+    #   top layer: gradients 25600 + its down projection's 32768 = 58368; + 5120 + 1280 + 43760 + 20480 + 32768
+    #     = 161776; bottom layer: 25600 + 4 x 37120 + 32768 = 206848; + 2560 + 1280 + 43760 + 20480 + 32768
+    #     = 307696
+    assert plan.micro_batch_moments(a, checkpointing="full", first=True, **shape) == {
+        "head forward": 18528, "head backward": 43552, "layer backward": 307696, "embedding backward": 404736}
+    # selective under bf16, chunks of 2: per token 4*64 + 2 x (64 + 64 + 128 + 256 + 64) + 16 = 1424 (none 26*64
+    # + 8*64 + 8*128 + 24 = 3224); kept 2 x 1424 x 10 = 28480; the weights' bf16 copies 2 x 37120 = 74240 a
+    # layer; blocks of 2 x 100: forward 8 x 200 + 2 x 6400 = 14400, backward 6 x 200 + 2 x 6400 + 8 x 6400 = 65200
+    #   head forward 322816 + 28480 + 10208 + 2 x 74240 (autocast's cache) + 14400 = 524384
+    #   head backward 322816 + 28480 + 10208 + 65200 + 1024 = 427728
+    #   top layer: 348416 + 28480 + 1280 + (3224 - 1424) x 10 + 74240 + 10 x (8*64 + 6*128) + 6 x 64 x 128
+    #     = 348416 + 28480 + 1280 + 92240 + 12800 + 49152 = 532368
+    bf16 = dict(shape, bf16=True, chunk_tokens=2)
+    assert plan.micro_batch_moments(a, checkpointing="selective", **bf16) == {
+        "head forward": 524384, "head backward": 427728, "layer backward": 532368, "embedding backward": 404736}
+    # LoRA: no gradient but the adapters' (their own row), a frozen head and embedding, the bf16 base uncopied
+    lora = plan.micro_batch_moments(a, checkpointing="full", lora=True, **dict(shape, grads=0))
+    assert "embedding backward" not in lora and lora["head backward"] == 5120 + 10208 + 1600 + 1024
 
+
+def test_update_peak_takes_the_first_micro_batch_without_gradients():
+    # update_peak: 12 B per parameter (fp32 weights, AdamW m and v) + the largest moment, the first micro-batch
+    # counted without gradients, the others with them, + UPDATE_MARGIN. test_micro_batch_moments_hand_worked's
+    # arch, float32, none. 10 positions (4 scored), then 2 (1 scored):
+    #   the first: head backward 92640 + 10208 + 27200 + 1024 = 131072; top layer 58368 + 92640 + 1280 + 20480
+    #     + 32768 = 205536; bottom layer 25600 + 4 x 37120 + 32768 + 46320 + 1280 + 20480 + 32768 = 307696;
+    #     embedding backward (every gradient by then) 322816 + 76800 + 5120 = 404736: its peak
+    #   the second: top layer 348416 + 2 x 4632 x 2 + 8*16*2 + 2 x 2048 + 32768 = 404064; embedding backward
+    #     322816 + 76800 + 1024 = 400640
+    # -> 404736. In the other order the 10 positions come second, with every gradient: 495584.
+    a = plan.arch_from_config(small_config())
+    got = plan.update_peak(a, [(10, 4), (2, 1)], bf16=False, checkpointing="none", chunk_tokens=2048)
+    assert got == 12 * 80704 + 404736 + plan.UPDATE_MARGIN
+    # the larger one second: its top layer with every gradient, 495584
+    got = plan.update_peak(a, [(2, 1), (10, 4)], bf16=False, checkpointing="none", chunk_tokens=2048)
+    assert got == 12 * 80704 + 495584 + plan.UPDATE_MARGIN
 
 def test_vllm_share_too_small_to_start():
     cfg = load_config(RECIPE, [], 8)
@@ -184,7 +254,8 @@ def test_plan_cli_on_the_recipe(tmp_path):
     out = tmp_path / "run"
     text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"],
                          resolve=resolve_model_path)
-    for row in ("parameters (fp32, 1/8)", "AdamW", "activations", "log-prob head", "vLLM", "total: update"):
+    for row in ("parameters (fp32, 1/8)", "AdamW", "activations: ", "cuBLAS workspaces", "vLLM", "total: update",
+                "model.gradient_checkpointing auto -> ", "largest token budget that fits"):
         assert row in text
     assert "verdict: peak" in text and "fits" in text and "does not fit" not in text
     proc = run_plan("--gpu_gib=1", f"--train.output_dir={out}", home=str(tmp_path / "hf"))
@@ -312,7 +383,7 @@ def test_vllm_note_counts_the_tree_at_once():
 
 
 def test_allocator_cache_term_hand_worked():
-    # test_static_parts_hand_worked's 4-GPU plan: the allocator row is 0.2 x the larger phase's tensors,
+    # test_static_parts_hand_worked's 4-GPU plan: the allocator row is 0.25 x the larger phase's tensors,
     # every row but the constant (and vLLM's share, absent with hf); the constant stays 2 GiB.
     a = plan.arch_from_config(small_config())
     cfg = load_config(None, ["--algo.beta=0", "--rollout.engine=hf", "--train.prompts_per_step=8"], 4)
@@ -320,83 +391,66 @@ def test_allocator_cache_term_hand_worked():
     rows = {key: (b, ph) for key, _, b, ph in p.rows}
     tensors = {phase: sum(b for key, (b, ph) in rows.items() if key not in ("allocator", "overhead")
                           and ph in ("both", phase)) for phase in ("generation", "update")}
-    assert rows["allocator"] == (int(0.2 * max(tensors.values())), "both")
-    assert rows["overhead"] == (2 * GiB, "both")
-    assert p.peak == max(tensors.values()) + int(0.2 * max(tensors.values())) + 2 * GiB
+    assert p.tensors == max(tensors.values()) and rows["margin"] == (2**28, "update")
+    assert rows["allocator"] == (int(0.25 * p.tensors), "both") and rows["overhead"] == (2 * GiB, "both")
+    assert p.peak == p.tensors + int(0.25 * p.tensors) + 2 * GiB == plan.device_bytes(p.tensors)
 
 
-def test_plan_bounds_the_measured_reserved_peak_of_the_1_5b_recipe():
-    # the GPU check's grpo15 section (now `recipe`) on one H100 (79.2 GiB): grpo.yaml, 512 new tokens, transformers
-    # `generate` (before the static-cache loop), fixed micro-batches of 4 rows. The plan's tensors then
-    # (the update): params 5.75 + grads 5.75 + AdamW 11.50 + reference 5.75 + activations 3.16 + log-prob
-    # head 3.91 (bf16: 1.5 x one 2048 x 151936 fp32 block of 1.16 GiB + 10 x V x H bytes = 2.17)
-    # = 35.83 GiB; with the 2 GiB constant 37.83, below the 43.0 GiB torch.cuda.max_memory_reserved
-    # measured (with a float32 log-prob head).
-    # The static-cache loop keeps two more terms in both phases: its bf16 weight copies, 2 x 1543714304 B
-    # = 2.875 GiB, and its KV cache. Rows: training 8 prompts x 6 = 48 (bucket 48 of rollout.batch_size 96),
-    # the greedy evaluation min(eval.batch_size 64, 96) = 64 -> bucket 96; positions 512 + 512 = 1024;
-    # bf16: 2 x 28 layers x 2 KV heads x 128 x 2 B = 28672 B x 96 x 1024 = 2.625 GiB.
-    # Tensors 35.83 + 2.875 + 2.625 = 41.33 GiB; allocator cache 0.2 x 41.33 = 8.27 -> peak 51.60 GiB.
-    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf", "--rollout.max_new_tokens=512",
-                                                        "--train.micro_batch_tokens=0"], 1)   # as measured: 4 rows
-    a, _ = plan.load_arch(cfg.model.name_or_path, os.path.join(QWEN, "grpo.yaml"))
-    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="hf")
-    rows = {key: b for key, _, b, _ in p.rows}
-    assert rows["kvcache"] == 28672 * 96 * 1024 and rows["copies"] == 2 * 1543714304
-    tensors = p.phase_bytes("update") - rows["allocator"] - rows["overhead"]
-    assert abs(tensors / GiB - 41.33) < 0.01 and abs(rows["allocator"] / GiB - 8.27) < 0.01
-    assert p.peak / GiB >= 43.0 and abs(p.peak / GiB - 51.60) < 0.01
-    # The configuration as measured, without the static-cache terms: 35.83 GiB of tensors; the allocator
-    # row 0.2 x 35.83 = 7.17 lifts the bound from 37.83 (under the measured 43.0) to 45.00 (over it).
-    measured = tensors - rows["kvcache"] - rows["copies"]
-    assert abs(measured / GiB - 35.83) < 0.01
-    assert (measured + rows["overhead"]) / GiB < 43.0 <= (1.2 * measured + rows["overhead"]) / GiB
-    assert plan.ALLOCATOR_SLACK == 0.2
+# the 1.5B recipes' (budget, the mode auto picks there) on one 80 GB GPU; the others inherit grpo.yaml's
+WANT = {"dr_grpo.yaml": (9216, "selective"), "pspo_lora.yaml": (11264, "none")}
 
 
-WANT = {"dr_grpo.yaml": 53248, "spo_tree.yaml": 16384, "pspo_star.yaml": 32768, "pspo_lora.yaml": 114688}
-
-
-@pytest.mark.parametrize("config, gpus, gib", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2),
-                                               ("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", 8, 80.0)])
-def test_gpu_recipes_use_the_largest_token_budget_the_plan_fits(config, gpus, gib):
-    # 1.5B on one H100 (79.2 GiB), vLLM awake in the update: with 9 sequences of 512 + 3584 = 4096
-    # tokens (36864) the update totals 79.1 GiB or less, with 10 it does not fit; the 7B on 8 GPUs:
-    # 8 sequences of 512 + 4096 = 4608 (36864), all the 8 rows a GPU trains per step (a larger
-    # budget changes nothing there).
+@pytest.mark.parametrize("config, gpus, gib, want", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2, 5120),
+                                                     ("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", 8, 80.0,
+                                                      8192)])
+def test_gpu_recipes_use_the_largest_token_budget_auto_keeps(config, gpus, gib, want):
+    # The GPU recipes leave checkpointing to auto and set their budget to the largest at which auto keeps the
+    # mode it picks for one full-length sequence (the least recompute first, then the fewest micro-batches).
+    # 1.5B on one H100 (79.2 GiB), vLLM awake in the update (0.3 x 79.2 = 23.8 GiB): one sequence of 512 +
+    # 3584 = 4096 tokens needs 86.7 GiB without checkpointing, 76.0 with selective; selective fits up to
+    # 5120 tokens (77.9 GiB; 6144: 79.8), full beyond. The 7B on 8 GPUs: one sequence of 512 + 4096 = 4608
+    # needs 87.9 GiB without, 65.0 with selective, which fits up to 8192 (79.4; 9216: 83.5).
     cfg = load_config(config, [], gpus)
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
-    budget = plan.largest_token_budget(cfg, a, gpus=gpus, gpu_bytes=int(gib * GiB), engine="vllm")
-    assert cfg.train.micro_batch_tokens == budget == 36864
+    gpu = int(gib * GiB)
+    budget = plan.largest_token_budget(cfg, a, gpus=gpus, gpu_bytes=gpu, engine="vllm")
+    assert cfg.model.gradient_checkpointing == "auto" and cfg.train.micro_batch_tokens == budget == want
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    one = load_config(config, [f"--train.micro_batch_tokens={seq}", "--model.gradient_checkpointing=none"], gpus)
+    assert not plan.make_plan(one, a, gpus=gpus, gpu_bytes=gpu, engine="vllm").fits
+    assert plan.make_plan(cfg, a, gpus=gpus, gpu_bytes=gpu, engine="vllm").checkpointing == "selective"
+    more = load_config(config, [f"--train.micro_batch_tokens={budget + plan.BUDGET_STEP}"], gpus)
+    assert plan.make_plan(more, a, gpus=gpus, gpu_bytes=gpu, engine="vllm").checkpointing == "full"
+    # an explicit mode: the largest budget it fits (full: 37888 on one H100)
+    full = load_config(config, ["--model.gradient_checkpointing=full"], gpus)
+    assert plan.largest_token_budget(full, a, gpus=gpus, gpu_bytes=gpu, engine="vllm") > budget
     if gpus == 1:
-        more = load_config(config, [f"--train.micro_batch_tokens={budget + seq}"], gpus)
-        assert not plan.make_plan(more, a, gpus=gpus, gpu_bytes=int(gib * GiB), engine="vllm").fits
-        # each 1.5B recipe sets the largest budget for itself: Dr. GRPO has no reference model, 13
-        # sequences fit (53248); SPO-tree's plan counts micro_batch_size (4) edges at once (16384); the
-        # PSPO* recipe also holds its PRM on the GPU: with a BERT-base-sized one (110M parameters, hidden
-        # 768, MLP 3072) 9 sequences no longer fit (79.3 GiB), 8 do (32768); LoRA's frozen bf16 base
-        # (no master copy, gradient, AdamW state or reference) leaves room for 28 (114688); the others
-        # inherit 36864
+        # each 1.5B recipe sets its own: Dr. GRPO has no reference model (selective up to 9216; without
+        # checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy, gradient,
+        # AdamW state or reference) needs no checkpointing up to 11264; the PSPO* recipe also holds a
+        # BERT-base-sized PRM (110M parameters, hidden 768, MLP 3072): selective at 5120 still fits (78.2)
         bert = plan.PRMArch(110_000_000, 768, 3072)
         for name in sorted(os.listdir(QWEN)):
             if name.endswith(".yaml"):
                 recipe = load_config(os.path.join(QWEN, name), [], 1)
                 prm = bert if recipe.reward.prm else None
-                assert recipe.train.micro_batch_tokens == plan.largest_token_budget(
-                    recipe, a, gpus=1, gpu_bytes=int(gib * GiB), engine="vllm", prm=prm) == WANT.get(name, budget), name
-                assert plan.make_plan(recipe, a, gpus=1, gpu_bytes=int(gib * GiB), engine="vllm", prm=prm).fits, name
+                got = plan.largest_token_budget(recipe, a, gpus=1, gpu_bytes=gpu, engine="vllm", prm=prm)
+                p = plan.make_plan(recipe, a, gpus=1, gpu_bytes=gpu, engine="vllm", prm=prm)
+                assert (recipe.train.micro_batch_tokens, p.checkpointing) == (got, p.checkpointing) \
+                    == WANT.get(name, (budget, "selective")) and p.fits, name
 
 
 def test_the_7b_lora_preset_fits_one_gpu_at_its_largest_budget():
     # LoRA on the 7B: a frozen bf16 base (15.2 GB), rank-16 adapters with their fp32 state, no reference
-    # copy: one 80 GB GPU holds it where full fine-tuning needs 8 (reinforce_pp.yaml)
+    # copy: one 80 GB GPU holds it where full fine-tuning needs 8 (reinforce_pp.yaml), without checkpointing
+    # up to 6144 tokens (78.9 GiB; 7168: 88.1)
     config = "configs/qwen2.5-7b-instruct-1m/reinforce_pp_lora.yaml"
     cfg = load_config(config, [], 1)
     a, _ = plan.load_arch(cfg.model.name_or_path, config)
     assert cfg.train.micro_batch_tokens == plan.largest_token_budget(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB),
-                                                                     engine="vllm") == 55296
-    assert plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").fits
+                                                                     engine="vllm") == 6144
+    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm")
+    assert p.fits and p.checkpointing == "none"
     full = load_config("configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml", [], 1)
     assert not plan.make_plan(full, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").fits
 
@@ -415,24 +469,148 @@ def test_lora_plan_counts_the_adapters_and_no_reference():
     assert rows["params"] == 2 * a.params                                 # the bf16 base, whole
     assert rows["adapters"] == 16 * 18_464_768                             # fp32 weight, grad, m, v
     assert "ref" not in rows and "grads" not in rows and "adam" not in rows
-    # at the full fine-tuning recipe's budget (36864): 2 x 1.54B bytes of base against 16 x 1.54B of
-    # weights, gradients and AdamW state, and no 4 x 1.54B reference: over 20 GiB less
-    same = load_config(config, ["--train.micro_batch_tokens=36864"], 1)
-    full = plan.make_plan(load_config("configs/qwen2.5-math-1.5b/pspo.yaml", [], 1), a, gpus=1,
-                          gpu_bytes=int(79.2 * GiB), engine="vllm")
+    # at the same budget and checkpointing: 2 x 1.54B bytes of base against 16 x 1.54B of weights, gradients
+    # and AdamW state, and no 4 x 1.54B reference: over 20 GiB less
+    same = load_config(config, ["--train.micro_batch_tokens=5120", "--model.gradient_checkpointing=full"], 1)
+    full = plan.make_plan(load_config("configs/qwen2.5-math-1.5b/pspo.yaml", ["--model.gradient_checkpointing=full"],
+                                      1), a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm")
     assert plan.make_plan(same, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").peak < full.peak - 20 * GiB
 
 
-def test_a_packed_micro_batch_is_planned_as_the_rows_that_hold_its_budget():
-    # 1.5B recipe: sequences of 512 + 3584 = 4096 tokens. A budget of 5000: unpacked, a micro-batch holds
-    # floor(5000 / 4096) = 1 full-length row; packed, it holds up to 5000 tokens of any lengths, planned as
-    # ceil(5000 / 4096) = 2 full rows (a budget that is a multiple of 4096 plans the same either way)
-    config = "configs/qwen2.5-math-1.5b/grpo.yaml"
-    acts = {}
-    for packing in ("true", "false"):
-        cfg = load_config(config, ["--train.micro_batch_tokens=5000", f"--train.packing={packing}"], 1)
-        a, _ = plan.load_arch(cfg.model.name_or_path, config)
-        rows = plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").rows
-        acts[packing] = next(text for key, text, _, _ in rows if key == "acts")
-    assert acts["true"].startswith("activations, 2 x 4096 tokens")
-    assert acts["false"].startswith("activations, 1 x 4096 tokens")
+def test_micro_batch_shape_hand_worked():
+    # 1.5B recipe: sequences of S = 512 + 3584 = 4096 tokens, 48 rows a step on one GPU. A budget of 5000, packed
+    # or not: at most 5000 positions (a packed row holds 5000 tokens of any lengths; unpacked, rows x the
+    # longest row stays within 5000, 2 rows of 2500 as 1 of 4096); 3000: one sequence, 4096, may go alone;
+    # 500000: the whole step, 48 x 4096 = 196608, its only micro-batch. Scored: at most every position and
+    # T = 3584 a row. Fixed micro-batches of 4 rows: 4 x 4096 positions, 4 x 3584 scored.
+    def shape(*overrides):
+        cfg = load_config(os.path.join(QWEN, "grpo.yaml"), list(overrides), 1)
+        return plan.micro_batch_shape(cfg, plan.step_shape(cfg, 8).update_rows)
+    assert shape("--train.micro_batch_tokens=5000") == shape("--train.micro_batch_tokens=5000",
+                                                             "--train.packing=false") == (5000, 5000, False)
+    assert shape("--train.micro_batch_tokens=3000") == (4096, 4096, False)
+    assert shape("--train.micro_batch_tokens=500000") == (196608, 48 * 3584, True)
+    assert shape("--train.micro_batch_tokens=0") == (4 * 4096, 4 * 3584, False)
+    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--train.micro_batch_tokens=5000"], 1)
+    a, _ = plan.load_arch(cfg.model.name_or_path, RECIPE)
+    text = next(t for key, t, _, _ in plan.make_plan(cfg, a, gpus=1, gpu_bytes=int(79.2 * GiB), engine="vllm").rows
+                if key == "acts")
+    assert text.startswith("activations: 5000 positions, checkpointing selective, at the ")
+
+
+def skewed_update(vocab: int, equal: bool) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention (4, 512) left-padded; mask (4, 256): equal (4 sequences of 255 + 256 tokens, so
+    that the two packed micro-batches of a 1024 budget have 1022 tokens each) or skewed (prompts 8-255,
+    completions 8-255)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (4, 512), generator=g)
+    attention, mask = torch.zeros(4, 512, dtype=torch.long), torch.zeros(4, 256)
+    for i in range(4):
+        p, c = (255, 256) if equal else (int(torch.randint(8, 256, (1,), generator=g)),
+                                         int(torch.randint(8, 256, (1,), generator=g)))
+        attention[i, 256 - p:256 + c] = 1
+        mask[i, :c] = 1
+    return ids, attention, mask
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, vocab, equal", [("none", 1000, True), ("selective", 1000, True), ("full", 1000, True),
+                                                ("selective", 1000, False), ("full", 65536, True)])
+def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equal):
+    # A whole policy_update (2 packed micro-batches, AdamW fused as on a GPU, float32) of 2 decoder layers at
+    # the 1.5B's widths: update_peak less UPDATE_MARGIN (the CUDA workspaces it stands for are not on CPU)
+    # against the most bytes alive: the weights and AdamW state (12 B per parameter, made before the tracker)
+    # plus the tracker's peak. Vocab 1000: a layer's backward peaks; 65536 (tied): the embedding's backward
+    # (3 x 384 MiB vocab x hidden gradients at once). Skewed lengths: one micro-batch of 951 tokens, which
+    # starts without gradients. Measured on a 2-core x86 CPU: the plan 1.003-1.056 x what was alive.
+    config = real_width_config(2, vocab)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    policy = build_policy(str(tmp_path), chunk_tokens=2048, gradient_checkpointing=mode)
+    ids, attention, mask = skewed_update(vocab, equal)
+    cfg = load_config(None, ["--train.micro_batch_tokens=1024", "--train.packing=true",
+                             "--rollout.max_new_tokens=256", "--algo.beta=0"])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batch = UpdateBatch(ids, attention, mask, mask, torch.randn(4, 1).expand(4, 256).contiguous())
+    policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, torch.device("cpu")))     # AdamW state
+    with LiveBytes() as live:
+        policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, torch.device("cpu")))
+    a = plan.arch_from_config(config)
+    measured = 12 * a.params + live.peak
+    sizes = plan.micro_batch_sizes(plan_micro_batches(attention, mask, 4, 1024, True))
+    predicted = plan.update_peak(a, sizes, bf16=False, checkpointing=mode, chunk_tokens=2048) - plan.UPDATE_MARGIN
+    assert 1.0 <= predicted / measured <= 1.1, (predicted / GiB, measured / GiB, sizes)
+
+
+def test_update_peak_against_the_update_measured_on_an_h200():
+    # bench/RESULTS.md §24 (one H200, torch 2.11): bench/micro_batches.py's 1.5B update of its 48 sequences
+    # (seed 0: completions up to 3584 tokens, prompts up to 512), bf16, token budgets unpacked. Peak allocated /
+    # reserved, GiB: checkpointing at 36864: 35.1 / 42.5; none at 4096: 42.2 / 45.1. The plan of those very
+    # micro-batches: 16 B x 1.544B = 23.0 GiB of weights, gradients and AdamW state, plus
+    # - full at 36864: the second micro-batch's (36396 positions) top layer recomputed: 28 x 6144 B of layer
+    #   inputs a position, the layer's tensors again (123960 - 6144), its backward and weight copies, the tied
+    #   head's gradient: 36.38 GiB, 1.04 x the allocated peak;
+    # - none at 4096: a micro-batch of 3050 positions, 2582 scored, in a 2048-token head block at the head's
+    #   backward: 42.84 GiB, 1.015 x.
+    # With the allocator's cache (x 1.25) both bound what was reserved: 45.5 and 53.6 GiB.
+    spec = importlib.util.spec_from_file_location("micro_bench", os.path.join(ROOT, "bench", "micro_batches.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a, _ = plan.load_arch("Qwen/Qwen2.5-Math-1.5B", RECIPE)
+    _, attention, mask, _, _ = bench.skewed_batch(48, a.vocab, max_completion=3584, max_prompt=512)
+    measured = (("full", 36864, 35.1, 42.5, 36.38), ("none", 4096, 42.2, 45.1, 42.84))
+    for mode, budget, allocated, reserved, want in measured:
+        sizes = plan.micro_batch_sizes(plan_micro_batches(attention, mask, 4, budget, False))
+        peak = plan.update_peak(a, sizes, bf16=True, checkpointing=mode, chunk_tokens=2048) / GiB
+        assert abs(peak - want) < 0.01 and 1.0 <= peak / allocated <= 1.2, (mode, peak)
+        assert (1 + plan.ALLOCATOR_SLACK) * peak >= reserved
+
+
+def test_auto_picks_the_least_recompute_that_fits():
+    # the 1.5B GRPO recipe on one GPU with the transformers engine: none needs the most memory, full the least;
+    # auto plans the first of none, selective, full that fits the GPU, and full's plan when none does
+    cfg = load_config(os.path.join(QWEN, "grpo.yaml"), ["--rollout.engine=hf"], 1)
+    a, _ = plan.load_arch(cfg.model.name_or_path, RECIPE)
+
+    def planned(mode: str, gib: float) -> plan.Plan:
+        c = load_config(os.path.join(QWEN, "grpo.yaml"),
+                        ["--rollout.engine=hf", f"--model.gradient_checkpointing={mode}"], 1)
+        return plan.make_plan(c, a, gpus=1, gpu_bytes=int(gib * GiB), engine="hf")
+    peaks = {mode: planned(mode, 80).peak / GiB for mode in ("none", "selective", "full")}
+    assert peaks["none"] > peaks["selective"] > peaks["full"]
+    for gib, want, fits in ((peaks["none"], "none", True), (peaks["none"] - 0.01, "selective", True),
+                            (peaks["selective"] - 0.01, "full", True), (peaks["full"] - 0.01, "full", False)):
+        p = planned("auto", gib)
+        assert (p.checkpointing, p.auto, p.fits) == (want, True, fits), gib
+        assert f"auto -> {want}" in "\n".join(p.notes) and f"checkpointing auto -> {want}" in plan.one_line(p)
+    assert planned("auto", 80).peak / GiB == peaks[planned("auto", 80).checkpointing]
+    # YAML's true / false of older configs are full / none
+    assert load_config(os.path.join(QWEN, "grpo.yaml"), ["--model.gradient_checkpointing=true"], 1).model \
+        .gradient_checkpointing == "full"
+
+
+def test_check_fits_and_startup_on_cpu(tmp_path, monkeypatch):
+    small_config().save_pretrained(tmp_path)
+    cfg = load_config(None, ["--train.prompts_per_step=8"], 1)
+    assert cfg.model.gradient_checkpointing == "auto"                     # the default
+    a = plan.arch_from_config(small_config())
+    # 1 MiB: the 2 GiB overhead alone exceeds it
+    too_small = plan.make_plan(cfg, a, gpus=1, gpu_bytes=2**20, engine="hf")
+    assert not too_small.fits and "does not fit" in too_small.verdict() and too_small.checkpointing == "full"
+    with pytest.raises(PlanError) as e:
+        plan.check_fits(too_small, cfg)
+    assert "\n" not in str(e.value) and "train.micro_batch_size" in str(e.value)
+    plan.check_fits(plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf"), cfg)      # fits: no error
+    monkeypatch.setattr(plan, "host_memory", lambda: 2**20)
+    # CPU: printed, never stops; auto is none there (no GPU memory to fit), said in the line
+    line, mode = plan.startup_check(cfg, str(tmp_path), 1, torch.device("cpu"), "hf", resolve=resolve_model_path)
+    assert "does not fit" in line and "not enforced" in line and "\n" not in line
+    assert mode == "none" and "checkpointing none)" in line and "auto -> none on CPU" in line
+    full = load_config(None, ["--train.prompts_per_step=8", "--model.gradient_checkpointing=full"], 1)
+    line, mode = plan.startup_check(full, str(tmp_path), 1, torch.device("cpu"), "hf", resolve=resolve_model_path)
+    assert mode == "full" and "checkpointing full)" in line and "auto" not in line
+    # an architecture the plan cannot read: auto is full, the safe choice, and the run goes on
+    line, mode = plan.startup_check(cfg, str(tmp_path / "none"), 1, torch.device("cuda"), "hf",
+                                    resolve=resolve_model_path)
+    assert mode == "full" and line.startswith("memory plan: unavailable") and line.endswith("checkpointing full")

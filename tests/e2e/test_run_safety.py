@@ -179,7 +179,7 @@ SAME = "; resume with the same setting"
     (["--data.train=/nonexistent/train.jsonl"], "error: /nonexistent/train.jsonl: file not found"),
     (["--pps.enabled=true", "--train.prompts_per_step=12"],
      "error: train.prompts_per_step: PPS draws 12 prompts per step (distinct), builtin:arithmetic has 8"),
-    (["SMALL_GPU"], "error: memory plan per GPU (1 x 0.0 GiB): "),
+    (["SMALL_GPU"], "error: memory plan per GPU (1 x 0.0 GiB, checkpointing auto -> full): "),
     # adapters on a module the model does not have (resumes under other LoRA settings: test_lora_loop.py)
     (["--model.lora.rank=4", "--model.lora.target_modules=foo_proj"], "error: model.lora.target_modules: "),
 ])
