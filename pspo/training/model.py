@@ -354,6 +354,9 @@ def compile_layers(lm: torch.nn.Module) -> None:
     (rollout.compile), and the decoding twin (engines/decode.py), a deep copy, gets this forward bound
     to its own layers.
     """
+    # each kind of pass is one more graph of the same code: past dynamo's default limit (8) it would
+    # silently run eagerly (LoRA with the reference as its base meets about 10 kinds)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in decoder_layers(lm):
         layer.forward = types.MethodType(_scoring_forward, layer)
 
