@@ -107,7 +107,8 @@ SECTIONS = (
             40, True, "start and the 1.5B's load ~15 s; 6 forward+backward passes of <= 8k tokens, < 1 s each "
             "plus cuDNN's plans (~0.5 s per new shape)", (QWEN15,)),
     Section("update", "the update of the bench batch (48 sequences, completions 10-3523 tokens) at the recipe's "
-            "budget 36864, packed, with the checkpointing the memory plan chooses: MFU, real tokens/s, peak memory; "
+            "token budget (grpo.yaml's train.micro_batch_tokens), packed, with the checkpointing the memory plan "
+            "chooses: MFU, real tokens/s, peak memory; "
             "a profile of one more update: GEMM / attention / elementwise / idle shares, the attention kernel",
             75, True, "start and load ~15 s; 3 updates of <= 3.8 s each (RESULTS §24), the first with its "
             "compiles and plans (<= 30 s); one profiled update <= 8 s", (QWEN15,),
@@ -218,7 +219,7 @@ def commands(section: Section, ctx: Context) -> list[Child]:
     if section.name == "update":
         shape = (["--sequences", "6", "--max-completion", "64", "--max-prompt", "32", "--budget", "512", "--reps", "1"]
                  if small else ["--sequences", "48", "--max-completion", "3584", "--max-prompt", "512",
-                                "--budget", "36864", "--reps", "3"])
+                                "--budget", str(recipe_budget()), "--reps", "3"])
         return [Child([py, "bench/micro_batches.py", "--model", ctx.model(QWEN15), "--bf16", *shape,
                        "--modes", "packed" if ctx.packing else "token budget", "--checkpointing", "auto",
                        "--profile", "--json", j()])]
@@ -282,6 +283,12 @@ def schedule(names: list[str]) -> list[tuple[str, int, int]]:
 def budget_s(names: list[str]) -> int:
     """The whole command's seconds: the wheels' install, then the check."""
     return WHEELS_S + schedule(names)[-1][2]
+
+
+def recipe_budget() -> int:
+    """The 1.5B recipe's token budget (train.micro_batch_tokens of grpo.yaml): what the update section measures."""
+    from pspo.training.config import load_config
+    return load_config(f"{R15}/grpo.yaml", []).train.micro_batch_tokens
 
 
 def plan_case(case: PlanCase, gpu_gib: float) -> tuple[float, bool, str]:
