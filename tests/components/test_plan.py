@@ -514,15 +514,15 @@ def skewed_update(vocab: int, equal: bool) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, vocab, equal", [("none", 1000, True), ("selective", 1000, True), ("full", 1000, True),
-                                                ("selective", 1000, False), ("full", 65536, True)])
+@pytest.mark.parametrize("mode, vocab, equal", [("selective", 1000, False), ("full", 65536, True)])
 def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equal):
     # A whole policy_update (2 packed micro-batches, AdamW fused as on a GPU, float32) of 2 decoder layers at
     # the 1.5B's widths: update_peak less UPDATE_MARGIN (the CUDA workspaces it stands for are not on CPU)
     # against the most bytes alive: the weights and AdamW state (12 B per parameter, made before the tracker)
     # plus the tracker's peak. Vocab 1000: a layer's backward peaks; 65536 (tied): the embedding's backward
     # (3 x 384 MiB vocab x hidden gradients at once). Skewed lengths: one micro-batch of 951 tokens, which
-    # starts without gradients. Measured on a 2-core x86 CPU: the plan 1.003-1.056 x what was alive.
+    # starts without gradients. Measured on a 2-core x86 CPU: the plan 1.003-1.056 x what was alive, in every
+    # mode; two cases run here (each mode's per-layer bytes are checked against saved tensors above).
     config = real_width_config(2, vocab)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
