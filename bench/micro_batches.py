@@ -22,7 +22,7 @@ With --arch the model is that config.json's architecture at its real widths, ran
 of the update (allocated and reserved, AdamW state included) and the model FLOPs utilisation: the
 update's FLOPs (6 x the matrix-multiply parameters x real tokens, the input embedding being a
 lookup, plus causal attention, 6 x layers x query width x L^2 per sequence) / time / the GPU's
-dense bf16 peak (from its name: H100 or H200 989, A100 312; or --peak-tflops); the forward that
+dense bf16 peak (from its name: H100 SXM, H200 and GH200 989, H100 NVL and H200 NVL 835, H100 PCIe 756, A100 312; or --peak-tflops); the forward that
 checkpointing recomputes is not counted. --checkpointing none | selective | full | auto (model.gradient_checkpointing;
 the flag alone: full): auto takes the least recompute whose memory plan for this batch fits the GPU (pspo/training/
 plan.py: update_peak, the largest of the modes timed; on CPU none). Each mode's row adds the plan's peak for the
@@ -238,7 +238,7 @@ def main(argv: list[str]) -> None:
                     choices=("none", "selective", "full", "auto"),
                     help="model.gradient_checkpointing (the flag alone: full; auto: the plan's choice)")
     ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="the GPU's dense bf16 peak, for MFU (default: from its name: H100/H200 989, A100 312)")
+                    help="the GPU's dense bf16 peak, for MFU (default: from its name, PEAK_TFLOPS)")
     ap.add_argument("--budget", type=int, default=0, help="token budget (default: micro x the longest sequence)")
     ap.add_argument("--profile", action="store_true", help="a GPU: where one token-budget update spends its time")
     ap.add_argument("--modes", default="fixed,token budget,packed", help="which modes to time, comma-separated")

@@ -246,8 +246,8 @@ def _truncate_after(path: str, step: int) -> None:
 def gpu_memory(device) -> dict[str, float]:
     """This step's peak GPU memory held by PyTorch tensors (GiB), then the peak is reset; {} on CPU.
 
-    `peak_mem_gib` is what `train.py --plan` predicts (its update or generation total, less the
-    constant it adds for the CUDA context and NCCL); reserved adds the allocator's cached blocks.
+    `peak_mem_gib` is what the plan's `tensors` figure predicts (train.py's start-up line, `--plan`: the
+    larger phase's PyTorch tensors); reserved adds the allocator's cached blocks.
     """
     if device.type != "cuda":
         return {}
