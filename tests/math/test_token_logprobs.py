@@ -27,7 +27,8 @@ def _random_head(seed, N=3, T=5, H=8, V=11, dtype=torch.float32, scale=0.3):
 
 # ---------------------------------------------------------------- hand-worked
 
-def test_values_and_gradients_hand_worked():
+@pytest.mark.parametrize("head", ["eager", "compiled"])
+def test_values_and_gradients_hand_worked(head, monkeypatch):
     # V = 3, H = 2, W = [[1,0],[0,1],[1,1]]; temperature 1; chunks of one token.
     # token 1: h = (2, 1) -> z = (2, 1, 3), target 0.
     #   lse = 3 + log(1 + e^-1 + e^-2) = 3 + log(1.503215) = 3.407606 -> logp = 2 - 3.407606 = -1.407606
@@ -43,7 +44,9 @@ def test_values_and_gradients_hand_worked():
     weight = torch.tensor([[1., 0.], [0., 1.], [1., 1.]], requires_grad=True)   # (V=3, H=2)
     hidden = torch.tensor([[[2., 1.], [0., 0.]]], requires_grad=True)            # (N=1, T=2, H=2)
     targets = torch.tensor([[0, 2]])                                             # (1, 2)
-    logp, entropy = token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=1)
+    # head "compiled": its per-chunk functions run as written, not compiled (their math, in milliseconds)
+    monkeypatch.setattr(head_module, "_compiled", lambda fn: fn)
+    logp, entropy = token_logprobs(hidden, weight, targets, temperature=1.0, chunk_tokens=1, head=head)
     torch.testing.assert_close(logp, torch.tensor([[-1.407606, -1.098612]]), atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy, torch.tensor([[.832396, 1.098612]]), atol=1e-5, rtol=0)
     logp.sum().backward()
@@ -247,21 +250,6 @@ def test_nothing_of_vocabulary_size_per_token_is_saved_for_backward():
 def fused_uncompiled(monkeypatch):
     """head="compiled" with its per-chunk functions run as written, not compiled: their math, in milliseconds."""
     monkeypatch.setattr(head_module, "_compiled", lambda fn: fn)
-
-
-def test_fused_head_hand_worked(fused_uncompiled):
-    # the numbers of test_values_and_gradients_hand_worked: V = 3, H = 2, W = [[1,0],[0,1],[1,1]];
-    # token 1 h = (2, 1) -> z = (2, 1, 3), target 0; token 2 h = (0, 0), target 2
-    weight = torch.tensor([[1., 0.], [0., 1.], [1., 1.]], requires_grad=True)
-    hidden = torch.tensor([[[2., 1.], [0., 0.]]], requires_grad=True)
-    logp, entropy = token_logprobs(hidden, weight, torch.tensor([[0, 2]]), 1.0, chunk_tokens=1, head="compiled")
-    torch.testing.assert_close(logp, torch.tensor([[-1.407606, -1.098612]]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, torch.tensor([[.832396, 1.098612]]), atol=1e-5, rtol=0)
-    logp.sum().backward()
-    torch.testing.assert_close(hidden.grad, torch.tensor([[[.090031, -.755272], [1 / 3, 1 / 3]]]),
-                               atol=1e-5, rtol=0)
-    want_w = torch.tensor([[1.510544, .755272], [-.180062, -.090031], [-1.330482, -.665241]])
-    torch.testing.assert_close(weight.grad, want_w, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("chunk_tokens", [4, 15])
