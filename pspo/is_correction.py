@@ -4,13 +4,13 @@ tensor functions.
 
 An engine with its own copy of the weights (vLLM: other kernels, bf16 on a GPU) samples o_it from
 π_engine, while the loss treats the completions as drawn from the trainer's π_old. The policy-gradient
-term of each token is reweighted by w, from the ratio ρ of the token or of the whole completion:
+term of each token is reweighted by w, from the ratio r of the token or of the whole completion:
 
     Δ_it = mask_it · (log π_old(o_it) − log π_engine(o_it))
-    ρ_it = exp(Δ_it)                         token level: one ratio per token
-    ρ_i  = exp(Σ_t Δ_it)                     sequence level: one per completion, on each of its tokens
-    token, sequence (truncated):             w = clip(ρ, C_low, C)
-    token_mask, sequence_mask (masked):      w = ρ if C_low ≤ ρ ≤ C, else 0
+    r_it = exp(Δ_it)                         token level: one ratio per token
+    r_i  = exp(Σ_t Δ_it)                     sequence level: one per completion, on each of its tokens
+    token, sequence (truncated):             w = clip(r, C_low, C)
+    token_mask, sequence_mask (masked):      w = r if C_low ≤ r ≤ C, else 0
 
 with C = rollout.is_cap and C_low = rollout.is_floor (0: no lower bound), TRL's GRPOTrainer's
 `vllm_importance_sampling_mode` (token_truncate, sequence_truncate, token_mask, sequence_mask) with
@@ -28,7 +28,7 @@ IS_CORRECTIONS = ("none", "token", "sequence", "token_mask", "sequence_mask")
 
 
 def log_ratios(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """log ρ, the log of the untruncated, unmasked ratio: Δ_it (token, token_mask) or Σ_t Δ_it
+    """log r, the log of the untruncated, unmasked ratio: Δ_it (token, token_mask) or Σ_t Δ_it
     broadcast over the row (sequence, sequence_mask).
 
     old_logp, engine_logp, mask (N, T) -> (N, T) float32. Padding is zeroed before the sum, so what
@@ -46,7 +46,7 @@ def log_ratios(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str) -
 
 def correction_weights(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str, *, cap: float,
                        floor: float = 0.0) -> Tensor:
-    """The weights w of docs/methods.md §7: ρ truncated to [C_low, C], or zeroed outside it (the
+    """The weights w of docs/methods.md §7: r truncated to [C_low, C], or zeroed outside it (the
     `_mask` modes). (N, T) each -> (N, T).
 
     exp of a large log ratio is inf: truncated to C, masked to 0. Of a very negative one, 0: without
@@ -70,8 +70,8 @@ def mismatch_sums(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str
             "tokens": keep.sum().double()}
     if mode == "none":
         return sums
-    ratio = torch.exp(log_ratios(old_logp, engine_logp, mask, mode))         # (N, T) ρ
-    outside = ~_inside(ratio, cap=cap, floor=floor) & keep                   # (N, T) ρ ∉ [C_low, C]
+    ratio = torch.exp(log_ratios(old_logp, engine_logp, mask, mode))         # (N, T) r
+    outside = ~_inside(ratio, cap=cap, floor=floor) & keep                   # (N, T) r ∉ [C_low, C]
     sums["weight_sum"] = (_weights(ratio, mode, cap=cap, floor=floor) * keep).sum().double()
     if mode.endswith("_mask"):
         sums["masked"] = outside.sum().double()
@@ -83,12 +83,12 @@ def mismatch_sums(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str
 
 
 def _inside(ratio: Tensor, *, cap: float, floor: float) -> Tensor:
-    """C_low ≤ ρ ≤ C, both bounds inclusive (TRL masks ρ < C_low and ρ > C). (N, T) -> (N, T) bool."""
+    """C_low ≤ r ≤ C, both bounds inclusive (TRL masks r < C_low and r > C). (N, T) -> (N, T) bool."""
     return (ratio >= floor) & (ratio <= cap)
 
 
 def _weights(ratio: Tensor, mode: str, *, cap: float, floor: float) -> Tensor:
-    """w from ρ (N, T): masked outside [C_low, C] (`_mask` modes) or truncated to it."""
+    """w from r (N, T): masked outside [C_low, C] (`_mask` modes) or truncated to it."""
     if mode.endswith("_mask"):
         return torch.where(_inside(ratio, cap=cap, floor=floor), ratio, 0.0)
     return torch.clamp(ratio, min=floor, max=cap)

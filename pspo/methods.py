@@ -266,7 +266,7 @@ def update_batch(adv: Advantages, s: StepRollouts, ctx: Context) -> tuple[Update
 def weigh(advantages: Tensor, *, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
           r: RolloutConfig) -> tuple[Tensor, dict[str, float]]:
     """The one place a method's token advantages A (N, T) are weighted: A · w_PPS (the sampler's weight of
-    the completion, (N, 1), docs/methods.md §3) · w_IS (rollout.is_correction, §7: ρ = π_old/π_engine per
+    the completion, (N, 1), docs/methods.md §3) · w_IS (rollout.is_correction, §7: r = π_old/π_engine per
     token or per sequence, from the engine's log-probs (N, T) of the step's rollout, truncated to
     [C_low, C] or, in the `_mask` modes, 0 outside it). Both multiply the policy-gradient term only: the
     loss adds its KL term unweighted, and a masked token stays in the loss mask (TRL's masking, not

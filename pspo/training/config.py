@@ -149,11 +149,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
-    # engine/trainer mismatch (§7): the PG term weighted by ρ = π_old/π_engine per token | sequence,
+    # engine/trainer mismatch (§7): the PG term weighted by r = π_old/π_engine per token | sequence,
     # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask) | none
     is_correction: str = "none"
-    is_cap: float = 2.0                 # C, the upper bound of ρ (> 1)
-    is_floor: float = 0.0               # C_low, the lower bound of ρ (in [0, 1); 0 = none)
+    is_cap: float = 2.0                 # C, the upper bound of r (> 1)
+    is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
 
 
 @dataclass

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.slow        # end to end: real runs of the loop
 def test_a_stale_engine_half_the_time_is_masked_and_logged(tmp_path, tiny_model_path, run_main, monkeypatch, mode):
     # The transformers engine samples from the trainer itself (|Δ| ~1e-6 nats per token). Here every odd
     # completion's engine log-probs are lowered by 1 nat per token, as an engine with other weights
-    # would report them: there Δ = log π_old − log π_engine ≈ 1, ρ ≈ e = 2.718 per token and ≥ e per
+    # would report them: there Δ = log π_old − log π_engine ≈ 1, r ≈ e = 2.718 per token and ≥ e per
     # completion, above C = 2: every token of it is dropped, in both modes; the even completions keep
-    # ρ ≈ 1 (inside [0, 2]), w ≈ 1. So each step's logged shares are, whatever the completions' lengths:
+    # r ≈ 1 (inside [0, 2]), w ≈ 1. So each step's logged shares are, whatever the completions' lengths:
     #   tis_masked_frac = (tokens of odd completions) / (all tokens), tis_masked_seq_frac = 1/2,
     #   tis_weight_mean ≈ (tokens of even completions) / (all tokens)
     generate, shares = HFEngine.generate, []

@@ -20,8 +20,8 @@ from pspo.training.micro_batches import TokenRows
 # and the trainer a pad token's log-prob). Δ = log π_old − log π_engine:
 #   row 0: −1.0 − (−1.5) = 0.5,  −2.0 − (−2.0) = 0,  −0.1 − (−1.2) = 1.1
 #   row 1: −0.7 − (−0.4) = −0.3, −3.0 − (−2.9) = −0.1, (padding: −5 − 0 = −5, ignored)
-# ρ per token: e^0.5 = 1.648721, e^0 = 1, e^1.1 = 3.004166; e^−0.3 = 0.740818, e^−0.1 = 0.904837
-# ρ per sequence: row 0 e^1.6 = 4.953032, row 1 e^−0.4 = 0.670320 (without the padding's −5: e^−5.4 = 0.004517)
+# r per token: e^0.5 = 1.648721, e^0 = 1, e^1.1 = 3.004166; e^−0.3 = 0.740818, e^−0.1 = 0.904837
+# r per sequence: row 0 e^1.6 = 4.953032, row 1 e^−0.4 = 0.670320 (without the padding's −5: e^−5.4 = 0.004517)
 OLD = torch.tensor([[-1.0, -2.0, -0.1], [-0.7, -3.0, -5.0]])
 ENGINE = torch.tensor([[-1.5, -2.0, -1.2], [-0.4, -2.9, 0.0]])
 MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0]])
@@ -50,7 +50,7 @@ def test_sequence_weights_hand_worked():
 
 
 def test_equal_logprobs_give_weight_one_and_extremes_stay_finite():
-    # the trainer's own engine: Δ = 0 everywhere -> ρ = 1 inside any [C_low, C] -> w = 1 exactly, in every mode
+    # the trainer's own engine: Δ = 0 everywhere -> r = 1 inside any [C_low, C] -> w = 1 exactly, in every mode
     for mode in ("token", "sequence", "token_mask", "sequence_mask"):
         assert torch.equal(correction_weights(OLD, OLD.clone(), MASK, mode, cap=2.0, floor=0.5), torch.ones(2, 3))
     # Δ = +200 overflows exp to inf -> min(inf, C) = C; Δ = −200 underflows to 0 (no gradient)
@@ -80,8 +80,8 @@ def test_mismatch_sums_hand_worked():
 
 
 def test_token_lower_bound_truncates_hand_worked():
-    # token, C_low = .8, C = 2: clip(ρ, .8, 2) -> row 0 [1.648721, 1, 2]; row 1 e^−0.3 = .740818 raised
-    # to .8, .904837 kept; padding ρ = 1
+    # token, C_low = .8, C = 2: clip(r, .8, 2) -> row 0 [1.648721, 1, 2]; row 1 e^−0.3 = .740818 raised
+    # to .8, .904837 kept; padding r = 1
     w = correction_weights(OLD, ENGINE, MASK, "token", cap=2.0, floor=0.8)
     torch.testing.assert_close(w, torch.tensor([[1.648721, 1.0, 2.0], [0.8, 0.904837, 1.0]]), atol=1e-6, rtol=0)
     # sequence, C_low = .7: row 0 e^1.6 -> 2, row 1 e^−0.4 = .670320 -> .7, on every column
@@ -90,24 +90,24 @@ def test_token_lower_bound_truncates_hand_worked():
 
 
 def test_token_mask_hand_worked():
-    # token_mask, C = 2, no lower bound: w = ρ if ρ ≤ 2 else 0 -> row 0 [1.648721, 1, 0] (e^1.1 = 3.004166
-    # dropped); row 1 [.740818, .904837] kept; padding ρ = 1 (Δ zeroed there)
+    # token_mask, C = 2, no lower bound: w = r if r ≤ 2 else 0 -> row 0 [1.648721, 1, 0] (e^1.1 = 3.004166
+    # dropped); row 1 [.740818, .904837] kept; padding r = 1 (Δ zeroed there)
     w = correction_weights(OLD, ENGINE, MASK, "token_mask", cap=2.0)
     expected = torch.tensor([[1.648721, 1.0, 0.0], [0.740818, 0.904837, 1.0]])
     torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
     # C_low = .8 also drops e^−0.3 = .740818 < .8 (row 1, t = 0); .904837 stays. The padding's own Δ = −5
-    # (ρ = .0067 < .8) would have been dropped too: it is zeroed first, ρ = 1 there
+    # (r = .0067 < .8) would have been dropped too: it is zeroed first, r = 1 there
     w = correction_weights(OLD, ENGINE, MASK, "token_mask", cap=2.0, floor=0.8)
     expected = torch.tensor([[1.648721, 1.0, 0.0], [0.0, 0.904837, 1.0]])
     torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
-    # C = 4 > 3.004166: nothing dropped, w = ρ untruncated
+    # C = 4 > 3.004166: nothing dropped, w = r untruncated
     w = correction_weights(OLD, ENGINE, MASK, "token_mask", cap=4.0)
     assert abs(float(w[0, 2]) - 3.004166) < 1e-5
 
 
 def test_sequence_mask_hand_worked():
-    # sequence_mask, C = 2: row 0 ρ = e^1.6 = 4.953032 > 2 -> 0 on all three tokens;
-    # row 1 ρ = e^−0.4 = .670320 ≤ 2 -> .670320 on every column
+    # sequence_mask, C = 2: row 0 r = e^1.6 = 4.953032 > 2 -> 0 on all three tokens;
+    # row 1 r = e^−0.4 = .670320 ≤ 2 -> .670320 on every column
     w = correction_weights(OLD, ENGINE, MASK, "sequence_mask", cap=2.0)
     expected = torch.tensor([[0.0, 0.0, 0.0], [0.670320, 0.670320, 0.670320]])
     torch.testing.assert_close(w, expected, atol=1e-6, rtol=0)
@@ -118,18 +118,18 @@ def test_sequence_mask_hand_worked():
 
 
 def test_mask_bounds_are_inclusive():
-    # A ratio equal to a bound is kept (TRL drops ρ < C_low and ρ > C only). The bounds are set to the
+    # A ratio equal to a bound is kept (TRL drops r < C_low and r > C only). The bounds are set to the
     # very float32 ratios the function computes (e^0.5 = 1.648721 at row 0, t = 0; e^−0.1 = .904837 at
     # row 1, t = 1), so that equality is exact on any build.
-    rho = torch.exp(log_ratios(OLD, ENGINE, MASK, "token"))                         # (2, 3)
-    cap, floor = float(rho[0, 0]), float(rho[1, 1])
+    ratio = torch.exp(log_ratios(OLD, ENGINE, MASK, "token"))                         # (2, 3)
+    cap, floor = float(ratio[0, 0]), float(ratio[1, 1])
     w = correction_weights(OLD, ENGINE, MASK, "token_mask", cap=cap, floor=floor)
     # kept: e^0.5 (= C), e^0 = 1, e^−0.1 (= C_low), padding 1; dropped: e^1.1 > C, e^−0.3 < C_low
-    assert w[0, 0] == rho[0, 0] and w[1, 1] == rho[1, 1] and w[0, 1] == 1
+    assert w[0, 0] == ratio[0, 0] and w[1, 1] == ratio[1, 1] and w[0, 1] == 1
     assert w[0, 2] == 0 and w[1, 0] == 0
     # one float32 step inside the bounds drops them
-    below_cap = float(torch.nextafter(rho[0, 0], torch.tensor(0.0)))
-    above_floor = float(torch.nextafter(rho[1, 1], torch.tensor(2.0)))
+    below_cap = float(torch.nextafter(ratio[0, 0], torch.tensor(0.0)))
+    above_floor = float(torch.nextafter(ratio[1, 1], torch.tensor(2.0)))
     tighter = correction_weights(OLD, ENGINE, MASK, "token_mask", cap=below_cap, floor=above_floor)
     assert tighter[0, 0] == 0 and tighter[1, 1] == 0 and tighter[0, 1] == 1
     # sequence level: C = row 0's own ratio e^1.6 keeps it
