@@ -266,20 +266,22 @@ def update_batch(adv: Advantages, s: StepRollouts, ctx: Context) -> tuple[Update
 def weigh(advantages: Tensor, *, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
           r: RolloutConfig) -> tuple[Tensor, dict[str, float]]:
     """The one place a method's token advantages A (N, T) are weighted: A · w_PPS (the sampler's weight of
-    the completion, (N, 1), docs/methods.md §3) · w_TIS (rollout.is_correction, §7: min(π_old/π_engine,
-    C) per token or per sequence, from the engine's log-probs (N, T) of the step's rollout). Both
-    multiply the policy-gradient term only: the loss adds its KL term unweighted. Returns the weighted
-    A on the mask's device and the engine/trainer mismatch metrics over every rank, whenever π_old was
-    scored ({} otherwise). Collective when π_old was scored."""
+    the completion, (N, 1), docs/methods.md §3) · w_IS (rollout.is_correction, §7: r = π_old/π_engine per
+    token or per sequence, from the engine's log-probs (N, T) of the step's rollout, truncated to
+    [C_low, C] or, in the `_mask` modes, 0 outside it). Both multiply the policy-gradient term only: the
+    loss adds its KL term unweighted, and a masked token stays in the loss mask (TRL's masking, not
+    verl's rejection). Returns the weighted A on the mask's device and the engine/trainer mismatch
+    metrics over every rank, whenever π_old was scored ({} otherwise). Collective when π_old was scored."""
     device = mask.device
     weights = pps_weights.to(device)                                               # (N, 1) w_PPS
     metrics = {}
     if old_logp is not None:
         engine_logp = engine_logp.to(device)                                       # (N, T) log π_engine
-        metrics = _mismatch_metrics(old_logp, engine_logp, mask, r.is_correction, r.is_cap)
+        metrics = _mismatch_metrics(old_logp, engine_logp, mask, r)
         if r.is_correction != "none":
-            tis = correction_weights(old_logp, engine_logp, mask, r.is_correction, r.is_cap)
-            weights = weights * tis                                                # (N, T) w_PPS · w_TIS
+            w_is = correction_weights(old_logp, engine_logp, mask, r.is_correction, cap=r.is_cap,
+                                      floor=r.is_floor)
+            weights = weights * w_is                                               # (N, T) w_PPS · w_IS
     return advantages.to(device) * weights, metrics                               # (N, T)
 
 
@@ -297,19 +299,24 @@ def _reinforce(s: StepRollouts, ctx: Context, group_size: int | None) -> Advanta
     return Advantages(advantages, mask, stats)
 
 
-def _mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str,
-                      cap: float) -> dict[str, float]:
+def _mismatch_metrics(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, r: RolloutConfig) -> dict[str, float]:
     """Over every rank's tokens: the mean and largest |log π_old − log π_engine| (engine_gap_mean,
-    engine_gap_max), and with a correction the mean TIS weight and the share of tokens it capped
-    (tis_weight_mean, tis_capped_frac), docs/methods.md §7. Collective."""
-    sums = mismatch_sums(old_logp, engine_logp, mask, mode, cap)
+    engine_gap_max), and with a correction the mean IS weight (tis_weight_mean) and, truncated, the
+    share of tokens whose ratio it moved to a bound (tis_capped_frac) or, masked, the share of tokens
+    whose weight it zeroed (tis_masked_frac) and of completions with such a token (tis_masked_seq_frac),
+    docs/methods.md §7. Collective."""
+    sums = mismatch_sums(old_logp, engine_logp, mask, r.is_correction, cap=r.is_cap, floor=r.is_floor)
     gap_max = distributed.all_reduce_max(sums.pop("gap_max").float())
     totals = distributed.reduce_sums({k: float(v) for k, v in sums.items()}, mask.device)
     tokens = max(totals["tokens"], 1.0)
     metrics = {"engine_gap_mean": totals["gap_sum"] / tokens, "engine_gap_max": float(gap_max)}
-    if mode != "none":
+    if r.is_correction != "none":
         metrics["tis_weight_mean"] = totals["weight_sum"] / tokens
+    if "capped" in totals:
         metrics["tis_capped_frac"] = totals["capped"] / tokens
+    if "masked" in totals:
+        metrics["tis_masked_frac"] = totals["masked"] / tokens
+        metrics["tis_masked_seq_frac"] = totals["masked_seqs"] / max(totals["seqs"], 1.0)
     return metrics
 
 

@@ -149,9 +149,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
-    # engine/trainer mismatch (§7): the PG term weighted by min(π_old/π_engine, C) per token | sequence | none
+    # engine/trainer mismatch (§7): the PG term weighted by r = π_old/π_engine per token | sequence,
+    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask) | none
     is_correction: str = "none"
-    is_cap: float = 2.0                 # C, the truncation of that weight (> 1)
+    is_cap: float = 2.0                 # C, the upper bound of r (> 1)
+    is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
 
 
 @dataclass
@@ -504,6 +506,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            r.is_correction)
     check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)",
            r.is_cap)
+    check(0 <= r.is_floor < 1, "rollout.is_floor", "a number in [0, 1) (C_low, the lower bound of "
+          "π_old/π_engine)", r.is_floor)
     check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
     check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
