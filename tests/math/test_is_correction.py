@@ -1,7 +1,7 @@
 """Truncated and masked importance sampling against an engine's log-probs, docs/methods.md §7: the
 weights with hand-worked numbers (token and sequence levels, truncated and masked, the bounds hit and
 not, inclusive, padding), the logged mismatch sums, their config checks, and the weight entering the
-batch's advantages in one place (methods.weigh, through methods.update_batch)."""
+batch's advantages in one place (methods.weigh, through methods.training_batch)."""
 import glob
 import os
 
@@ -12,7 +12,7 @@ from pspo import methods
 from pspo.training.config import ConfigError, load_config
 from pspo.training.distributed import Dist
 from pspo.is_correction import correction_weights, log_ratios, mismatch_sums
-from pspo.methods import Advantages, Context, MethodState, StepRollouts, update_batch, weigh
+from pspo.methods import Context, MethodOutput, MethodState, StepRollouts, training_batch, weigh
 from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import TokenRows
 
@@ -169,8 +169,8 @@ def test_masked_sums_hand_worked():
 
 def _step(mode, monkeypatch, pps=(1.0, 0.5), old_read_first=False, floor=0.0):
     """One prompt of G = 2 completions (OLD/ENGINE above) with PPS weights `pps` and a method's A = [+1, −1]
-    per token, ready for update_batch; the policy's log-probs of the two completions are OLD (scoring
-    stubbed: the calls update_batch makes are recorded in `asked`)."""
+    per token, ready for training_batch; the policy's log-probs of the two completions are OLD (scoring
+    stubbed: the calls training_batch makes are recorded in `asked`)."""
     cfg = load_config(None, [f"--rollout.is_correction={mode}", "--rollout.is_cap=2.0",
                              f"--rollout.is_floor={floor}", "--algo.beta=0"])
     asked = []
@@ -187,15 +187,15 @@ def _step(mode, monkeypatch, pps=(1.0, 0.5), old_read_first=False, floor=0.0):
     ctx = Context(cfg=cfg, policy=None, ref=None, engine=None, train_ids=[[1, 2]], problems=["p"],
                   dist=Dist(0, 1, torch.device("cpu")), mine=slice(0, 1), lockstep=False, score=None,
                   distinct_problems=1, state=MethodState())
-    adv = Advantages(torch.tensor([[1.0], [-1.0]]).expand(2, 3), MASK, stats=None)
+    adv = MethodOutput(torch.tensor([[1.0], [-1.0]]).expand(2, 3), MASK, stats=None)
     return s, ctx, adv, asked
 
 
-def test_update_batch_multiplies_pps_and_tis_weights_into_the_advantages(monkeypatch):
+def test_training_batch_multiplies_pps_and_tis_weights_into_the_advantages(monkeypatch):
     # token mode, C = 2: A·w_PPS·w_TIS =
     #   row 0: +1 · 1 · [1.648721, 1, 2];  row 1: −1 · .5 · [.740818, .904837, 1]
     s, ctx, adv, asked = _step("token", monkeypatch)
-    batch, metrics = update_batch(adv, s, ctx)
+    batch, metrics = training_batch(adv, s, ctx)
     expected = torch.tensor([[1.648721, 1.0, 2.0], [-0.370409, -0.452419, -0.5]])
     torch.testing.assert_close(batch.advantages, expected, atol=1e-6, rtol=0)
     assert asked == [(True, False)]                   # π_old scored once, for the correction
@@ -221,9 +221,9 @@ def test_update_batch_multiplies_pps_and_tis_weights_into_the_advantages(monkeyp
     ("token_mask", 0.8, [[1.648721, 1.0, 0.0], [0.0, -0.452419, -0.5]],
      {"tis_weight_mean": 0.710712, "tis_masked_frac": 0.4, "tis_masked_seq_frac": 1.0}),
 ])
-def test_update_batch_applies_the_masked_weights(monkeypatch, mode, floor, expected, logged):
+def test_training_batch_applies_the_masked_weights(monkeypatch, mode, floor, expected, logged):
     s, ctx, adv, asked = _step(mode, monkeypatch, floor=floor)
-    batch, metrics = update_batch(adv, s, ctx)
+    batch, metrics = training_batch(adv, s, ctx)
     torch.testing.assert_close(batch.advantages, torch.tensor(expected), atol=1e-6, rtol=0)
     assert asked == [(True, False)] and batch.old_logp is None   # π_old scored for the correction only
     assert batch.loss_mask is adv.loss_mask                       # a dropped token stays in the loss mask
@@ -237,13 +237,13 @@ def test_update_batch_applies_the_masked_weights(monkeypatch, mode, floor, expec
 def test_without_correction_the_weight_is_the_pps_weight_alone(monkeypatch):
     # none: A·w_PPS = [+1, +1, +1], [−.5, −.5, −.5]; π_old kept when the method read it; the gap still logged
     s, ctx, adv, asked = _step("none", monkeypatch, old_read_first=True)
-    batch, metrics = update_batch(adv, s, ctx)
+    batch, metrics = training_batch(adv, s, ctx)
     assert torch.equal(batch.advantages, torch.tensor([[1.0, 1, 1], [-0.5, -0.5, -0.5]]))
     assert batch.old_logp is not None and set(metrics) == {"engine_gap_mean", "engine_gap_max"}
     assert asked == [(False, False)]                  # nothing left to score
     # no π_old read (one iteration, no correction): nothing scored, nothing to compare, no metrics
     s, ctx, adv, asked = _step("none", monkeypatch)
-    batch, metrics = update_batch(adv, s, ctx)
+    batch, metrics = training_batch(adv, s, ctx)
     assert metrics == {} and batch.old_logp is None and asked == [(False, False)]
 
 
