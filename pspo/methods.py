@@ -30,9 +30,9 @@ when an SPO method is chosen). The loop (train.py) makes the shared calls, once 
    after this step's visit; the method centres (and scales) by whichever it is handed;
 4. the method (`Method.estimate`);
 5. `training_batch`: the π_old / π_ref the update or the IS correction still needs, scored, and
-   `weigh`, the one place A becomes A·w_PPS·w_TIS: the sampler's importance weight (docs/methods.md
-   §3; PPS is the sampler's, not a method's) and the truncated IS weight of rollout.is_correction
-   (§7), which corrects for an engine whose log-probs differ from the trainer's π_old. π_old stays in
+   `weigh`, the one place A becomes A·w_PPS·w_IS: the sampler's importance weight (docs/methods.md
+   §3; PPS is the sampler's, not a method's) and the IS weight of rollout.is_correction, truncated or
+   masked (§7), which corrects for an engine whose log-probs differ from the trainer's π_old. π_old stays in
    the batch with algo.num_iterations > 1 or when the method read it; otherwise it served the
    correction alone and leaves, so that ρ ≡ 1 exactly with one iteration (docs/methods.md §1).
 SPO-tree trains edges drawn from its replay buffer instead of the step's completions
@@ -274,7 +274,7 @@ def training_batch(adv: MethodOutput, s: StepRollouts, ctx: Context) -> tuple[Up
     """The batch the optimizer step trains on: the method's advantages and loss mask on its rows (the
     step's completions, or SPO-tree's edges), π_ref scored where the loss needs it (algo.beta > 0),
     π_old where the update (num_iterations > 1) or the correction (rollout.is_correction) needs it and
-    the method did not read it first, and A·w_PPS·w_TIS (`weigh`). Returns it with the engine/trainer
+    the method did not read it first, and A·w_PPS·w_IS (`weigh`). Returns it with the engine/trainer
     mismatch metrics (`weigh`). Collective when it scores."""
     cfg = ctx.cfg
     need_ref = cfg.algo.needs_reference
