@@ -211,12 +211,16 @@ class Run:
         print0(f"saved {path}")
 
     def idle_step(self, clock: StepClock, drawn: Draw) -> bool:
-        """A step that dynamic sampling left without a group with a spread (§9): no optimizer step (the
-        learning-rate schedule still advances, as for a skipped one), the engine released and synced, the
-        step counted and logged (its means over trained completions null). Returns end_step's answer."""
+        """A step that dynamic sampling left without a group with a spread (§9): no update (an optimizer step
+        without gradients moves no weight; the learning-rate schedule advances as after any step), the
+        engine released and synced, the step counted and logged (its means over trained completions null).
+        Returns end_step's answer."""
         self.engine.release()
-        for _ in range(self.cfg.algo.num_iterations):
-            self.scheduler.step()
+        with clock("update_s"):
+            self.optimizer.zero_grad(set_to_none=True)
+            for _ in range(self.cfg.algo.num_iterations):
+                self.optimizer.step()                                           # AdamW skips gradient-less weights
+                self.scheduler.step()
         self.step += 1
         with clock("sync_s"):
             sync = self.sync_engine(drawn.rows)
