@@ -1,11 +1,12 @@
-"""RL fine-tuning with verifiable rewards: PSPO, GRPO, Dr. GRPO, RLOO, REINFORCE++ and SPO in one visible loop.
+"""RL fine-tuning with verifiable rewards: PSPO, GRPO, Dr. GRPO, RLOO, DAPO, REINFORCE++ and SPO in one visible loop.
 
     python train.py --config configs/grpo.yaml [--section.key=value ...]          # one process
     torchrun --nproc_per_node=N train.py --config configs/grpo.yaml               # FSDP2, N ranks
     python train.py --config X --plan [--gpus=8] [--gpu_gib=80]    # per-GPU memory plan, no GPU needed
 
 Each step (docs/methods.md): sample B prompts (uniform epochs, or PPS §3) -> G completions each ->
-rewards (§5) -> the sampler observes them (PPS: priorities; the importance weights) -> the group's reward
+rewards (§5) -> the sampler observes them (PPS: priorities; the importance weights) -> with DAPO's
+dynamic sampling (§9), all-equal groups set aside and more rounds drawn the same way -> the group's reward
 statistics, or ERS's (§2) -> the advantage method's token advantages (methods.py: GRPO / Dr. GRPO / RLOO
 §1, REINFORCE++ and SPO in docs/related.md), with π_old / π_ref scored and the IS weights applied around
 it -> num_iterations x (micro-batched clipped-surrogate loss with gradient accumulation, grad-norm clip,

@@ -34,7 +34,9 @@ when an SPO method is chosen). The loop (train.py) makes the shared calls, once 
    §3; PPS is the sampler's, not a method's) and the truncated IS weight of rollout.is_correction
    (§7), which corrects for an engine whose log-probs differ from the trainer's π_old. π_old stays in
    the batch with algo.num_iterations > 1 or when the method read it; otherwise it served the
-   correction alone and leaves, so that ρ ≡ 1 exactly with one iteration (docs/methods.md §1).
+   correction alone and leaves, so that ρ ≡ 1 exactly with one iteration (docs/methods.md §1). With
+   algo.overlong_filter, DAPO's overlong filtering zeroes the loss mask of truncated completions
+   (`overlong_filtered`, §9), whatever the method.
 SPO-tree trains edges drawn from its replay buffer instead of the step's completions
 (`MethodOutput.rows`). Each edge carries its π_old from when it was generated: the trainer scores the
 new edges inside the method, between its generate calls (related/spo.py), so it reads nothing first.

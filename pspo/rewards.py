@@ -2,7 +2,9 @@
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and PaddleNLP's
 knights-and-knaves reward (docs/related.md §A), `knights` (pspo/tasks/knights_reward.py). PSPO*'s
 process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
-(`StepReward`, pspo/related/prm.py) and summed with them.
+(`StepReward`, pspo/related/prm.py) and summed with them. DAPO's soft overlong punishment
+(`overlong_penalty`, docs/methods.md §9) depends on a completion's token count, which the loop adds
+after scoring (`with_overlong_penalty`).
 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/tasks/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
