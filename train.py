@@ -1,11 +1,12 @@
-"""RL fine-tuning with verifiable rewards: PSPO, GRPO, Dr. GRPO, RLOO, REINFORCE++ and SPO in one visible loop.
+"""RL fine-tuning with verifiable rewards: PSPO, GRPO, Dr. GRPO, RLOO, DAPO, REINFORCE++ and SPO in one visible loop.
 
     python train.py --config configs/grpo.yaml [--section.key=value ...]          # one process
     torchrun --nproc_per_node=N train.py --config configs/grpo.yaml               # FSDP2, N ranks
     python train.py --config X --plan [--gpus=8] [--gpu_gib=80]    # per-GPU memory plan, no GPU needed
 
 Each step (docs/methods.md): sample B prompts (uniform epochs, or PPS §3) -> G completions each ->
-rewards (§5) -> the sampler observes them (PPS: priorities; the importance weights) -> the group's reward
+rewards (§5) -> the sampler observes them (PPS: priorities; the importance weights) -> with DAPO's
+dynamic sampling (§9), all-equal groups set aside and more rounds drawn the same way -> the group's reward
 statistics, or ERS's (§2) -> the advantage method's token advantages (methods.py: GRPO / Dr. GRPO / RLOO
 §1, REINFORCE++ and SPO in docs/related.md), with π_old / π_ref scored and the IS weights applied around
 it -> num_iterations x (micro-batched clipped-surrogate loss with gradient accumulation, grad-norm clip,
@@ -20,12 +21,13 @@ How this departs from TRL's GRPOTrainer, on purpose:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from pspo.dynamic_sampling import Draw, dynamic_sampling, prompt_keys
 from pspo.engines.sampling import sequence_seeds
 from pspo.engines.vllm_engine import SyncError, stale_engine, sync_engine
 from pspo.evaluation import evaluate
@@ -35,7 +37,7 @@ from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, load_prm, prm_metrics
-from pspo.rewards import Score, gather_scores, reward_scorer
+from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty
 from pspo.rollout import CountingEngine, build_engine, engine_name
 from pspo.sampler import UniformSampler, build_sampler, sampler_metrics, sampler_mode
 from pspo.tasks.data import DataError, PromptSet, prompt_sets
@@ -44,7 +46,8 @@ from pspo.training import checkpoint, distributed
 from pspo.training.checkpoint import CheckpointError
 from pspo.training.config import Config, ConfigError, load_config
 from pspo.training.distributed import Dist, print0
-from pspo.training.metrics import MetricsLogger, StepClock, UpdateSums, gpu_memory, step_metrics
+from pspo.training.metrics import (AdvantageSums, MethodStats, MetricsLogger, RolloutSums, StepClock, UpdateSums,
+                                   gpu_memory, step_metrics)
 from pspo.training.lora import LoraError
 from pspo.training.micro_batches import TokenRows, micro_batch_line, token_rows
 from pspo.training.model import (ModelError, attention_heads, check_context, compile_line, load_model_config,
@@ -67,41 +70,39 @@ def main(argv: list[str]) -> None:
     cfg = load_config(argv[1], argv[2:], dist_.world_size)
     torch.manual_seed(cfg.train.seed)
     run = setup(cfg, dist_)                       # every check that can refuse the run, then its folder
-    r, method, B, G = cfg.rollout, run.method, cfg.train.prompts_per_step, cfg.rollout.num_generations
+    r, method, B = cfg.rollout, run.method, cfg.train.prompts_per_step
     run.start()                                   # step 0: the test accuracy before training
     while run.step < cfg.train.max_steps:
         clock = StepClock()
-        with clock("bookkeeping_s"):
-            indices = run.sampler.sample(B)                                     # (B,) the same on all ranks
-        local = indices[run.mine].tolist()                                      # this rank's prompts
-        rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
-        seeds = sequence_seeds(cfg.train.seed, run.step, torch.arange(B)[run.mine], G)   # (N,)
-        with clock("gen_s"):
-            rollout = run.engine.generate([run.train.ids[i] for i in local], G, temperature=r.temperature,
-                                          top_p=r.top_p, max_new_tokens=method.max_new_tokens, seeds=seeds)
-        with clock("reward_s"):
-            scored = run.score(rows, rollout.texts)                             # this rank's, (N,) each
-            rewards, accuracy = gather_scores(scored, G)                        # (B, G) each, every rank's
-        with clock("bookkeeping_s"):
-            is_weights = run.sampler.observe(indices, rewards, accuracy)        # PPS: priorities; (B, G) w
+        drawn = run.draw(0, B, clock)                                           # B prompts, G completions each
+        if r.dynamic_sampling:                                                  # DAPO (§9): all-equal groups set
+            drawn = dynamic_sampling(drawn, lambda k, n: run.draw(k, n, clock), world=dist_.world_size,
+                                     rank=dist_.rank, max_rounds=r.max_sampling_rounds,
+                                     pad_id=run.tokenizer.pad_token_id)        # aside, more prompts drawn
+            if not drawn.groups:                                                # none with a spread: no update
+                if run.idle_step(clock, drawn):
+                    break
+                continue
+        ctx = replace(run.context, mine=drawn.mine(dist_.rank, dist_.world_size))   # this rank's rows
         with clock("advantages_s"):
-            step = StepRollouts(step=run.step, indices=indices, rows=rows, seeds=seeds, rollout=rollout,
-                                scored=scored, rewards=rewards, is_weights=is_weights,
-                                inputs=run.token_rows(rows, rollout))           # (N, P+T)
+            step = StepRollouts(step=run.step, indices=drawn.indices, rows=drawn.rows, seeds=drawn.seeds,
+                                rollout=drawn.rollout, scored=drawn.scored, rewards=drawn.rewards,
+                                is_weights=drawn.is_weights, inputs=run.token_rows(drawn.rows, drawn.rollout))
             if not method.generates:
                 run.engine.release()                                            # nothing more to generate
-            step.old_logp, step.ref_logp = score_first(method, step, run.context)   # what the method reads
-            step.baseline = group_baseline(method, step, run.context)           # (B,) its group's μ, s or ERS's
-            out = method.estimate(step, run.context)                            # (N, T) A, M
+            step.old_logp, step.ref_logp = score_first(method, step, ctx)       # what the method reads
+            step.baseline = group_baseline(method, step, ctx)                   # (B,) its group's μ, s or ERS's
+            out = method.estimate(step, ctx)                                    # (N, T) A, M
             if method.generates:
                 run.engine.release()                                            # SPO: after its continuations
-            batch, engine_gap = training_batch(out, step, run.context)          # π_old, π_ref; A·w_PPS·w_TIS
+            batch, engine_gap = training_batch(out, step, ctx)                  # π_old, π_ref; A·w_PPS·w_TIS
         with clock("update_s"):
             update = policy_update(run.policy, run.optimizer, run.scheduler, batch, cfg, dist_)
         run.step += 1
         with clock("sync_s"):
-            sync = run.sync_engine(local)                                       # vLLM: the new weights
-        if run.end_step(clock, output=out, baseline=step.baseline, update=update, sync=sync, engine_gap=engine_gap):
+            sync = run.sync_engine(drawn.rows)                                  # vLLM: the new weights
+        if run.end_step(clock, output=out, baseline=step.baseline, update=update, sync=sync, engine_gap=engine_gap,
+                        sampling=drawn.metrics):
             break                                                               # a stop signal: saved
     run.close()
 
@@ -135,10 +136,33 @@ class Run:
     preemption: distributed.PreemptionSignal | None = None
     bar: tqdm | None = None
 
-    @property
-    def mine(self) -> slice:
-        """This rank's rows of the step's (B, ...) batch."""
-        return self.context.mine
+    def draw(self, round_: int, prompts: int, clock: StepClock) -> Draw:
+        """One round of the step: `prompts` prompts from the sampler (uniform epochs, or PPS §3), this rank's
+        share of them generated G times each, scored (§5; with reward.overlong_cache, DAPO's soft overlong
+        punishment, §9), gathered (prompts, G) on every rank, and observed by the sampler (PPS: priorities;
+        the importance weights). Round 0 draws the step's B prompts; a later round (dynamic sampling, §9)
+        offsets its completions' prompt keys by round·B, so that their seeds differ from every other round's."""
+        cfg, r, G, W = self.cfg, self.cfg.rollout, self.cfg.rollout.num_generations, self.dist.world_size
+        with clock("bookkeeping_s"):
+            indices = self.sampler.sample(prompts)                              # (P,) the same on all ranks
+        mine = slice(self.dist.rank * prompts // W, (self.dist.rank + 1) * prompts // W)
+        local = indices[mine].tolist()                                          # this rank's prompts
+        rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
+        keys = prompt_keys(round_, prompts, cfg.train.prompts_per_step, mine)   # (P/W,) distinct in each round
+        seeds = sequence_seeds(cfg.train.seed, self.step, keys, G)              # (N,)
+        with clock("gen_s"):
+            rollout = self.engine.generate([self.train.ids[i] for i in local], G, temperature=r.temperature,
+                                           top_p=r.top_p, max_new_tokens=self.method.max_new_tokens, seeds=seeds)
+        with clock("reward_s"):
+            scored = self.score(rows, rollout.texts)                            # this rank's, (N,) each
+            if cfg.reward.overlong_cache:                                       # + R_length (§9)
+                scored = with_overlong_penalty(scored, rollout.mask.sum(1), r.max_new_tokens,
+                                               cfg.reward.overlong_cache)
+            rewards, accuracy = gather_scores(scored, G)                        # (P, G) each, every rank's
+        with clock("bookkeeping_s"):
+            is_weights = self.sampler.observe(indices, rewards, accuracy)       # PPS: priorities; (P, G) w
+        return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout, scored=scored, rewards=rewards,
+                    is_weights=is_weights)
 
     def token_rows(self, rows: list[int], rollout) -> TokenRows:
         """The step's completions after their train rows' prompts, as the model reads them."""
@@ -167,12 +191,13 @@ class Run:
                           progress=self.cfg.train.progress, pool=self.reward_pool)
         return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
 
-    def sync_engine(self, local: list[int]) -> dict[str, float]:
+    def sync_engine(self, rows: list[int]) -> dict[str, float]:
         """After the optimizer step: a separate engine wakes and loads the new weights, checked every
-        rollout.sync_check_steps on the first four of this rank's prompts `local` (train rows); its
-        metrics. The transformers engine is the policy itself: nothing to sync."""
+        rollout.sync_check_steps on the first four of this rank's prompts (`rows`: the train row of each
+        completion, G per prompt); its metrics. The transformers engine is the policy itself: nothing to sync."""
         if not self.separate_engine:
             return {}
+        local = rows[::self.cfg.rollout.num_generations]                        # this rank's prompts
         check_ids = [self.train.ids[i] for i in local[:4]]
         return sync_engine(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
                            seed=self.cfg.train.seed, device=self.dist.device)
@@ -186,8 +211,28 @@ class Run:
                                           dist_=self.dist, keep=self.cfg.train.keep_checkpoints)
         print0(f"saved {path}")
 
+    def idle_step(self, clock: StepClock, drawn: Draw) -> bool:
+        """A step that dynamic sampling left without a group with a spread (§9): no update (an optimizer step
+        without gradients moves no weight; the learning-rate schedule advances as after any step), the
+        engine released and synced, the step counted and logged (its means over trained completions null).
+        Returns end_step's answer."""
+        self.engine.release()
+        with clock("update_s"):
+            self.optimizer.zero_grad(set_to_none=True)
+            for _ in range(self.cfg.algo.num_iterations):
+                self.optimizer.step()                                           # AdamW skips gradient-less weights
+                self.scheduler.step()
+        self.step += 1
+        with clock("sync_s"):
+            sync = self.sync_engine(drawn.rows)
+        nothing = MethodStats(RolloutSums(**{f.name: 0.0 for f in fields(RolloutSums)}), AdvantageSums(0.0, 0.0, 0.0))
+        update = UpdateSums(**{f.name: 0.0 for f in fields(UpdateSums)})
+        return self.end_step(clock, output=MethodOutput(torch.zeros(0, 0), torch.zeros(0, 0), nothing),
+                             baseline=None, update=update, sync=sync, engine_gap={}, sampling=drawn.metrics)
+
     def end_step(self, clock: StepClock, *, output: MethodOutput, baseline: GroupBaseline | None,
-                 update: UpdateSums, sync: dict[str, float], engine_gap: dict[str, float]) -> bool:
+                 update: UpdateSums, sync: dict[str, float], engine_gap: dict[str, float],
+                 sampling: dict[str, float]) -> bool:
         """The step's bookkeeping: a stale engine saves and stops the run; the non-finite updates in a
         row are counted; the step's metrics are assembled (summed over ranks), evaluated when due
         (timed apart from the step), logged and shown; the run is saved when due, stopped (saved) by
@@ -200,7 +245,7 @@ class Run:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if update.skipped_steps else 0
         counts, summed, metrics = step_metrics(output.stats, update, self.engine.take(), cfg, device)
         self.generated_tokens += counts.rollout_tokens + counts.mc_tokens
-        metrics.update(output.metrics, **(baseline.metrics if baseline else {}), **engine_gap,
+        metrics.update(output.metrics, **(baseline.metrics if baseline else {}), **engine_gap, **sampling,
                        **sampler_metrics(self.sampler, cfg), **sync,
                        **gpu_memory(device), **prm_metrics(self.prm, device, clock.elapsed()))
         metrics.update(timings(clock, summed.update_tokens), generated_tokens=self.generated_tokens,

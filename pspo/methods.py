@@ -34,7 +34,9 @@ when an SPO method is chosen). The loop (train.py) makes the shared calls, once 
    §3; PPS is the sampler's, not a method's) and the IS weight of rollout.is_correction, truncated or
    masked (§7), which corrects for an engine whose log-probs differ from the trainer's π_old. π_old stays in
    the batch with algo.num_iterations > 1 or when the method read it; otherwise it served the
-   correction alone and leaves, so that ρ ≡ 1 exactly with one iteration (docs/methods.md §1).
+   correction alone and leaves, so that ρ ≡ 1 exactly with one iteration (docs/methods.md §1). With
+   algo.overlong_filter, DAPO's overlong filtering zeroes the loss mask of truncated completions
+   (`overlong_filtered`, §9), whatever the method.
 SPO-tree trains edges drawn from its replay buffer instead of the step's completions
 (`MethodOutput.rows`). Each edge carries its π_old from when it was generated: the trainer scores the
 new edges inside the method, between its generate calls (related/spo.py), so it reads nothing first.
@@ -293,8 +295,21 @@ def training_batch(adv: MethodOutput, s: StepRollouts, ctx: Context) -> tuple[Up
     pps = s.is_weights[ctx.mine].reshape(-1, 1)                                    # (N, 1) w_PPS
     advantages, metrics = weigh(adv.advantages, pps_weights=pps, old_logp=old_logp, engine_logp=s.rollout.logprobs,
                                 mask=rows.mask, r=r)
-    return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, advantages,
+    loss_mask = adv.loss_mask
+    if cfg.algo.overlong_filter:
+        loss_mask, metrics["overlong_filtered_frac"] = overlong_filtered(loss_mask, s.rollout.truncated)
+    return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, loss_mask, advantages,
                        old_logp if keep_old else None, ref_logp), metrics
+
+
+def overlong_filtered(loss_mask: Tensor, truncated: Tensor) -> tuple[Tensor, float]:
+    """DAPO's overlong filtering, docs/methods.md §9: the loss mask (N, T) with the rows of truncated
+    completions (N,) bool zeroed, and the share of every rank's completions so filtered. Their rewards
+    already entered their groups' statistics; the method's statistics still count them. Collective."""
+    keep = (~truncated).to(loss_mask.device, loss_mask.dtype)                     # (N,)
+    sums = distributed.reduce_sums({"filtered": float(truncated.sum()), "completions": float(len(truncated))},
+                                   loss_mask.device)
+    return loss_mask * keep[:, None], sums["filtered"] / max(sums["completions"], 1.0)
 
 
 def weigh(advantages: Tensor, *, pps_weights: Tensor, old_logp: Tensor | None, engine_logp: Tensor, mask: Tensor,
@@ -382,7 +397,8 @@ def _rollout_sums(s: StepRollouts, ctx: Context) -> RolloutSums:
                        format=float(scored.components["format"].sum()),
                        zero_std_groups=float(zero_variance(rewards).sum()),
                        truncated=float(rollout.truncated.sum()),
-                       reward_failures=float(sum(scored.failures.values())))
+                       reward_failures=float(sum(scored.failures.values())),
+                       overlong=float(scored.components["overlong"].sum()) if "overlong" in scored.components else 0.0)
 
 
 def _token_adv_sums(advantages: Tensor, loss_mask: Tensor) -> AdvantageSums:

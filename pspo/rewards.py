@@ -2,7 +2,9 @@
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and PaddleNLP's
 knights-and-knaves reward (docs/related.md §A), `knights` (pspo/tasks/knights_reward.py). PSPO*'s
 process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
-(`StepReward`, pspo/related/prm.py) and summed with them.
+(`StepReward`, pspo/related/prm.py) and summed with them. DAPO's soft overlong punishment
+(`overlong_penalty`, docs/methods.md §9) depends on a completion's token count, which the loop adds
+after scoring (`with_overlong_penalty`).
 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/tasks/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
@@ -249,3 +251,25 @@ def gather_scores(scored: RewardResult, G: int) -> tuple[Tensor, Tensor]:
     rewards = distributed.all_gather_rows(scored.rewards.view(-1, G))
     accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(-1, G))
     return rewards, accuracy
+
+
+# ---- soft overlong punishment (DAPO) -------------------------------------------------------------
+
+def overlong_penalty(lengths: Tensor, max_len: int, cache: int) -> Tensor:
+    """DAPO's soft overlong punishment, docs/methods.md §9 (Yu et al. 2025, eq. 13), per completion:
+
+        R_length(y) = 0                                  |y| <= L_max - L_cache
+                    = ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
+                    = -1                                 |y| > L_max
+
+    lengths (N,) |y| in tokens (the stop token included); max_len L_max (rollout.max_new_tokens); cache
+    L_cache >= 1 (reward.overlong_cache). -> (N,) float32 in [-1, 0]."""
+    excess = lengths.float() - (max_len - cache)                 # (N,) tokens past the expected length
+    return -(excess.clamp(min=0) / cache).clamp(max=1.0)
+
+
+def with_overlong_penalty(scored: RewardResult, lengths: Tensor, max_len: int, cache: int) -> RewardResult:
+    """scored with R_length (`overlong_penalty`) added to every reward, weight 1 as DAPO adds it, and kept
+    as the reward component "overlong" (logged as overlong_penalty). lengths (N,) tokens."""
+    penalty = overlong_penalty(lengths, max_len, cache)          # (N,)
+    return RewardResult(scored.rewards + penalty, {**scored.components, "overlong": penalty}, scored.failures)

@@ -156,6 +156,10 @@ class RolloutConfig:
     is_correction: str = "none"
     is_cap: float = 2.0                 # C, the upper bound of r (> 1)
     is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
+    # DAPO's dynamic sampling (docs/methods.md §9): groups whose G rewards are all equal are set aside and
+    # more prompts drawn and generated until the step has B groups, or max_sampling_rounds rounds were drawn
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4        # generation rounds per step, the first included (verl's max_num_gen_batches)
 
 
 @dataclass
@@ -166,6 +170,9 @@ class RewardConfig:
     # weight of the knights-and-knaves reward, in {3, -0.5, -1, -3} (docs/related.md §A)
     knights: float = 0.0
     prm: float = 0.0                    # weight of PSPO*'s process reward R (docs/related.md §C; section prm)
+    # L_cache of DAPO's soft overlong punishment, tokens (docs/methods.md §9): the last L_cache tokens before
+    # rollout.max_new_tokens = L_max lower the reward linearly from 0 to -1 (0 = off)
+    overlong_cache: int = 0
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
     # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
     # threads)
@@ -218,6 +225,9 @@ class AlgoConfig:
     clip_score: float = 10.0
     # REINFORCE++ token whitening variance: bessel (PaddleNLP, ÷(n-1)) | population (OpenRLHF, ÷n)
     whiten: str = "bessel"
+    # DAPO's overlong filtering (docs/methods.md §9): completions that hit max_new_tokens leave the loss
+    # (their loss mask is zeroed); their rewards still count in their group's statistics
+    overlong_filter: bool = False
 
     @property
     def needs_reference(self) -> bool:
@@ -624,7 +634,24 @@ def validate_method(cfg: Config) -> None:
     check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
           f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
           f"{a.advantage} has none)", cfg.ers.enabled)
+    validate_dapo(cfg)
     validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
+
+
+def validate_dapo(cfg: Config) -> None:
+    """DAPO's parts (docs/methods.md §9) beside algo.advantage: each with any method, refused where it
+    has no meaning."""
+    r, a, cache = cfg.rollout, cfg.algo.advantage, cfg.reward.overlong_cache
+    check(r.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", ">= 1 (the first round included)",
+          r.max_sampling_rounds)
+    check(not r.dynamic_sampling or a != "spo_tree", "rollout.dynamic_sampling", "false with algo.advantage="
+          "spo_tree (it trains edges replayed from earlier steps, not the step's groups)", r.dynamic_sampling)
+    check(not cfg.algo.overlong_filter or a != "spo_tree", "algo.overlong_filter", "false with algo.advantage="
+          "spo_tree (it trains tree edges, which keep no truncation flag)", cfg.algo.overlong_filter)
+    check(0 <= cache < r.max_new_tokens, "reward.overlong_cache", f"L_cache in [0, rollout.max_new_tokens = "
+          f"{r.max_new_tokens}) tokens (0 = off)", cache)
+    check(cache == 0 or a not in ("spo_chain", "spo_tree"), "reward.overlong_cache", f"0 with algo.advantage={a} "
+          "(its continuations are scored from their text alone, without their token counts)", cache)
 
 
 def validate_prm(p: PRMConfig, weight: float) -> None:

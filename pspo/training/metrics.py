@@ -62,6 +62,7 @@ class RolloutSums:
     zero_std_groups: float        # groups whose rewards are all equal
     truncated: float              # completions that hit their token budget
     reward_failures: float        # reward calls that failed (timeout, error)
+    overlong: float = 0.0         # Σ R_length, DAPO's soft overlong punishment (reward.overlong_cache)
 
 
 @dataclass
@@ -144,14 +145,16 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         summed.append(type(r)(*totals[start:start + width]))
         start += width
     rollout, adv, update, counts, *spo = summed
-    n, iters, tok = rollout.completions, cfg.algo.num_iterations, max(update.tokens, 1.0)
+    # a step that trained no completion (dynamic sampling kept no group): its means are not numbers (null)
+    n, groups = rollout.completions or math.nan, rollout.groups or math.nan
+    iters, tok = cfg.algo.num_iterations, max(update.tokens, 1.0)
     reward_var = max(rollout.reward_sq / n - (rollout.reward / n) ** 2, 0.0)
     metrics = {
         "reward_mean": rollout.reward / n, "reward_std": math.sqrt(reward_var),
         "accuracy": rollout.accuracy / n, "format_rate": rollout.format / n,
         "adv_abs_mean": adv.adv_abs / max(adv.adv_count, 1.0),      # SPO: over M, which may be empty
         "adv_std": math.sqrt(max(adv.adv_sq / max(adv.adv_count, 1.0), 0.0)),
-        "zero_std_frac": rollout.zero_std_groups / rollout.groups,
+        "zero_std_frac": rollout.zero_std_groups / groups,
         "loss": update.pg_loss / iters, "kl": update.kl / tok, "clip_frac": update.clipped_tokens / tok,
         "entropy": update.entropy / tok, "response_length": rollout.completion_tokens / n,
         "truncation_rate": rollout.truncated / n, "grad_norm": update.grad_norm / iters,
@@ -160,6 +163,8 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         # padded positions / all positions of the update's micro-batches (prompt + completion columns)
         "padding_frac": 1.0 - update.update_tokens / max(update.update_positions, 1.0),
     }
+    if cfg.reward.overlong_cache:
+        metrics["overlong_penalty"] = rollout.overlong / n                # the mean R_length (§9)
     sums = {**dataclasses.asdict(counts), **(dataclasses.asdict(spo[0]) if spo else {})}
     metrics.update(sorted(sums.items()))                             # as sums, in key order
     return counts, update, metrics

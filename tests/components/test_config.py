@@ -169,3 +169,33 @@ def test_pps_options_load_and_reference_presets():
         assert (ref.pps.alpha, ref.pps.beta) == (0.6, 0.4)
         assert (ref.algo, ref.optim, ref.rollout, ref.data) == (pspo.algo, pspo.optim, pspo.rollout, pspo.data)
         assert "reference" in ref.train.output_dir
+
+
+TREE = ["--algo.advantage=spo_tree", "--algo.beta=0", "--rollout.num_generations=6", "--spo.segment_tokens=3"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds: expected >= 1 (the first round included), "
+     "got 0"),
+    (["--rollout.dynamic_sampling=true", *TREE], "rollout.dynamic_sampling: expected false with algo.advantage="
+     "spo_tree (it trains edges replayed from earlier steps, not the step's groups), got True"),
+    (["--algo.overlong_filter=true", *TREE], "algo.overlong_filter: expected false with algo.advantage=spo_tree "
+     "(it trains tree edges, which keep no truncation flag), got True"),
+    (["--reward.overlong_cache=16"], "reward.overlong_cache: expected L_cache in [0, rollout.max_new_tokens = 16) "
+     "tokens (0 = off), got 16"),
+    (["--reward.overlong_cache=-1"], "reward.overlong_cache: expected L_cache in [0, rollout.max_new_tokens = 16)"),
+    (["--reward.overlong_cache=4", "--algo.advantage=spo_chain", "--algo.beta=0"], "reward.overlong_cache: expected "
+     "0 with algo.advantage=spo_chain (its continuations are scored from their text alone, without their token "
+     "counts), got 4"),
+])
+def test_dapo_settings_are_refused_in_one_line_where_they_have_no_meaning(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dapo_parts_load_with_every_other_method():
+    for advantage in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain"):
+        cfg = load_config(None, [f"--algo.advantage={advantage}", "--algo.beta=0", "--rollout.dynamic_sampling=true",
+                                 "--algo.overlong_filter=true", "--rollout.max_sampling_rounds=3"])
+        assert cfg.rollout.dynamic_sampling and cfg.algo.overlong_filter and cfg.rollout.max_sampling_rounds == 3

@@ -15,7 +15,8 @@ offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do 
 - the process reward model: a PRM folder or hub id (reward.prm != 0) becomes builtin:tiny-prm (built in
   seconds, pspo/offline/tiny_prm.py);
 - the size: 2 steps, at most 2 prompts per step and 8 new tokens for a model with random weights
-  (a GPU recipe's stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2),
+  (a GPU recipe's stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2; DAPO's
+  L_cache its share of them),
   14 eval puzzles (2 per size) and at most 2 prompts per step when the eval set is
   builtin:knights, the hf engine,
   no progress bar, the output under tmp_path.
@@ -90,6 +91,8 @@ def _short_completions(cfg) -> dict[str, str]:
     uncertain, so SPO-chain would cut at every K-th of max_new_tokens (K&K's 80: 27 cuts x 4
     continuations a rollout, two minutes for 2 steps); SPO-tree's segments shrink to fit."""
     over = {"rollout.max_new_tokens": "8"}
+    if cfg.reward.overlong_cache:                      # DAPO's L_cache at its share of the 8 tokens
+        over["reward.overlong_cache"] = str(max(1, round(8 * cfg.reward.overlong_cache / cfg.rollout.max_new_tokens)))
     if cfg.algo.advantage == "spo_tree":               # segments that fit in the 8 tokens, trees of b0 + 2 b0 + 4 b0
         over["spo.segment_tokens"] = "2"
         over["spo.branching"] = f"{cfg.spo.branch_factors[0]},2,2"

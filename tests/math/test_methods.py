@@ -11,6 +11,7 @@ from pspo.methods import Context, MethodState, StepRollouts, group_baseline, met
 from pspo.rewards import RewardResult
 from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import token_rows
+from pspo.loss import sequence_weights
 
 CPU = Dist(0, 1, torch.device("cpu"))
 MASK = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])        # (N, T) 4 completions: 3, 2, 1, 3 tokens
@@ -134,6 +135,41 @@ def test_rloo_is_r_minus_the_mean_of_the_other_completions():
     cfg, step, ctx = step_and_context("rloo", rewards, torch.ones(2, 2))
     _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
     torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([1.41401, -1.41401, 0, 0]), atol=1e-4, rtol=0)
+
+
+def test_overlong_filtering_takes_truncated_completions_out_of_the_loss():
+    # DAPO's overlong filtering (docs/methods.md §9): completions 0 and 3 hit max_new_tokens (truncated).
+    # GRPO on [[1, 0], [1, 1]]: completion 0's reward still sets its group's μ = .5, so completion 1 keeps
+    # A = -.70700; only the loss mask changes: rows 0 and 3 zeroed, 2 of 4 completions filtered.
+    rewards = torch.tensor([[1.0, 0], [1, 1]])
+    cfg, step, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
+    cfg.algo.overlong_filter = True
+    method = method_for(cfg, ctx.train_ids, 0, CPU, False)
+    step.old_logp, step.ref_logp = score_first(method, step, ctx)
+    step.baseline = group_baseline(method, step, ctx)
+    batch, metrics = training_batch(method.estimate(step, ctx), step, ctx)
+    torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([0.70700, -0.70700, 0, 0]), atol=1e-5, rtol=0)
+    assert batch.loss_mask.tolist() == [[0, 0, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]
+    assert metrics["overlong_filtered_frac"] == 0.5
+    # token_mean then averages over the 2 + 1 tokens left: w = 1/3 on every row
+    weights = sequence_weights(batch.loss_mask, "token_mean", 4, int(batch.loss_mask.sum()), 3)
+    torch.testing.assert_close(weights, torch.full((4,), 1 / 3))
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_overlong_filtering_is_the_same_step_for_every_method(advantage):
+    # the one place it happens (training_batch): the batch without the filter, with rows 0 and 3's loss mask
+    # zeroed and nothing else changed
+    rewards, w = torch.tensor([[1.0, 0], [0, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
+    batches = []
+    for on in (False, True):
+        cfg, step, ctx = step_and_context(advantage, rewards, w)
+        cfg.algo.overlong_filter = on
+        batches.append(step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)[1])
+    plain, filtered = batches
+    assert torch.equal(filtered.advantages, plain.advantages)
+    assert torch.equal(filtered.loss_mask, plain.loss_mask * torch.tensor([0.0, 1, 1, 0])[:, None])
+    assert filtered.loss_mask[1:3].sum() == 3 and filtered.loss_mask[[0, 3]].sum() == 0
 
 
 def two_ers_visits(advantage: str, scale: bool):

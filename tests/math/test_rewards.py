@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pspo import rewards
-from pspo.rewards import accuracy_reward, cosine_reward, format_reward, score_completions
+from pspo.rewards import (RewardResult, accuracy_reward, cosine_reward, format_reward, overlong_penalty,
+                          score_completions, with_overlong_penalty)
 from pspo.tasks.data import check_gold_answer
 from pspo.tasks.golds import GoldAnswerError, parse_gold
 
@@ -211,3 +212,21 @@ def test_timeout_interrupts_math_verify_itself(monkeypatch):
     out = score_completions(["p"], [completion], ["1"], weights={"accuracy": 1.0}, timeout_s=0.2)
     assert time.perf_counter() - t0 < 2.0
     assert out.failures == {"accuracy": 1} and out.rewards.item() == 0.0
+
+
+def test_overlong_penalty_is_dapos_eq_13_by_hand():
+    # L_max = 20, L_cache = 5: no penalty up to 20 - 5 = 15 tokens; then (15 - |y|)/5: 16 -> -.2,
+    # 18 -> -.6, 20 -> -1; past L_max -1 (an engine never returns more, the formula's third case)
+    lengths = torch.tensor([3, 15, 16, 18, 20, 25])
+    torch.testing.assert_close(overlong_penalty(lengths, 20, 5), torch.tensor([0, 0, -0.2, -0.6, -1.0, -1.0]))
+    # the paper's sizes: L_max = 20480, L_cache = 4096: 16384 -> 0, 18432 -> -2048/4096 = -.5
+    torch.testing.assert_close(overlong_penalty(torch.tensor([16384, 18432]), 20480, 4096), torch.tensor([0.0, -0.5]))
+
+
+def test_overlong_penalty_is_added_to_the_reward_and_kept_as_a_component():
+    # rewards [1, 0] of completions of 18 and 4 tokens (L_max 20, L_cache 5): [1 - .6, 0 + 0]
+    scored = RewardResult(torch.tensor([1.0, 0.0]), {"accuracy": torch.tensor([1.0, 0.0])}, {"accuracy": 0})
+    shaped = with_overlong_penalty(scored, torch.tensor([18, 4]), 20, 5)
+    torch.testing.assert_close(shaped.rewards, torch.tensor([0.4, 0.0]))
+    torch.testing.assert_close(shaped.components["overlong"], torch.tensor([-0.6, 0.0]))
+    assert shaped.components["accuracy"] is scored.components["accuracy"] and shaped.failures == {"accuracy": 0}
