@@ -1,15 +1,15 @@
-"""RL fine-tuning with verifiable rewards: PSPO, GRPO, Dr. GRPO, REINFORCE++ and SPO in one visible loop.
+"""RL fine-tuning with verifiable rewards: PSPO, GRPO, Dr. GRPO, RLOO, REINFORCE++ and SPO in one visible loop.
 
     python train.py --config configs/grpo.yaml [--section.key=value ...]          # one process
     torchrun --nproc_per_node=N train.py --config configs/grpo.yaml               # FSDP2, N ranks
     python train.py --config X --plan [--gpus=8] [--gpu_gib=80]    # per-GPU memory plan, no GPU needed
 
 Each step (docs/methods.md): sample B prompts (uniform epochs, or PPS §3) -> G completions each ->
-rewards (§5) -> the PPS update (priorities, importance weights) -> the advantage method's token advantages
-(methods.py: GRPO / Dr. GRPO §1, ERS §2, REINFORCE++ and SPO in docs/related.md), with π_old / π_ref
-scored and the IS weights applied around it -> num_iterations x (micro-batched clipped-surrogate loss
-with gradient accumulation, grad-norm clip, AdamW step) -> engine sync -> log -> periodic eval ->
-periodic save. PSPO (§4) = ERS + PPS.
+rewards (§5) -> the sampler observes them (PPS: priorities; the importance weights) -> the group's reward
+statistics, or ERS's (§2) -> the advantage method's token advantages (methods.py: GRPO / Dr. GRPO / RLOO
+§1, REINFORCE++ and SPO in docs/related.md), with π_old / π_ref scored and the IS weights applied around
+it -> num_iterations x (micro-batched clipped-surrogate loss with gradient accumulation, grad-norm clip,
+AdamW step) -> engine sync -> log -> periodic eval -> periodic save. PSPO (§4) = ERS + PPS.
 
 How this departs from TRL's GRPOTrainer, on purpose:
 - The loss is normalized over the whole optimizer step (every micro-batch and rank), so the
@@ -29,7 +29,8 @@ from transformers import PreTrainedTokenizerBase
 from pspo.engines.sampling import sequence_seeds
 from pspo.engines.vllm_engine import SyncError, stale_engine, sync_engine
 from pspo.evaluation import evaluate
-from pspo.methods import Advantages, Context, Method, StepRollouts, method_for, score_first, update_batch
+from pspo.methods import (Context, GroupBaseline, Method, MethodOutput, StepRollouts, group_baseline, method_for,
+                          score_first, training_batch)
 from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> None:
     while run.step < cfg.train.max_steps:
         clock = StepClock()
         with clock("bookkeeping_s"):
-            indices, _ = run.sampler.sample(B)                                  # (B,) the same on all ranks
+            indices = run.sampler.sample(B)                                     # (B,) the same on all ranks
         local = indices[run.mine].tolist()                                      # this rank's prompts
         rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major
         seeds = sequence_seeds(cfg.train.seed, run.step, torch.arange(B)[run.mine], G)   # (N,)
@@ -82,24 +83,25 @@ def main(argv: list[str]) -> None:
             scored = run.score(rows, rollout.texts)                             # this rank's, (N,) each
             rewards, accuracy = gather_scores(scored, G)                        # (B, G) each, every rank's
         with clock("bookkeeping_s"):
-            is_weights = run.sampler.update(indices, rewards, accuracy)         # PPS: priorities; (B, G) w
+            is_weights = run.sampler.observe(indices, rewards, accuracy)        # PPS: priorities; (B, G) w
         with clock("advantages_s"):
             step = StepRollouts(step=run.step, indices=indices, rows=rows, seeds=seeds, rollout=rollout,
                                 scored=scored, rewards=rewards, is_weights=is_weights,
                                 inputs=run.token_rows(rows, rollout))           # (N, P+T)
             if not method.generates:
                 run.engine.release()                                            # nothing more to generate
-            step.old_logp, step.ref_logp = score_first(method, step, run.context)   # what its advantages read
-            adv = method.advantages(step, run.context)                          # (N, T) A, M; ERS in grpo
+            step.old_logp, step.ref_logp = score_first(method, step, run.context)   # what the method reads
+            step.baseline = group_baseline(method, step, run.context)           # (B,) its group's μ, s or ERS's
+            out = method.estimate(step, run.context)                            # (N, T) A, M
             if method.generates:
                 run.engine.release()                                            # SPO: after its continuations
-            batch, engine_gap = update_batch(adv, step, run.context)            # π_old, π_ref; A·w_PPS·w_TIS
+            batch, engine_gap = training_batch(out, step, run.context)          # π_old, π_ref; A·w_PPS·w_TIS
         with clock("update_s"):
             update = policy_update(run.policy, run.optimizer, run.scheduler, batch, cfg, dist_)
         run.step += 1
         with clock("sync_s"):
             sync = run.sync_engine(local)                                       # vLLM: the new weights
-        if run.end_step(clock, advantages=adv, update=update, sync=sync, engine_gap=engine_gap):
+        if run.end_step(clock, output=out, baseline=step.baseline, update=update, sync=sync, engine_gap=engine_gap):
             break                                                               # a stop signal: saved
     run.close()
 
@@ -184,8 +186,8 @@ class Run:
                                           dist_=self.dist, keep=self.cfg.train.keep_checkpoints)
         print0(f"saved {path}")
 
-    def end_step(self, clock: StepClock, *, advantages: Advantages, update: UpdateSums,
-                 sync: dict[str, float], engine_gap: dict[str, float]) -> bool:
+    def end_step(self, clock: StepClock, *, output: MethodOutput, baseline: GroupBaseline | None,
+                 update: UpdateSums, sync: dict[str, float], engine_gap: dict[str, float]) -> bool:
         """The step's bookkeeping: a stale engine saves and stops the run; the non-finite updates in a
         row are counted; the step's metrics are assembled (summed over ranks), evaluated when due
         (timed apart from the step), logged and shown; the run is saved when due, stopped (saved) by
@@ -196,9 +198,10 @@ class Run:
             self.save()
             raise stale
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if update.skipped_steps else 0
-        counts, summed, metrics = step_metrics(advantages.stats, update, self.engine.take(), cfg, device)
+        counts, summed, metrics = step_metrics(output.stats, update, self.engine.take(), cfg, device)
         self.generated_tokens += counts.rollout_tokens + counts.mc_tokens
-        metrics.update(advantages.metrics, **engine_gap, **sampler_metrics(self.sampler, cfg), **sync,
+        metrics.update(output.metrics, **(baseline.metrics if baseline else {}), **engine_gap,
+                       **sampler_metrics(self.sampler, cfg), **sync,
                        **gpu_memory(device), **prm_metrics(self.prm, device, clock.elapsed()))
         metrics.update(timings(clock, summed.update_tokens), generated_tokens=self.generated_tokens,
                        lr=self.scheduler.get_last_lr()[0])

@@ -46,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.plot_runs import combine, draw_band  # noqa: E402
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL  # noqa: E402
 
 TASKS = {   # task -> (preset folder, default methods, default threshold)
@@ -284,13 +285,11 @@ def plot(curves: dict, path: str, threshold: float, task: str, metric: str = "ev
     by_tokens = all(None not in tokens for _, tokens in curves.values())   # a second panel: x = generated tokens
     fig, axes = plt.subplots(1, 2 if by_tokens else 1, figsize=(13 if by_tokens else 7, 4.5), squeeze=False)
     for method, (per_seed, tokens) in curves.items():
-        ys = list(zip(*[y for _, y in per_seed]))                        # per eval point: one value per seed
-        mean = [statistics.mean(v) for v in ys]
-        xs = [[v / 1000 for v in per_seed[0][0]]]                        # rollouts; then tokens, mean over seeds
+        band = combine([x for x, _ in per_seed], [y for _, y in per_seed])   # mean and min..max per eval point
+        xs = [[v / 1000 for v in band.x]]                                # rollouts; then tokens, mean over seeds
         xs += [[statistics.mean(v) / 1e6 for v in zip(*tokens)]] if by_tokens else []
         for ax, x in zip(axes[0], xs):
-            line, = ax.plot(x, mean, marker="o", markersize=3, label=f"{method} ({len(per_seed)} seeds)")
-            ax.fill_between(x, [min(v) for v in ys], [max(v) for v in ys], color=line.get_color(), alpha=0.15)
+            draw_band(ax, x, band, f"{method} ({len(per_seed)} seeds)")
     labels = ["rollouts consumed (thousands of completions)", "generated tokens (millions, mean over seeds)"]
     for ax, label in zip(axes[0], labels):
         ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)

@@ -1,4 +1,5 @@
-"""Cost of PPS bookkeeping per step: sample(B) and update(B) at N prompts (docs/methods.md §3).
+"""Cost of PPS bookkeeping per step: sample(B) and the priority update of observe(B) at N prompts
+(docs/methods.md §3).
 
     python bench/priority_sampler.py            # prints two tables; CPU timings, median of 200 calls
 
@@ -35,7 +36,7 @@ def touched(n: int, batch: int, groups: int = 8, **options) -> PrioritySampler:
     s = PrioritySampler(n, seed=0, **options)
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        idx, _ = s.sample(batch)
+        idx = s.sample(batch)
         s.set_priorities(idx, torch.rand(batch, groups, generator=g) * 0.5,
                          torch.rand(batch, groups, generator=g).round())
     return s
@@ -62,7 +63,7 @@ def main() -> None:
             g = torch.Generator().manual_seed(1)
             sample = median_ms(lambda: s.sample(batch))
             adv = torch.rand(batch, G, generator=g) * 0.5
-            update = median_ms(lambda: s.set_priorities(s.sample(batch)[0], adv)) - sample
+            update = median_ms(lambda: s.set_priorities(s.sample(batch), adv)) - sample
             p = s.probabilities()
             multinomial = median_ms(lambda: torch.multinomial(p, batch, replacement=False, generator=g), repeats=20)
             print(f"{n:>10} {batch:>4} {sample:>10.3f} {update:>10.3f} {multinomial:>15.3f}")
@@ -84,10 +85,10 @@ def main() -> None:
         s = touched(n, batch, **options)
         if "skip" in options:
             s.zero_streak[: n // 2] = 3
-        step = median_ms(lambda: s.set_priorities(s.sample(batch)[0], adv, acc))
+        step = median_ms(lambda: s.set_priorities(s.sample(batch), adv, acc))
         print(f"{name:>42} {step:>19.3f}")
     r = ReferenceSampler(n, seed=0)
-    step = median_ms(lambda: r.set_priorities(r.sample(batch)[0], adv), repeats=200)
+    step = median_ms(lambda: r.set_priorities(r.sample(batch), adv), repeats=200)
     epoch = median_ms(lambda: ReferenceSampler(n, seed=0).sample(batch), repeats=5)
     print(f"{'reference (pps.mode), per step':>42} {step:>19.3f}")
     print(f"{'reference: one epoch draw of N rows':>42} {epoch:>19.3f}")

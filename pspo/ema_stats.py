@@ -7,7 +7,9 @@ visit count. With a = alpha, the weight on the current group's statistics (μ, s
     later visits:  m_q <- a·μ + (1-a)·m_q
                    v_q <- a·s² + (1-a)·v_q + a(1-a)·(μ - m_q_old)²     (two-part mixture variance)
 
-and the group's advantages use the smoothed statistics after this step's update (`smoothed_advantages`):
+`smooth` folds the step's groups in and returns the smoothed (m_q, sqrt(v_q)); a method whose baseline is its
+group (GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline; methods.group_baseline) uses them in place of the
+group's (μ, s), e.g. GRPO's
 
     A_i = (r_i - m_q) / (sqrt(v_q) + ε)        (Dr. GRPO, without the std scaling: r_i - m_q)
 
@@ -27,20 +29,7 @@ import hashlib
 import torch
 from torch import Tensor
 
-from pspo.advantages import zero_variance
-
-
-def smoothed_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = True,
-                        eps: float = 1e-4) -> Tensor:
-    """ERS advantage, docs/methods.md §2, from the smoothed (m_q, sqrt(v_q)) after this step's update.
-
-    rewards (B, G), mean (B,), std (B,) -> (B, G). On a prompt's first visit (or with α = 1)
-    m_q = μ and sqrt(v_q) = s, so this is exactly `group_advantages`.
-    """
-    centered = rewards - mean[:, None]                       # (B, G)  r_i - m_q
-    if not scale:
-        return centered
-    return centered / (std[:, None] + eps)
+from pspo.estimators import zero_variance
 
 
 def prompt_key(text: str) -> int:
@@ -75,11 +64,11 @@ class EMAStats:
             self.visits = torch.cat([self.visits, torch.zeros(len(new), dtype=torch.int32)])[order]
         return torch.searchsorted(self.keys, keys)
 
-    def update(self, keys: list[str], rewards: Tensor) -> tuple[Tensor, Tensor]:
+    def smooth(self, keys: list[str], rewards: Tensor) -> tuple[Tensor, Tensor]:
         """Fold one group of G rewards per prompt into its statistics. rewards (B, G).
 
-        Returns the smoothed (mean, std) per prompt after the update, two (B,) float32 tensors.
-        A prompt that appears twice in the batch is updated twice, in batch order.
+        Returns the smoothed (mean, std) per prompt after this visit, two (B,) float32 tensors.
+        A prompt that appears twice in the batch is folded in twice, in batch order.
         """
         rewards = rewards.detach().double().cpu()
         # exact if all equal
@@ -102,7 +91,7 @@ class EMAStats:
         return out_mean.float(), out_var.clamp(min=0).sqrt().float()
 
     def visits_of(self, keys: list[str]) -> Tensor:
-        """n_q of each key (0 for a prompt never updated). (B,) int32"""
+        """n_q of each key (0 for a prompt never smoothed). (B,) int32"""
         k = torch.tensor([prompt_key(t) for t in keys], dtype=torch.int64)
         if not len(self.keys):
             return torch.zeros(len(k), dtype=torch.int32)
@@ -111,7 +100,7 @@ class EMAStats:
 
     def batch_stats(self, keys: list[str], rewards: Tensor, mean: Tensor,
                     num_prompts: int) -> dict[str, float]:
-        """Logged ERS diagnostics of one step, after `update(keys, rewards)` returned `mean`.
+        """Logged ERS diagnostics of one step, after `smooth(keys, rewards)` returned `mean`.
 
         gap: mean over the batch of |m_q - μ|, how far smoothing moved the baseline from the
         group mean; visits: mean n_q of the batch's prompts; seen_frac: distinct prompts with
@@ -123,7 +112,7 @@ class EMAStats:
                 "seen_frac": len(self) / num_prompts}
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The per-prompt statistics (copies: a saved state never changes with later updates);
+        """The per-prompt statistics (copies: a saved state never changes with later visits);
         alpha comes from the config (it may change on resume, like lr)."""
         return {"keys": self.keys.clone(), "mean": self.mean.clone(), "var": self.var.clone(),
                 "visits": self.visits.clone()}

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pspo.advantages import group_advantages
+from pspo.estimators import group_advantages
 
 PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: a statistic of |A| | p̂(1-p̂)
 IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
@@ -96,6 +96,7 @@ class PrioritySampler:
         # posterior: every prompt starts at the prior's learnability .25, the largest possible
         self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
         self.steps = 0                                                          # sample() calls so far
+        self.weights: Tensor | None = None                                      # (B,) the last draw's w
         self.generator = torch.Generator().manual_seed(seed)
         self.tree[self.size:self.size + num_prompts] = self.max_priority
         self.count[self.size:self.size + num_prompts] = 1.0
@@ -170,10 +171,11 @@ class PrioritySampler:
         keep_prob = torch.where(k > 0, torch.clamp(self.skip_rho ** k, min=self.skip_min), torch.ones_like(k))
         return (torch.rand(len(drawn), dtype=torch.float64, generator=self.generator) < keep_prob).numpy()
 
-    def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
-        """B distinct prompt indices (B,) and their IS weights (B,) float32, normalised by `is_norm`
-        (docs/methods.md §3b): batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is
-        GRPO's), none w as is (the reference code's).
+    def sample(self, batch_size: int) -> Tensor:
+        """B distinct prompt indices (B,). The draw fixes their IS weights, `self.weights` (B,) float32,
+        which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
+        batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
+        (the reference code's).
 
         Successive sampling without replacement, in rounds: a round draws as many prompts as are
         still missing, keeps each new one in draw order (a repeat is discarded, which is the same
@@ -222,8 +224,8 @@ class PrioritySampler:
         self._last = {"draws": draws, "raw_weights": weights,
                       "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
-        self._weights = (weights / norm).float()
-        return indices, self._weights
+        self.weights = (weights / norm).float()
+        return indices
 
     def batch_stats(self) -> dict[str, float]:
         """Diagnostics of the last `sample` and of the current priorities (logged each step).
@@ -246,7 +248,7 @@ class PrioritySampler:
                 "repeat_frac": repeat, "revisit_frac": self._last["revisit"],
                 "skipped": float(self._last["skipped"])}
 
-    def update(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
         """The step's scores -> the scored prompts' priorities, and the batch's IS weights per completion.
 
         indices (B,) as `sample` drew them; rewards and accuracy (B, G) of every rank. The priority
@@ -297,14 +299,14 @@ class PrioritySampler:
         """The last sample's weights, one per completion (B, G): every completion of a group shares
         its prompt's.
 
-        Ones when nothing was sampled yet (priorities set directly). An update of another number of
+        Ones when nothing was sampled yet (priorities set directly). An observation of another number of
         prompts than the last sample drew is a ValueError: its weights would belong to other prompts."""
-        weights = getattr(self, "_weights", None)
+        weights = self.weights
         if weights is None:
             return torch.ones(batch, groups)
         if len(weights) != batch:
-            raise ValueError(f"PrioritySampler.update: {batch} prompts scored, but the last sample drew "
-                             f"{len(weights)}; update the prompts of the last sample")
+            raise ValueError(f"PrioritySampler.observe: {batch} prompts scored, but the last sample drew "
+                             f"{len(weights)}; observe the prompts of the last sample")
         return weights[:, None].expand(batch, groups).clone()
 
     def state_dict(self) -> dict:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pspo.advantages import group_advantages
+from pspo.estimators import group_advantages
 from pspo.priority_sampler import check_resumed_prompts
 
 PRIORITY_EPS, PROB_EPS, WEIGHT_EPS = 1e-6, 1e-8, 1e-8        # the reference code's constants
@@ -58,9 +58,9 @@ class ReferenceSampler:
         """The probability of each row at the next epoch's draws. (N,)"""
         return self.tree / self.tree.sum()
 
-    def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
-        """The next B rows of the epoch's draws (B,), and weights of 1 (B,): the reference's weights
-        are per completion and come from `update`."""
+    def sample(self, batch_size: int) -> Tensor:
+        """The next B rows of the epoch's draws (B,). Their weights are per completion and come from
+        `observe`, after each completion's own priority write."""
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} prompts per step asked of "
                              f"{self.num_prompts} (an epoch of pps.mode=reference draws N rows)")
@@ -73,9 +73,9 @@ class ReferenceSampler:
         indices = self.order[self.position:self.position + batch_size].clone()
         self.position += batch_size
         self._last = {"indices": indices}
-        return indices, torch.ones(batch_size)
+        return indices
 
-    def update(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
         """The step's scores (B, G) -> the priorities from each completion's raw GRPO |A|, and the
         weights per completion (B, G); `accuracy` is not read (the reference has no posterior)."""
         abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1

@@ -2,10 +2,11 @@
 (priority_sampler.py, docs/methods.md §3 and §3b) or the released code's sampler (reference_sampler.py,
 §3a) from the config; `sampler_metrics` gives its diagnostics.
 
-The three samplers answer the loop's two calls alike: `sample(B)` -> the step's prompt indices (B,)
-(and their draw's weights); `update(indices, rewards, accuracy)` -> after scoring, the PPS update
-(priorities) and the importance weights per completion (B, G), all ones for uniform sampling. Each
-keeps its state in `state_dict` for exact resume.
+The three samplers answer the loop's two calls alike: `sample(B)` -> the step's prompt indices (B,);
+`observe(indices, rewards, accuracy)` -> after scoring, the scored groups set PPS's priorities, and the
+importance weight of each completion (B, G) comes back: the one place the loop gets them (PPS: the
+draw's, fixed by `sample`, §3; the reference code's: each completion's own, after its write, §3a; uniform
+sampling: ones). Each keeps its state in `state_dict` for exact resume.
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ class UniformSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_prompts, generator=g)
 
-    def sample(self, batch_size: int) -> tuple[Tensor, Tensor]:
-        """Next batch_size prompt indices (B,) and weights (B,) (all 1: uniform sampling).
+    def sample(self, batch_size: int) -> Tensor:
+        """Next batch_size prompt indices (B,).
 
         A batch that crosses an epoch boundary continues into the next permutation; a batch
         larger than the dataset wraps around (a prompt can then appear twice in one batch).
@@ -88,10 +89,9 @@ class UniformSampler:
             self.position += len(part)
             if self.position == self.num_prompts:
                 self.epoch, self.position = self.epoch + 1, 0
-        indices = torch.cat(taken)
-        return indices, torch.ones(batch_size)
+        return torch.cat(taken)
 
-    def update(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
         """Nothing to learn from the scores: importance weights all 1, (B, G) as rewards."""
         return torch.ones(rewards.shape)
 

@@ -2,7 +2,7 @@
 token advantages, micro-batched with gradient accumulation, then the grad-norm clip and the AdamW
 step, `algo.num_iterations` times.
 
-It does not know which method made the batch: it trains on an `UpdateBatch` (methods.update_batch)
+It does not know which method made the batch: it trains on an `UpdateBatch` (methods.training_batch)
 of token advantages (N, T) already multiplied by the PPS and TIS importance weights, the loss mask,
 and π_old / π_ref where they were scored (logprobs.py). The loss is normalised by global counts
 (loss.sequence_weights), so the gradient does not depend on how rows are split into micro-batches

@@ -86,9 +86,9 @@ AttentionInterface.register(STATIC_ATTENTION, static_attention)
 
 class StaticKV:
     """Preallocated keys and values, (R, Hkv, L + SPARE, D) per layer: views of one buffer that the decoder
-    keeps at the largest (rows, length) asked so far. `update` (what each attention layer calls)
-    writes at column `start`, a 0-dim tensor set before each forward, and returns the whole cache
-    (static_attention reads the mask's width of it)."""
+    keeps at the largest (rows, length) asked so far. `update` (transformers' cache interface: the name
+    each attention layer calls) writes at column `start`, a 0-dim tensor set before each forward, and
+    returns the whole cache (static_attention reads the mask's width of it)."""
 
     def __init__(self, keys: list[Tensor], values: list[Tensor]):
         self.keys, self.values = keys, values

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from pspo.training import distributed
-from pspo.advantages import whiten
+from pspo.estimators import whiten
 from pspo.training.config import Config
 from pspo.training.distributed import Dist
 from pspo.rewards import RewardResult, Score

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pspo.advantages import ReduceSum, whiten
+from pspo.estimators import ReduceSum, whiten
 
 PROB_THRESHOLD = 0.9      # §B chain 3 and 6: the reference code's constant
 # |V(node) - V(parent)| at or below this is an exact 0 (float rounding of nested means)

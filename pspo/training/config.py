@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pspo.advantages import WHITENINGS
+from pspo.estimators import WHITENINGS
 from pspo.is_correction import IS_CORRECTIONS
 from pspo.loss import AGGREGATIONS
 from pspo.priority_sampler import IS_NORMS, PRIORITIES
@@ -76,7 +76,9 @@ SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any ot
 # The names each setting accepts. A name the math implements is the math module's (imported above:
 # those modules import nothing of the project, and raise on a name they do not know); the others
 # live here, since the modules that pick by them (methods, sampler) import this one.
-ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+# the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
+GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
 
 
@@ -149,9 +151,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
-    # engine/trainer mismatch (§7): the PG term weighted by min(π_old/π_engine, C) per token | sequence | none
+    # engine/trainer mismatch (§7): the PG term weighted by r = π_old/π_engine per token | sequence,
+    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask) | none
     is_correction: str = "none"
-    is_cap: float = 2.0                 # C, the truncation of that weight (> 1)
+    is_cap: float = 2.0                 # C, the upper bound of r (> 1)
+    is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
 
 
 @dataclass
@@ -193,11 +197,13 @@ class PRMConfig:
 
 @dataclass
 class AlgoConfig:
-    # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO and ERS
-    # through the keys below) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A, per token) |
-    # spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
+    # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO through
+    # scale_rewards) | rloo (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
+    # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
     advantage: str = "grpo"
-    scale_rewards: bool = True          # divide by the group std (GRPO); false for Dr. GRPO
+    # divide by the group std (GRPO; RLOO as well); false for Dr. GRPO and the paper's RLOO. PPS's priority
+    # reads it with any method (the raw GRPO |A|, §3)
+    scale_rewards: bool = True
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
     # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
     beta: float = 0.04
@@ -222,7 +228,8 @@ class AlgoConfig:
 
 @dataclass
 class ERSConfig:
-    enabled: bool = False               # ERS (§2): smoothed per-prompt (m_q, v_q) replace the group's (μ, s²)
+    # ERS (§2): smoothed per-prompt (m_q, v_q) replace the group's (μ, s²), for a method of GROUP_BASELINES
+    enabled: bool = False
     alpha: float = 0.99                 # a, weight of the current group in the EMA (1 = plain GRPO)
 
 
@@ -504,6 +511,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            r.is_correction)
     check(1 < r.is_cap < math.inf, "rollout.is_cap", "a finite number > 1 (C caps π_old/π_engine)",
            r.is_cap)
+    check(0 <= r.is_floor < 1, "rollout.is_floor", "a number in [0, 1) (C_low, the lower bound of "
+          "π_old/π_engine)", r.is_floor)
     check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
     check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
@@ -612,10 +621,9 @@ def validate_method(cfg: Config) -> None:
     else:
         check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward "
                "is REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
-    if a.advantage != "grpo":
-        check(not cfg.ers.enabled, "ers.enabled", f"false with algo.advantage={a.advantage} (ERS smooths "
-               "the group statistics of GRPO advantages; this one whitens token advantages over the whole "
-               "batch)", cfg.ers.enabled)
+    check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
+          f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
+          f"{a.advantage} has none)", cfg.ers.enabled)
     validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
 
 

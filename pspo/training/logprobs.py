@@ -3,7 +3,7 @@ update and under the frozen reference (docs/methods.md §1: ρ = exp(logπ_θ - 
 against π_ref; docs/related.md §A: REINFORCE++'s KL reward; §B: SPO's p_t = π_old).
 
 Scored once per step, outside the optimizer step, where the step's method or its update needs them
-(methods.score_first and methods.update_batch; SPO-tree's new edges in related/spo.py), with the
+(methods.score_first and methods.training_batch; SPO-tree's new edges in related/spo.py), with the
 update's own micro-batches and in eval mode, with the logits divided by the sampling temperature
 as in the loss. Every rank must call these together (the micro-batch plan is collective).
 """

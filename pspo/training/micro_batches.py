@@ -47,7 +47,7 @@ def token_rows(prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: 
 @dataclass
 class UpdateBatch:
     """What the optimizer step (update.py) trains on, on the rank's device: a method's advantages on
-    its rows, weighted and with π_old / π_ref where scored (methods.update_batch).
+    its rows, weighted and with π_old / π_ref where scored (methods.training_batch).
 
     The update reads nothing else: it does not know which method made the batch."""
     input_ids: torch.Tensor               # (N, P+T) long, left-padded prompt (+ prefix), then the completion

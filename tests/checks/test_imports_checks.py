@@ -22,16 +22,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PSPO = os.path.join(ROOT, "pspo")
 
 # The paper and the loop's steps (docs/README.md's table names their formulas).
-TOP = {"advantages", "ema_stats", "priority_sampler", "reference_sampler", "sampler", "loss", "is_correction",
+TOP = {"estimators", "ema_stats", "priority_sampler", "reference_sampler", "sampler", "loss", "is_correction",
        "rollout", "rewards", "methods", "update", "evaluation"}
 FOLDERS = {"engines", "tasks", "related", "training", "offline"}
-MATH = {"advantages", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction",
+MATH = {"estimators", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction",
         "related.spo_segments", "related.process_reward", "training.token_logprobs"}
 LOOP_STEPS = {"sampler", "rollout", "methods", "update", "evaluation"}
 # Lowest first: the paper's formulas; the training infrastructure (config, processes, the model, token
 # rows); the tasks and the engines built on it; the rewards on the tasks and the models built offline
 # (trained on the tasks); the related methods on all of these; the loop's steps; the method choice.
-LAYERS = [{"advantages", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction"},
+LAYERS = [{"estimators", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction"},
           {"training"}, {"tasks", "engines"}, {"rewards", "offline"}, {"related"},
           {"sampler", "rollout", "update", "evaluation"}, {"methods"}]
 
@@ -106,7 +106,7 @@ def test_the_top_of_pspo_is_the_paper_and_the_rest_is_in_folders():
 
 
 def test_the_math_imports_only_math_and_the_config_no_component():
-    # The formulas (advantages, ERS, the samplers' math, the loss and its log-prob head, the IS
+    # The formulas (the advantage estimators, ERS, the samplers' math, the loss and its log-prob head, the IS
     # correction, SPO's segments, PSPO*'s process reward) import nothing of the project but each other;
     # the config imports only the math (the names a formula accepts, e.g. loss.AGGREGATIONS).
     imports = project_imports()

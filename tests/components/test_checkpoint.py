@@ -16,9 +16,9 @@ def state(sampler, ers):
 def test_digest_is_equal_for_equal_state_and_sensitive_to_any_change():
     def build():
         s, e = PrioritySampler(10, seed=1), EMAStats(0.9)
-        idx, _ = s.sample(4)
+        idx = s.sample(4)
         s.set_priorities(idx, torch.rand(4, 3, generator=torch.Generator().manual_seed(0)))
-        e.update(["a", "b"], torch.tensor([[1., 0, 1], [0, 0, 1]]))
+        e.smooth(["a", "b"], torch.tensor([[1., 0, 1], [0, 0, 1]]))
         return s, e
     s1, e1 = build()
     s2, e2 = build()

@@ -111,6 +111,23 @@ def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
     assert out == ["error: optim.lr: expected float, got 'fast'"]
 
 
+@pytest.mark.parametrize("advantage, allowed", [
+    ("grpo", True), ("rloo", True), ("reinforce_pp_baseline", True),          # a group baseline: ERS smooths it
+    ("reinforce_pp", False), ("spo_chain", False), ("spo_tree", False),      # none: one line refuses
+])
+def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
+    over = [f"--algo.advantage={advantage}", "--ers.enabled=true", "--algo.beta=0"]
+    over += ["--rollout.num_generations=6", "--spo.segment_tokens=3"] if advantage == "spo_tree" else []
+    if allowed:
+        assert load_config(None, over).ers.enabled
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, over)
+    assert str(e.value) == (f"ers.enabled: expected false with algo.advantage={advantage} (ERS smooths a group "
+                            f"baseline's mean and std: grpo, rloo, reinforce_pp_baseline have one, {advantage} has "
+                            "none), got True")
+
+
 @pytest.mark.parametrize("yaml_text, overrides, message", [
     ("", ["--pps.mode=bogus"], "pps.mode: expected paper | reference, got 'bogus'"),
     ("", ["--pps.uniform_mix=1"], "pps.uniform_mix: expected in [0, 1), got 1.0"),

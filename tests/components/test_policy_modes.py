@@ -12,7 +12,7 @@ import torch
 from pspo.training.config import load_config
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.distributed import Dist
-from pspo.methods import Context, StepRollouts, method_for, score_first, update_batch
+from pspo.methods import Context, StepRollouts, group_baseline, method_for, score_first, training_batch
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
@@ -45,7 +45,7 @@ def _no_scoring(rows: list[int], texts: list[str]) -> RewardResult:
 def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights, cfg, dist_, mine=None):
     """One step as train.py runs it: the rollout with its (B, G) rewards and IS weights through the
     method algo.advantage names (methods.method_for) and the calls around it (score_first,
-    update_batch), then policy_update on the batch.
+    group_baseline, training_batch), then policy_update on the batch.
     `mine`: this rank's prompts among the B (all of them by default), whose completions it trains."""
     tokenizer, ids, rollout, seeds = batch
     B, G = rewards.shape
@@ -65,7 +65,8 @@ def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights,
     ctx = Context(cfg=cfg, policy=policy, ref=ref, engine=None, train_ids=ids, problems=problems, dist=dist_,
                   mine=mine, lockstep=False, score=_no_scoring, distinct_problems=B, state=method.state)
     step.old_logp, step.ref_logp = score_first(method, step, ctx)
-    batch, _ = update_batch(method.advantages(step, ctx), step, ctx)
+    step.baseline = group_baseline(method, step, ctx)
+    batch, _ = training_batch(method.estimate(step, ctx), step, ctx)
     return policy_update(policy, optimizer, scheduler, batch, cfg, dist_)
 
 

@@ -278,7 +278,7 @@ def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, train, nine_prompts)
     # problem), row 8's own stays 1. Seed 0's first epoch serves row 8 (checked here, so that the
     # assertion below means something: a write of (|A| + 1e-6)^.6 is 1 only if |A| = 1 - 1e-6).
     first = ReferenceSampler(9, seed=0)
-    assert 8 in first.sample(4)[0].tolist() + first.sample(4)[0].tolist()
+    assert 8 in first.sample(4).tolist() + first.sample(4).tolist()
     assert state3["reference_priorities"][8].item() == 1.0 and state3["reference_priorities"][0].item() != 1.0
     train(part, *nine_prompts, "--train.max_steps=4", "--train.resume=auto", config=config)
     train(full, *nine_prompts, "--train.max_steps=4", config=config)

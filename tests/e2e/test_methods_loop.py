@@ -1,7 +1,9 @@
-"""The related methods and the engine correction in the real loop on the tiny model, train.py in this
-process (conftest's run_main): REINFORCE++ and REINFORCE++-baseline run and log whitened token
-advantages and the KL against the reference (their math: tests/math/test_reinforce_pp.py), and
-truncated IS is a no-op with the transformers engine (its math: tests/math/test_is_correction.py)."""
+"""The methods beside GRPO and the engine correction in the real loop on the tiny model, train.py in this
+process (conftest's run_main): RLOO is G/(G-1) times Dr. GRPO on the same step and ERS runs over it
+(their math: tests/math/test_estimators.py, test_methods.py), REINFORCE++ and REINFORCE++-baseline run
+and log whitened token advantages and the KL against the reference (their math:
+tests/math/test_reinforce_pp.py), and truncated IS is a no-op with the transformers engine (its math:
+tests/math/test_is_correction.py)."""
 import json
 import os
 
@@ -19,6 +21,29 @@ def train(run_main, out, model, *overrides):
     """train.py in this process (conftest's run_main)."""
     return run_main("train", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
                     f"--model.name_or_path={model}", *SMALL, *overrides)
+
+
+@pytest.mark.slow
+def test_rloo_and_ers_over_it_in_the_loop(tmp_path, tiny_model_path, run_main):
+    # One seed, so the first step's completions and rewards are the same in the three runs. RLOO's
+    # advantage is G/(G-1) = 4/3 times Dr. GRPO's (docs/methods.md §1), and so is its logged mean |A|.
+    # ERS over RLOO at the prompts' first visit is RLOO itself (§2); 8 training prompts drawn 8 a step
+    # are all visited a second time at step 2.
+    def run(name, *overrides):
+        out = tmp_path / name
+        train(run_main, str(out), tiny_model_path, "--algo.scale_rewards=false", "--data.max_train_examples=8",
+              *overrides)
+        with open(out / "metrics.jsonl") as f:
+            return [r for r in map(json.loads, f) if "reward_mean" in r]
+
+    dr_grpo, rloo = run("dr_grpo", "--algo.advantage=grpo"), run("rloo", "--algo.advantage=rloo")
+    ers = run("ers", "--algo.advantage=rloo", "--ers.enabled=true")
+    assert rloo[0]["reward_mean"] == dr_grpo[0]["reward_mean"] and rloo[0]["zero_std_frac"] < 1
+    assert rloo[0]["adv_abs_mean"] == pytest.approx(4 / 3 * dr_grpo[0]["adv_abs_mean"], rel=1e-5)
+    assert rloo[0]["adv_abs_mean"] > 0
+    assert ers[0]["reward_mean"] == rloo[0]["reward_mean"]
+    assert ers[0]["adv_abs_mean"] == pytest.approx(rloo[0]["adv_abs_mean"], rel=1e-6)
+    assert [r["ers_visits"] for r in ers] == [1.0, 2.0] and "ers_visits" not in rloo[0]
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import torch
 
 from pspo.training.config import ADVANTAGES, load_config
 from pspo.training.distributed import Dist
-from pspo.methods import Context, MethodState, StepRollouts, method_for, score_first, update_batch
+from pspo.methods import Context, MethodState, StepRollouts, group_baseline, method_for, score_first, training_batch
 from pspo.rewards import RewardResult
 from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import token_rows
@@ -35,11 +35,12 @@ def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Te
 
 
 def step_through(method, step, ctx):
-    """The loop's calls around a method (train.py): what it reads first, the method, the update's batch.
-    Returns the method's Advantages and the batch."""
+    """The loop's calls around a method (train.py): what it reads first, its group's statistics (or ERS's),
+    the method, the update's batch. Returns the method's output and the batch."""
     step.old_logp, step.ref_logp = score_first(method, step, ctx)
-    adv = method.advantages(step, ctx)
-    return adv, update_batch(adv, step, ctx)[0]
+    step.baseline = group_baseline(method, step, ctx)
+    out = method.estimate(step, ctx)
+    return out, training_batch(out, step, ctx)[0]
 
 
 def test_grpo_hands_a_times_w_on_every_token():
@@ -105,29 +106,99 @@ def test_every_configured_name_has_its_method(advantage):
         over += ["--rollout.num_generations=6", "--spo.segment_tokens=3"]
     cfg = load_config("configs/grpo.yaml", over)
     method = method_for(cfg, [[1]], 0, CPU, False)
-    assert method.name == advantage and method.advantages.__name__ == advantage
+    assert method.name == advantage and method.estimate.__name__ == advantage
     # the step's generation budget: SPO-tree generates the trees' first level, M0 tokens
     assert method.max_new_tokens == (3 if advantage == "spo_tree" else cfg.rollout.max_new_tokens)
     assert (method.state.tree is not None) == (advantage == "spo_tree") and method.state.ers is None
     # SPO generates in its method (the engine is released after it); SPO-chain's cuts read π_old first
     assert method.generates == advantage.startswith("spo_") and method.reads_old == (advantage == "spo_chain")
+    # the methods whose baseline is their group read its statistics (ERS may smooth them)
+    assert method.reads_group == (advantage in ("grpo", "rloo", "reinforce_pp_baseline"))
+
+
+def test_rloo_is_r_minus_the_mean_of_the_other_completions():
+    # RLOO (docs/methods.md §1), G = 2: the other completion is the whole leave-one-out baseline.
+    # group [1, 0]: A = [1 - 0, 0 - 1] = [1, -1] (= G/(G-1)·(r - μ) = 2·(±.5)); group [1, 1]: [0, 0].
+    # IS weights 1 and .5 per prompt: A·w = [1, -1, 0, 0], broadcast over each completion's 3 columns.
+    rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
+    cfg, step, ctx = step_and_context("rloo", rewards, w)
+    cfg.algo.scale_rewards = False                                           # the paper's RLOO
+    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    torch.testing.assert_close(batch.advantages, torch.tensor([1.0, -1, 0, 0])[:, None].expand(4, 3), atol=1e-6,
+                               rtol=0)
+    assert torch.equal(batch.loss_mask, MASK) and batch.old_logp is None
+    # per completion before the IS weights: Σ|A| = 2, ΣA² = 2 over 4 completions
+    sums = out.stats.advantages
+    assert (sums.adv_abs, sums.adv_sq, sums.adv_count) == pytest.approx((2.0, 2.0, 4.0))
+    # algo.scale_rewards divides by the group std as GRPO does: s = .70711 -> ±1/(.70711 + 1e-4) = ±1.41401
+    cfg, step, ctx = step_and_context("rloo", rewards, torch.ones(2, 2))
+    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([1.41401, -1.41401, 0, 0]), atol=1e-4, rtol=0)
+
+
+def two_ers_visits(advantage: str, scale: bool):
+    """ERS (α = .5) over `advantage`: the batches of two steps on prompts p0, p1, rewards p0 [1, 0] then
+    [1, 1], p1 [1, 1] both times; IS weights 1. Returns the two steps' batches.
+
+    p0, visit 1: m = μ = .5, v = s² = .5 (first visit: the group's own statistics).
+    p0, visit 2 (μ2 = 1, s2² = 0): m = .5·1 + .5·.5 = .75; v = .5·0 + .5·.5 + .5·.5·(1 - .5)² = .3125
+    (docs/methods.md §2, the mixture variance), sqrt(v) = .55902. p1: m = 1, v = 0 on both visits."""
+    cfg, step, ctx = step_and_context(advantage, torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
+    cfg.ers.enabled, cfg.ers.alpha, cfg.algo.scale_rewards = True, 0.5, scale
+    method = method_for(cfg, ctx.train_ids, 0, CPU, False)
+    ctx.state = method.state
+    first = step_through(method, step, ctx)[1]
+    assert step.baseline.metrics["ers_visits"] == 1 and step.baseline.metrics["ers_seen_frac"] == 1.0
+    step.rewards = torch.tensor([[1.0, 1], [1, 1]])
+    second = step_through(method, step, ctx)[1]
+    assert step.baseline.metrics["ers_visits"] == 2
+    torch.testing.assert_close(step.baseline.mean, torch.tensor([0.75, 1.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(step.baseline.std, torch.tensor([0.55902, 0.0]), atol=1e-5, rtol=0)
+    return first, second
 
 
 def test_grpo_with_ers_smooths_the_second_visit():
-    # α = .5. Visit 1 of prompt p0 with rewards [1, 0]: m = μ = .5, v = s² = .5 -> A as GRPO, ±.70700.
-    # Visit 2 with [1, 1] (μ2 = 1, s2² = 0): m = .5·1 + .5·.5 = .75; v = .5·0 + .5·.5 + .5·.5·(1 - .5)² = .3125
-    # (docs/methods.md §2, the mixture variance), sqrt .55902 -> A = (1 - .75)/(.55902 + 1e-4) = .44713 for both.
-    cfg, step, ctx = step_and_context("grpo", torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
-    cfg.ers.enabled, cfg.ers.alpha = True, 0.5
-    method = method_for(cfg, ctx.train_ids, 0, CPU, False)
-    ctx.state = method.state
-    first = method.advantages(step, ctx)
-    torch.testing.assert_close(first.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
-    assert first.metrics["ers_visits"] == 1 and first.metrics["ers_seen_frac"] == 1.0
-    step.rewards = torch.tensor([[1.0, 1], [1, 1]])
-    second = method.advantages(step, ctx)
-    torch.testing.assert_close(second.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
-    assert second.metrics["ers_visits"] == 2
+    # visit 1 as GRPO: ±.5/(.70711 + 1e-4) = ±.70700; visit 2: A = (1 - .75)/(.55902 + 1e-4) = .44713 for both
+    # completions of p0 (plain GRPO: 0, the group is all-equal); p1: (1 - 1)/(0 + 1e-4) = 0.
+    first, second = two_ers_visits("grpo", scale=True)
+    torch.testing.assert_close(first.advantages[:, 0], torch.tensor([0.70700, -0.70700, 0, 0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(second.advantages[:, 0], torch.tensor([0.44713, 0.44713, 0, 0]), atol=1e-4, rtol=0)
+
+
+def test_dr_grpo_with_ers_centres_on_the_smoothed_mean():
+    # Dr. GRPO: visit 1 ±.5; visit 2: A = 1 - m = 1 - .75 = .25 for both completions of p0
+    first, second = two_ers_visits("grpo", scale=False)
+    torch.testing.assert_close(first.advantages[:, 0], torch.tensor([0.5, -0.5, 0, 0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(second.advantages[:, 0], torch.tensor([0.25, 0.25, 0, 0]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_rloo_with_ers_takes_the_leave_one_out_mean_of_a_group_of_mean_m(scale):
+    # RLOO under ERS (docs/methods.md §2): A_i = G/(G-1)·(r_i - m), i.e. the baseline of completion i is
+    # (G·m - r_i)/(G-1), the mean of the other G - 1 in a group whose mean were m.
+    # visit 1 (m = μ): RLOO's own, 2·(±.5) = ±1 (= r_i - r_j). Visit 2, p0: baseline (2·.75 - 1)/1 = .5,
+    # A = 1 - .5 = .5 = 2·(1 - .75) for both; with the std: .5/(.55902 + 1e-4) = .89427 (visit 1:
+    # ±1/(.70711 + 1e-4) = ±1.41401). p1: 0.
+    first, second = two_ers_visits("rloo", scale=scale)
+    one, two = (1.41401, 0.89427) if scale else (1.0, 0.5)
+    torch.testing.assert_close(first.advantages[:, 0], torch.tensor([one, -one, 0, 0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(second.advantages[:, 0], torch.tensor([two, two, 0, 0]), atol=1e-4, rtol=0)
+
+
+def test_reinforce_pp_baseline_with_ers_subtracts_the_smoothed_mean():
+    # REINFORCE++-baseline under ERS: R_i - m_q, then the return and the token whitening (no std to replace).
+    # Visit 1 = the plain method (test_reinforce_pp_baseline_subtracts_the_group_mean): 1.13706, -1.42134, -.14213.
+    # Visit 2: p0 R - m = 1 - .75 = .25 on rows 0-1 (3 + 2 tokens), p1 1 - 1 = 0 on rows 2-3 (1 + 3 tokens);
+    # mean 1.25/9 = .13889, deviations .11111 x5 and -.13889 x4, Σd² = .06173 + .07716 = .13889,
+    # Bessel var .13889/8 = .017361, std .13176: A(.25) = .11111/.13176 = .84327, A(0) = -.13889/.13176 = -1.05409.
+    # (Plain REINFORCE++-baseline gives 0 on every token at visit 2: both groups are all-equal.)
+    first, second = two_ers_visits("reinforce_pp_baseline", scale=True)
+    p, n, z = 1.13706, -1.42134, -0.14213
+    torch.testing.assert_close(first.advantages, torch.tensor([[p, p, p], [n, n, 0], [z, 0, 0], [z, z, z]]),
+                               atol=1e-4, rtol=0)
+    a, b = 0.84327, -1.05409
+    torch.testing.assert_close(second.advantages, torch.tensor([[a, a, a], [a, a, 0], [b, 0, 0], [b, b, b]]),
+                               atol=1e-4, rtol=0)
 
 
 def test_pspo_with_ers_and_pps_on_at_once():
@@ -146,13 +217,13 @@ def test_pspo_with_ers_and_pps_on_at_once():
     sampler = build_sampler(cfg, ["p0", "p1", "p2"], "test")
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
     ctx.state = method.state
-    first = method.advantages(step, ctx)
-    sampler.update(step.indices, step.rewards, step.rewards)
+    first = step_through(method, step, ctx)[0]
+    sampler.observe(step.indices, step.rewards, step.rewards)
     torch.testing.assert_close(first.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
     torch.testing.assert_close(sampler.priorities(), torch.tensor([0.81218, 2.5119e-4, 1.0], dtype=torch.float64),
                                atol=1e-5, rtol=1e-4)
     step.rewards = torch.tensor([[1.0, 1], [1, 1]])
-    second = method.advantages(step, ctx)
-    sampler.update(step.indices, step.rewards, step.rewards)
+    second = step_through(method, step, ctx)[0]
+    sampler.observe(step.indices, step.rewards, step.rewards)
     torch.testing.assert_close(second.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
     assert float(sampler.priorities()[0]) == pytest.approx(2.5119e-4, rel=1e-4)

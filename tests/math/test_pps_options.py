@@ -31,7 +31,8 @@ def test_uniform_mix_probabilities_and_weights_hand_worked():
     s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
     assert s._mix_constant() == pytest.approx(0.625, abs=1e-12)
     torch.testing.assert_close(s.probabilities(), torch.tensor([.13, .21, .29, .37], dtype=torch.float64))
-    idx, w = s.sample(4)
+    idx = s.sample(4)
+    w = s.weights
     assert sorted(idx.tolist()) == [0, 1, 2, 3]
     torch.testing.assert_close(w, torch.tensor([1, .78680, .66953, .59275])[idx], atol=1e-5, rtol=0)
     st = s.batch_stats()
@@ -42,7 +43,8 @@ def test_uniform_mix_probabilities_and_weights_hand_worked():
     # is_norm=none keeps the raw (N·P')^-β
     n = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0, uniform_mix=0.2, is_norm="none")
     n.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
-    idx, w = n.sample(4)
+    idx = n.sample(4)
+    w = n.weights
     torch.testing.assert_close(w, torch.tensor([1.38675, 1.09109, .92848, .82199])[idx], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match=r"pps.uniform_mix: expected a value in \[0, 1\), got 1"):
         PrioritySampler(4, uniform_mix=1.0)
@@ -63,7 +65,7 @@ def test_uniform_mix_draws_follow_p_plus_c_chi_square():
     n = 6_000
     pairs, firsts = torch.zeros(3), torch.zeros(3)
     for _ in range(n):
-        idx, _ = s.sample(2)
+        idx = s.sample(2)
         pairs[int(idx.sum()) - 1] += 1                   # {0,1} -> 0, {0,2} -> 1, {1,2} -> 2
         firsts[int(idx[0])] += 1
     assert chi2(firsts, [4 / 48, 13 / 48, 31 / 48], n) < 13.82, firsts
@@ -71,7 +73,7 @@ def test_uniform_mix_draws_follow_p_plus_c_chi_square():
     # without the mix prompt 0 would never come: the pair {1,2} every time
     plain = PrioritySampler(3, alpha=1.0, eps=0.0, seed=0)
     plain.set_priorities(torch.arange(3), rows(0.0, 1.0, 3.0))
-    assert all(sorted(plain.sample(2)[0].tolist()) == [1, 2] for _ in range(50))
+    assert all(sorted(plain.sample(2).tolist()) == [1, 2] for _ in range(50))
 
 
 # ---- priority = posterior ----
@@ -116,7 +118,7 @@ def test_posterior_priorities_drive_the_draws_chi_square():
     n = 6_000
     firsts = torch.zeros(3)
     for _ in range(n):
-        firsts[int(s.sample(1)[0])] += 1
+        firsts[int(s.sample(1))] += 1
     assert chi2(firsts, [8 / 22, 5 / 22, 9 / 22], n) < 13.82, firsts
     # mean_abs on the same groups would starve prompt 1 (|A| = 0): the draws differ
     assert chi2(firsts, [.5, 0.0001, .4999], n) > 1000
@@ -151,13 +153,13 @@ def test_skip_keeps_a_streak_prompt_with_probability_rho_k_chi_square():
     n = 8_000
     counts = {(0, 0): 0, (1, 1): 0, (1, 0): 0}
     for _ in range(n):
-        idx, _ = s.sample(1)
+        idx = s.sample(1)
         counts[(int(idx[0]), int(s.batch_stats()["skipped"]))] += 1
     assert chi2(list(counts.values()), [.25, .25, .5], n) < 13.82, counts
     # without skip, the same streak changes nothing: prompt 0 half the time
     plain = PrioritySampler(2, seed=0)
     plain.zero_streak[0] = 1
-    zeros = sum(int(plain.sample(1)[0][0]) == 0 for _ in range(2_000))
+    zeros = sum(int(plain.sample(1)[0]) == 0 for _ in range(2_000))
     assert abs(zeros / 2_000 - 0.5) < 0.05 and plain.batch_stats()["skipped"] == 0
 
 
@@ -176,13 +178,13 @@ def test_skip_with_every_prompt_on_a_streak_chi_square():
     n = 8_000
     counts = {(0, 0): 0, (0, 1): 0, (1, 0): 0, (1, 1): 0}
     for _ in range(n):
-        idx, _ = s.sample(1)
+        idx = s.sample(1)
         counts[(int(idx[0]), int(s.batch_stats()["skipped"]))] += 1
     assert chi2(list(counts.values()), [.25, .375, .125, .25], n) < 16.27, counts
     # s_min floors the keep probability: streak 10 at ρ=.5 would be kept 1/1024 of the time, s_min=.5 keeps half
     f = PrioritySampler(2, skip=True, skip_rho=0.5, skip_min=0.5, seed=2)
     f.zero_streak[0] = 10
-    zeros = sum(int(f.sample(1)[0][0]) == 0 for _ in range(4_000))     # P(0) = .5·.5 = .25
+    zeros = sum(int(f.sample(1)[0]) == 0 for _ in range(4_000))        # P(0) = .5·.5 = .25
     assert abs(zeros / 4_000 - 0.25) < 0.03
 
 
@@ -195,7 +197,7 @@ def test_skip_counts_the_skipped_prompts():
     s.zero_streak[3] = 3
     n, hits = 4_000, 0
     for _ in range(n):
-        idx, _ = s.sample(3)
+        idx = s.sample(3)
         assert sorted(idx.tolist()) == [0, 1, 2]
         st = s.batch_stats()
         assert st["skipped"] in (0.0, 1.0)
@@ -215,7 +217,8 @@ def test_skip_takes_the_skipped_back_when_the_prompts_run_out(mix):
     s.zero_streak[:] = 5
     tree, count = s.tree.clone(), s.count.clone()
     for _ in range(30):
-        idx, w = s.sample(3)
+        idx = s.sample(3)
+        w = s.weights
         assert len(set(idx.tolist())) == 3 and all(0 <= i < 5 for i in idx.tolist())
         assert s.batch_stats()["skipped"] == 2
         assert torch.equal(s.tree, tree) and torch.equal(s.count, count)
@@ -223,7 +226,7 @@ def test_skip_takes_the_skipped_back_when_the_prompts_run_out(mix):
     # one prompt without a streak is always in the batch, the rest come from the taken-back skips
     s.zero_streak[4] = 0
     for _ in range(30):
-        idx, _ = s.sample(3)
+        idx = s.sample(3)
         assert 4 in idx.tolist() and len(set(idx.tolist())) == 3
         assert s.batch_stats()["skipped"] == 2                             # 4 skipped, 2 of them taken back
     # too few drawable prompts even with the skipped ones back: an error, trees restored
@@ -248,7 +251,7 @@ def test_state_round_trip_with_the_new_options(tmp_path):
     s = PrioritySampler(12, **opts, seed=3)
     g = torch.Generator().manual_seed(0)
     for step in range(6):
-        idx, _ = s.sample(5)
+        idx = s.sample(5)
         succ = (torch.rand(5, 4, generator=g) < 0.5).double()
         succ[step % 5] = 0.0                                               # a zero-variance group each step
         s.set_priorities(idx, grpo_abs(succ), succ)
@@ -259,7 +262,8 @@ def test_state_round_trip_with_the_new_options(tmp_path):
     for key in ("posterior_a", "posterior_b", "zero_streak", "seen"):
         assert torch.equal(getattr(t, key), getattr(s, key)), key
     for step in range(5):
-        (i1, w1), (i2, w2) = s.sample(5), t.sample(5)
+        i1, i2 = s.sample(5), t.sample(5)
+        w1, w2 = s.weights, t.weights
         assert torch.equal(i1, i2) and torch.equal(w1, w2)
         assert s.batch_stats() == t.batch_stats()
         succ = (torch.rand(5, 4, generator=g) < 0.3).double()

@@ -17,7 +17,8 @@ def test_probabilities_and_normalized_weights_hand_worked():
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
     s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
     torch.testing.assert_close(s.probabilities(), torch.tensor([.1, .2, .3, .4], dtype=torch.float64))
-    idx, w = s.sample(4)
+    idx = s.sample(4)
+    w = s.weights
     assert sorted(idx.tolist()) == [0, 1, 2, 3]
     expected = torch.tensor([1, .70711, .57735, .5])[idx]
     torch.testing.assert_close(w, expected, atol=1e-5, rtol=0)
@@ -30,7 +31,8 @@ def test_is_norm_mean_and_none_hand_worked():
     for norm, expected in (("none", raw), ("mean", torch.tensor([1.43655, 1.01579, .82939, .71827]))):
         s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0, is_norm=norm)
         s.set_priorities(torch.arange(4), rows(1, 2, 3, 4))
-        idx, w = s.sample(4)
+        idx = s.sample(4)
+        w = s.weights
         torch.testing.assert_close(w, expected[idx], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="pps.is_norm: expected one of batch_max, mean, none, got 'max'"):
         PrioritySampler(4, is_norm="max")
@@ -88,7 +90,7 @@ def test_sample_without_replacement_follows_successive_sampling_chi_square():
     n = 6_000
     pairs, firsts = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     for _ in range(n):
-        idx, _ = s.sample(2)
+        idx = s.sample(2)
         pairs[int(idx.sum()) - 1] += 1                     # {0,1} -> 0, {0,2} -> 1, {1,2} -> 2
         firsts[int(idx[0])] += 1
     for counts, probs in ((pairs, [0.15, 4 / 15, 7 / 12]), (firsts, [1 / 6, 2 / 6, 3 / 6])):
@@ -104,7 +106,7 @@ def test_sample_refuses_more_prompts_than_have_a_priority():
     # prompts than have p > 0 is an error, not an endless loop. Priorities [1, 0, 0]: 1 drawable.
     s = PrioritySampler(3, alpha=1.0, eps=0.0)
     s.set_priorities(torch.arange(3), rows(1.0, 0.0, 0.0))
-    assert s.sample(1)[0].tolist() == [0]
+    assert s.sample(1).tolist() == [0]
     before = s.tree.clone()
     with pytest.raises(ValueError, match="2 distinct prompts asked, but only 1 have a priority above 0"):
         s.sample(2)
@@ -118,7 +120,8 @@ def test_sample_refuses_more_prompts_than_have_a_priority():
 def test_sample_is_distinct_and_never_padding():
     s = PrioritySampler(5, seed=1)                                       # S = 8: three padding leaves
     for _ in range(50):
-        idx, w = s.sample(5)
+        idx = s.sample(5)
+        w = s.weights
         assert sorted(idx.tolist()) == [0, 1, 2, 3, 4] and w.max().item() == 1.0
 
 
@@ -145,7 +148,8 @@ def test_state_dict_round_trip(tmp_path):
     t = PrioritySampler(50, seed=99)
     t.load_state_dict(torch.load(tmp_path / "pps.pt", weights_only=True))
     for _ in range(3):
-        (i1, w1), (i2, w2) = s.sample(8), t.sample(8)
+        i1, i2 = s.sample(8), t.sample(8)
+        w1, w2 = s.weights, t.weights
         assert torch.equal(i1, i2) and torch.equal(w1, w2)
 
 
@@ -161,7 +165,7 @@ def test_batch_stats_hand_worked():
     assert abs(st["is_max"] - 1.58114) < 1e-5 and abs(st["is_min"] - 0.79057) < 1e-5
     assert abs(st["ess"] - 3.72153) < 1e-4 and abs(st["entropy"] - 0.92322) < 1e-4
     assert 0 <= st["repeat_frac"] < 1                    # 4 distinct of 4 needs >= 4 raw draws
-    assert st["revisit_frac"] == 1                        # all 4 were scored by the update above
+    assert st["revisit_frac"] == 1                        # all 4 were scored by the priorities set above
     # one prompt drawn: nothing to repeat, ess 1, and uniform priorities have entropy 1
     u = PrioritySampler(8)
     u.sample(1)
@@ -177,7 +181,7 @@ def test_repeat_fraction_counts_redrawn_duplicates():
     # repeat_frac = 1 - 2/3 = 1/3.
     s = PrioritySampler(2, alpha=1.0, eps=0.0, seed=0)
     s.set_priorities(torch.arange(2), rows(1.0, 1e-3))
-    indices, _ = s.sample(2)
+    indices = s.sample(2)
     assert sorted(indices.tolist()) == [0, 1]
     assert s.batch_stats()["repeat_frac"] == pytest.approx(1 / 3)
 
@@ -190,19 +194,21 @@ def test_sampling_with_mass_on_few_prompts_is_bounded_and_restores_the_tree():
     s.set_priorities(torch.arange(50), torch.zeros(50, 4))          # floor: (0 + 1e-6) ** 0.6
     s.set_priorities(torch.arange(50, 100), torch.ones(50, 4))      # 1.0
     before = s.tree.clone()
-    indices, weights = s.sample(100)
+    indices = s.sample(100)
+    weights = s.weights
     assert sorted(indices.tolist()) == list(range(100))
     assert s._last["draws"] <= 5050
     assert torch.equal(s.tree, before)                      # zeroed leaves got their priorities back
     assert weights.max() == 1.0 and bool((weights > 0).all())
 
 
-def test_update_of_another_batch_than_the_last_sample_is_an_error():
-    # The last sample drew 2 prompts; an update of 3 would hand out weights of other prompts (or,
-    # silently, all ones). Before any sample, update returns ones (priorities set directly).
+def test_observing_another_batch_than_the_last_sample_is_an_error():
+    # The last sample drew 2 prompts; observing 3 would hand out weights of other prompts (or,
+    # silently, all ones). Before any sample, the weights are ones (priorities set directly).
     s = PrioritySampler(4, alpha=1.0, beta=0.5, eps=0.0)
     assert s.set_priorities(torch.arange(3), rows(1, 2, 3)).tolist() == [[1.0] * 4] * 3
-    idx, w = s.sample(2)
+    idx = s.sample(2)
+    w = s.weights
     before = s.priorities()
     with pytest.raises(ValueError, match=r"3 prompts scored, but the last sample drew 2"):
         s.set_priorities(torch.arange(3), rows(4, 4, 4))
@@ -211,7 +217,7 @@ def test_update_of_another_batch_than_the_last_sample_is_an_error():
     torch.testing.assert_close(s.set_priorities(idx, rows(1, 2)), w[:, None].expand(2, 4))
 
 
-def test_update_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worked():
+def test_observe_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worked():
     # rewards [1, 0]: μ = .5, s = .70711; GRPO |A| = .5 / (.70711 + 1e-4) = .70700 for both completions,
     # p = (.70700 + 1e-6)^.6 = exp(.6 ln .70700) = .81218; with adv_eps .5, |A| = .5 / 1.20711 = .41421,
     # p = .58930. Dr. GRPO (no std scaling): |A| = .5, p = (.5 + 1e-6)^.6 = exp(.6 ln .5) = .65975.
@@ -219,11 +225,11 @@ def test_update_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worked
     # p = (.75·.25 + 1e-6)^.6 = .1875^.6 = .36627 (below the starting .25^.6 = .43528).
     for scale, adv_eps, expected in ((True, 1e-4, 0.81218), (True, 0.5, 0.58930), (False, 0.5, 0.65975)):
         s = PrioritySampler(2, alpha=0.6, beta=0.4, eps=1e-6, scale_rewards=scale, adv_eps=adv_eps)
-        weights = s.update(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
+        weights = s.observe(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
         assert float(s.priorities()[0]) == pytest.approx(expected, rel=1e-4)
         assert weights.tolist() == [[1.0, 1.0]]                          # nothing drawn yet: ones
     s = PrioritySampler(2, alpha=0.6, eps=1e-6, priority="posterior")
-    s.update(torch.tensor([0]), torch.tensor([[5.0, 5.0]]), torch.tensor([[1.0, 1.0]]))
+    s.observe(torch.tensor([0]), torch.tensor([[5.0, 5.0]]), torch.tensor([[1.0, 1.0]]))
     assert float(s.priorities()[0]) == pytest.approx(0.36627, rel=1e-4)
 
 
@@ -240,7 +246,6 @@ def test_build_sampler_hands_the_algo_sections_advantage_settings_to_pps():
 def test_uniform_sampling_weighs_every_completion_one():
     from pspo.sampler import UniformSampler
     s = UniformSampler(5, seed=0)
-    idx, w = s.sample(2)
-    assert w.tolist() == [1.0, 1.0]
+    idx = s.sample(2)
     rewards = torch.tensor([[1.0, 0.0, 3.0], [2.0, 2.0, 2.0]])
-    assert s.update(idx, rewards, torch.zeros(2, 3)).tolist() == [[1.0] * 3] * 2
+    assert s.observe(idx, rewards, torch.zeros(2, 3)).tolist() == [[1.0] * 3] * 2

@@ -78,7 +78,7 @@ def test_weights_and_priorities_hand_worked():
     # Dr. GRPO's |A| = .5 gives .5^.6 = .65975
     for scale, adv_eps, expected in ((True, 1e-4, 0.81218), (True, 0.5, 0.58930), (False, 0.5, 0.65975)):
         r = ReferenceSampler(2, alpha=0.6, beta=0.4, scale_rewards=scale, adv_eps=adv_eps)
-        r.update(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
+        r.observe(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
         assert r.priorities()[0].item() == pytest.approx(expected, rel=1e-4)
 
 
@@ -114,13 +114,13 @@ def test_epochs_draw_n_rows_serve_b_and_drop_the_tail():
     # N=5, B=2: an epoch draws 5 rows with replacement and serves rows [0:2], [2:4]; the 5th is
     # dropped and the third step starts a new epoch.
     s = ReferenceSampler(5, seed=0)
-    i1, w1 = s.sample(2)
+    i1 = s.sample(2)
     order = s.order.clone()
-    assert len(order) == 5 and torch.equal(i1, order[:2]) and torch.equal(w1, torch.ones(2))
+    assert len(order) == 5 and torch.equal(i1, order[:2])
     assert s.batch_stats()["epoch"] == 0
-    i2, _ = s.sample(2)
+    i2 = s.sample(2)
     assert torch.equal(i2, order[2:4]) and torch.equal(s.order, order) and s.batch_stats()["epoch"] == 0
-    i3, _ = s.sample(2)
+    i3 = s.sample(2)
     assert s.batch_stats()["epoch"] == 1 and s.position == 2 and len(s.order) == 5
     assert torch.equal(i3, s.order[:2])
     # the epoch's draws are the reference code's multinomial over the priorities (all 1 here: uniform)
@@ -136,11 +136,11 @@ def test_priority_updates_change_only_the_next_epoch():
     # same rows as `b`'s; step 3 starts a new epoch from the new priorities: row 4 only
     # (P(all 5 draws = 4) = (1/(1 + 4e-6))^5 > .9999).
     a, b = ReferenceSampler(5, alpha=1.0, seed=0), ReferenceSampler(5, alpha=1.0, seed=0)
-    assert torch.equal(a.sample(2)[0], b.sample(2)[0])
+    assert torch.equal(a.sample(2), b.sample(2))
     a.set_priorities(torch.arange(5), torch.tensor([[0.0, 0.0]] * 4 + [[1.0, 1.0]]))
-    a2, b2 = a.sample(2)[0], b.sample(2)[0]
+    a2, b2 = a.sample(2), b.sample(2)
     assert torch.equal(a2, b2) and b2.tolist() != [4, 4]          # the frozen order, not the new priorities
-    a3, b3 = a.sample(2)[0], b.sample(2)[0]
+    a3, b3 = a.sample(2), b.sample(2)
     assert a3.tolist() == [4, 4] and a.order.tolist() == [4] * 5
     assert b.order.tolist() != [4] * 5
 
@@ -155,7 +155,7 @@ def test_epoch_draws_follow_the_priorities_with_replacement_chi_square():
     n = 5_000
     counts, repeats = torch.zeros(4), 0
     for _ in range(n):
-        idx, _ = s.sample(4)
+        idx = s.sample(4)
         counts += torch.bincount(idx, minlength=4)
         repeats += s.batch_stats()["repeat_frac"] > 0
     expected = torch.tensor([.1, .2, .3, .4]) * 4 * n
@@ -168,7 +168,7 @@ def test_batch_stats_repeat_fraction_hand_worked():
     # an epoch whose draws are [2, 2, 0, 2] (N = B = 4): 2 distinct of 4 -> repeat_frac 1 - 2/4 = .5
     s = ReferenceSampler(4)
     s.order, s.position = torch.tensor([2, 2, 0, 2]), 0
-    assert s.sample(4)[0].tolist() == [2, 2, 0, 2]
+    assert s.sample(4).tolist() == [2, 2, 0, 2]
     assert s.batch_stats() == {"epoch": 0.0, "repeat_frac": 0.5}
 
 
@@ -176,7 +176,7 @@ def test_state_round_trip_mid_epoch(tmp_path):
     # Saved mid-epoch (N=5, B=2: after step 1, position 2): a sampler built with another seed and
     # loaded serves the same rest of the epoch, the same next epochs (RNG), the same weights.
     s = ReferenceSampler(5, seed=3)
-    i, _ = s.sample(2)
+    i = s.sample(2)
     s.set_priorities(i, torch.tensor([[0.5, 0.0], [1.5, 2.0]]))
     torch.save(s.state_dict(), tmp_path / "ref.pt")
     t = ReferenceSampler(5, seed=99)
@@ -184,7 +184,7 @@ def test_state_round_trip_mid_epoch(tmp_path):
     assert t.position == 2 and t.epoch == 0 and torch.equal(t.order, s.order)
     g = torch.Generator().manual_seed(1)
     for _ in range(5):                                                     # crosses two epoch boundaries
-        (i1, _), (i2, _) = s.sample(2), t.sample(2)
+        i1, i2 = s.sample(2), t.sample(2)
         assert torch.equal(i1, i2) and s.batch_stats() == t.batch_stats()
         adv = torch.rand(2, 2, generator=g)
         assert torch.equal(s.set_priorities(i1, adv), t.set_priorities(i2, adv))

@@ -10,12 +10,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pspo.training import distributed
-from pspo.advantages import reinforce_pp_advantages, reinforce_pp_returns, whiten
+from pspo.estimators import reinforce_pp_advantages, reinforce_pp_returns, whiten
 from pspo.training.config import ConfigError, load_config
 from pspo.training.distributed import Dist
 from pspo.loss import policy_loss
 from pspo.tasks.data import builtin_arithmetic, format_prompt
-from pspo.methods import Context, StepRollouts, method_for, score_first, update_batch
+from pspo.methods import Context, StepRollouts, group_baseline, method_for, score_first, training_batch
 from pspo.training.model import build_policy, load_tokenizer
 from pspo.training.optim import lr_lambda
 from pspo.rewards import RewardResult
@@ -63,10 +63,11 @@ def test_baseline_subtracts_the_group_mean_first():
     # [3, 3, 3, 3] -> 0. No KL: G = R - mean. Whitened over the 8 tokens: mean 0, Σd² = 4 * .25 = 1,
     # Bessel var 1/7 -> ±.5·sqrt(7) = ±1.32288; the flat group stays 0.
     rewards, mask = torch.tensor([1.0, 0, 0, 1, 3, 3, 3, 3]), torch.ones(8, 1)
-    G = reinforce_pp_returns(rewards, mask, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10, group_size=4)
+    means = torch.tensor([0.5] * 4 + [3.0] * 4)                            # (8,) each completion's group mean
+    G = reinforce_pp_returns(rewards, mask, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10, baseline=means)
     torch.testing.assert_close(G[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]), atol=0, rtol=0)
     A = reinforce_pp_advantages(rewards, mask, old_logp=None, ref_logp=None, kl_coef=0.0, clip_score=10,
-                                group_size=4, reduce_sum=LOCAL)
+                                baseline=means, reduce_sum=LOCAL)
     torch.testing.assert_close(A[:, 0], torch.tensor([1.32288, -1.32288, -1.32288, 1.32288, 0, 0, 0, 0]),
                                atol=1e-4, rtol=0)
     # without the baseline the same rewards whiten around their mean 1.75 instead: a 3 stays positive
@@ -156,8 +157,9 @@ def random_batch(seed, N=12, T=7):
 def test_matches_a_direct_loop_on_random_batches(seed, group_size, variance):
     rewards, mask, old, ref = random_batch(seed)
     assert (rewards.abs() > 5).any()                                       # clip_score 5 is exercised
+    baseline = rewards.view(-1, group_size).mean(1).repeat_interleave(group_size) if group_size else None   # (N,)
     got = reinforce_pp_advantages(rewards, mask, old_logp=old, ref_logp=ref, kl_coef=0.05, clip_score=5.0,
-                                  group_size=group_size, variance=variance, reduce_sum=LOCAL)
+                                  baseline=baseline, variance=variance, reduce_sum=LOCAL)
     want = loop_advantages(rewards, mask, old, ref, 0.05, 5.0, group_size, variance)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got[mask].std().item() > 0.5                                    # whitened, not trivially 0
@@ -196,8 +198,10 @@ def test_config_requires_no_kl_loss_and_no_ers():
     assert not load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp"]).algo.needs_reference
     with pytest.raises(ConfigError, match=r"^algo.beta: expected 0 with algo.advantage=reinforce_pp .*KL is in the"):
         load_config("configs/grpo.yaml", base + ["--algo.beta=0.04"])
-    with pytest.raises(ConfigError, match=r"^ers.enabled: expected false with algo.advantage=reinforce_pp_baseline"):
-        load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp_baseline", "--ers.enabled=true"])
+    # ERS smooths a group baseline: the baseline variant has one (R_i - m_q), plain REINFORCE++ none
+    assert load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp_baseline", "--ers.enabled=true"]).ers.enabled
+    with pytest.raises(ConfigError, match=r"^ers.enabled: expected false with algo.advantage=reinforce_pp "):
+        load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp", "--ers.enabled=true"])
     with pytest.raises(ConfigError, match=r"^algo.kl_coef: expected 0 with algo.advantage=grpo"):
         load_config("configs/grpo.yaml", ["--algo.kl_coef=0.001"])
     with pytest.raises(ConfigError, match=r"^algo.whiten: expected bessel \| population, got 'std'"):
@@ -240,8 +244,9 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     step = StepRollouts(step=0, indices=torch.arange(4), rows=rows, seeds=seeds, rollout=rollout,
                         scored=scored, rewards=rewards, is_weights=torch.ones(4, 3), inputs=inputs)
     step.old_logp, step.ref_logp = score_first(method, step, ctx)      # the loop's calls around the method
-    out = method.advantages(step, ctx)
-    batch, _ = update_batch(out, step, ctx)
+    step.baseline = group_baseline(method, step, ctx)
+    out = method.estimate(step, ctx)
+    batch, _ = training_batch(out, step, ctx)
     policy_update(policy, optimizer, scheduler, batch, cfg, cpu)
     # 12 sequences in micro-batches of 4: 3 eval-mode scoring calls per scoring pass, then 3 per iteration
     assert calls == [False] * scoring + [True] * 3 * cfg.algo.num_iterations

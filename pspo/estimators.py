@@ -1,15 +1,19 @@
-"""Advantages from rewards: pure tensor functions, docs/methods.md §1 and §6.
+"""The advantage estimators' formulas: pure tensor functions, docs/methods.md §1 and §2, docs/related.md §A.
 
-GRPO:      A_i = (r_i - μ) / (s + ε)     μ, s = mean and sample std (Bessel, G-1) of the group
-Dr. GRPO:  A_i =  r_i - μ                (scale = False)
-(ERS's advantage from the smoothed statistics, §2, is ema_stats.smoothed_advantages.)
+A group-baseline estimator reads each prompt's reward statistics (mean, std): its group's own
+(`group_statistics`: μ and the sample std s), or with ERS the prompt's smoothed (m_q, sqrt(v_q))
+(ema_stats.py, docs/methods.md §2). With either:
+
+GRPO:      A_i = (r_i - mean) / (std + ε)
+Dr. GRPO:  A_i =  r_i - mean                      (scale = False)
+RLOO:      A_i = G/(G-1) · (r_i - mean)           = r_i - mean_{j≠i} r_j with the group's μ (÷ (std + ε): scale)
 One value per completion; the loss broadcasts it over the completion's tokens.
 
-REINFORCE++ (§6, docs/related.md §A), one value per token:
-    r_t = -kl_coef·(logπ_old - logπ_ref)_t + 1[t = last]·clip(R_i, ±clip_score)
+REINFORCE++ (docs/related.md §A), one value per token:
+    r_t = -kl_coef·(logπ_old - logπ_ref)_t + 1[t = last]·clip(R_i - b_i, ±clip_score)
     G_t = Σ_{t'≥t} r_t'                         (γ = 1)
     A_t = (G_t - mean) / sqrt(var + 1e-8)       mean, var over every valid token of the global batch
-REINFORCE++-baseline: R_i <- R_i - mean of its group first, then the same.
+b_i = 0 (REINFORCE++), or the mean of R_i's group (REINFORCE++-baseline; ERS: m_q).
 """
 from __future__ import annotations
 
@@ -34,19 +38,48 @@ def zero_variance(rewards: Tensor) -> Tensor:
     return (rewards == rewards[:, :1]).all(dim=1)
 
 
+def group_statistics(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """Each group's reward mean μ and sample std s (Bessel, G-1), docs/methods.md §1. (B, G) -> (B,), (B,)
+
+    An all-equal group's μ is its first reward exactly (`zero_variance`), so every estimator centres
+    it to exactly 0. A group of one (G = 1) has s = 0: no spread to compare against.
+    """
+    mean = torch.where(zero_variance(rewards), rewards[:, 0], rewards.mean(dim=1))   # (B,) μ
+    std = rewards.std(dim=1) if rewards.shape[1] > 1 else torch.zeros_like(mean)     # (B,) s
+    return mean, std
+
+
+def grpo_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:
+    """GRPO advantage, docs/methods.md §1 (ERS's with the smoothed statistics, §2).
+
+    rewards (B, G); mean, std (B,): the group's (μ, s) or ERS's (m_q, sqrt(v_q)) -> (B, G).
+    """
+    centered = rewards - mean[:, None]                       # (B, G)  r_i - μ
+    if not scale:                                            # Dr. GRPO: no std division
+        return centered
+    return centered / (std[:, None] + eps)
+
+
 def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:
-    """GRPO advantage, docs/methods.md §1. rewards: (B, G) -> (B, G).
+    """GRPO advantage from the group's own statistics, docs/methods.md §1. rewards: (B, G) -> (B, G).
 
     A group whose rewards are all equal gets A = 0 exactly, for any reward values (never NaN,
     never the ~1e-3 that float32 rounding of μ divided by s + ε would give). A group of one
     (G = 1) has no spread to compare against, so its advantage is 0 as well.
     """
-    mean = rewards.mean(dim=1, keepdim=True)                 # (B, 1)  μ
-    centered = rewards - mean                                # (B, G)  r_i - μ
-    if scale and rewards.shape[1] > 1:                       # GRPO; Dr. GRPO skips the std division
-        std = rewards.std(dim=1, keepdim=True)               # (B, 1)  sample std (G-1)
-        centered = centered / (std + eps)
-    return centered.masked_fill(zero_variance(rewards)[:, None], 0.0)
+    return grpo_advantages(rewards, *group_statistics(rewards), scale, eps)
+
+
+def rloo_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = False, eps: float = 1e-4) -> Tensor:
+    """RLOO advantage, docs/methods.md §1: r_i minus the mean of the group's other G - 1 rewards,
+    G/(G-1)·(r_i - μ); with ERS's m_q in place of μ, §2. scale divides by std + ε as GRPO does.
+
+    rewards (B, G); mean, std (B,) as `grpo_advantages` -> (B, G). G ≥ 2.
+    """
+    G = rewards.shape[1]
+    if G < 2:
+        raise ValueError("rollout.num_generations: RLOO's leave-one-out mean needs G >= 2 completions")
+    return G / (G - 1) * grpo_advantages(rewards, mean, std, scale, eps)
 
 
 def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:
@@ -72,21 +105,18 @@ def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum
 
 
 def reinforce_pp_returns(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | None, ref_logp: Tensor | None,
-                         kl_coef: float, clip_score: float, group_size: int | None = None) -> Tensor:
+                         kl_coef: float, clip_score: float, baseline: Tensor | None = None) -> Tensor:
     """REINFORCE++ returns G_t = Σ_{t'≥t} r_t' (γ = 1), zero past the mask. (N, T)
 
     rewards (N,) one scalar per completion; mask (N, T) its valid (completion) tokens; old_logp,
     ref_logp (N, T) log-probs of the rollout policy and the reference (both may be None when
-    kl_coef == 0). group_size G: REINFORCE++-baseline, rows are prompt-major (G consecutive rows
-    per prompt) and each R_i first loses its group's mean; None: plain REINFORCE++.
+    kl_coef == 0). baseline (N,): REINFORCE++-baseline, b_i subtracted from each R_i first (the
+    mean of its group, or ERS's m_q); None: plain REINFORCE++.
     """
     keep = mask.bool()                                                   # (N, T)
     N, T = keep.shape
-    if group_size is not None:                                           # baseline: R_i - mean_g(R), no std
-        if N % group_size:
-            raise ValueError(f"group_size: {N} rows are not whole groups of {group_size}")
-        grouped = rewards.view(N // group_size, group_size)              # (N/G, G)
-        rewards = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(N)
+    if baseline is not None:                                             # baseline: R_i - b_i, no std
+        rewards = rewards - baseline
     token_rewards = torch.zeros(N, T, dtype=torch.float32, device=keep.device)   # (N, T) r_t
     if kl_coef != 0:
         if old_logp is None or ref_logp is None:
@@ -103,7 +133,7 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | No
 
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | None, ref_logp: Tensor | None,
-                            kl_coef: float, clip_score: float, group_size: int | None = None,
+                            kl_coef: float, clip_score: float, baseline: Tensor | None = None,
                             variance: str = "bessel", reduce_sum: ReduceSum) -> Tensor:
     """REINFORCE++(-baseline) token-level advantages, docs/methods.md §6 / docs/related.md §A. (N, T)
 
@@ -112,5 +142,5 @@ def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, *, old_logp: Tensor |
     must call this together.
     """
     returns = reinforce_pp_returns(rewards, mask, old_logp=old_logp, ref_logp=ref_logp, kl_coef=kl_coef,
-                                   clip_score=clip_score, group_size=group_size)
+                                   clip_score=clip_score, baseline=baseline)
     return whiten(returns, mask, variance, reduce_sum=reduce_sum)

@@ -1,7 +1,8 @@
-"""GRPO / Dr. GRPO group advantages, docs/methods.md §1, checked against numbers worked by hand."""
+"""GRPO / Dr. GRPO / RLOO group advantages, docs/methods.md §1, checked against numbers worked by hand."""
+import pytest
 import torch
 
-from pspo.advantages import group_advantages, zero_variance
+from pspo.estimators import group_advantages, group_statistics, rloo_advantages, zero_variance
 
 
 def test_group_advantages_hand_worked():
@@ -73,3 +74,48 @@ def test_all_equal_group_gets_exactly_zero_for_any_reward_value():
     # A = [0.875, -0.125 x7] / 0.35365 = [2.47420, -0.35346 x7]
     torch.testing.assert_close(group_advantages(rewards)[2, :2], torch.tensor([2.47420, -0.35346]),
                                atol=1e-4, rtol=0)
+
+
+def test_group_statistics_hand_worked():
+    # [1,0,0,1]: μ = .5, s = sqrt(1/3) = .57735; [0,1,5,2]: μ = 2, s = sqrt((4+1+9+0)/3) = sqrt(14/3) = 2.16025;
+    # eight 0.7s: μ is the float32 0.7 itself (not the float32 mean .69999993), so r - μ = 0 exactly
+    mean, std = group_statistics(torch.tensor([[1., 0, 0, 1], [0, 1, 5, 2]]))
+    torch.testing.assert_close(mean, torch.tensor([.5, 2.]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(std, torch.tensor([.57735, 2.16025]), atol=1e-5, rtol=0)
+    flat = torch.tensor([[0.7] * 8])
+    assert group_statistics(flat)[0].item() == flat[0, 0].item()
+    # G = 1: s = 0, not the NaN of a Bessel std over one value
+    assert group_statistics(torch.tensor([[0.7], [2.0]]))[1].tolist() == [0.0, 0.0]
+
+
+def test_rloo_advantages_hand_worked():
+    # A_i = r_i - mean of the other G - 1 (docs/methods.md §1):
+    # [1,0,0,1]: r=1 -> 1 - (0+0+1)/3 = 2/3; r=0 -> 0 - (1+0+1)/3 = -2/3
+    # [1,0,0,0]: r=1 -> 1 - 0 = 1;          r=0 -> 0 - (1+0+0)/3 = -1/3
+    # [3,3,3,3]: 3 - 3 = 0 exactly
+    rewards = torch.tensor([[1., 0, 0, 1], [1, 0, 0, 0], [3, 3, 3, 3]])
+    adv = rloo_advantages(rewards, *group_statistics(rewards))
+    expected = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [1, -1 / 3, -1 / 3, -1 / 3], [0, 0, 0, 0]])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    assert torch.equal(adv[2], torch.zeros(4))
+    # G = 3, [0,1,5]: 0 - (1+5)/2 = -3; 1 - (0+5)/2 = -1.5; 5 - (0+1)/2 = 4.5 (= 3/2·(r - μ), μ = 2)
+    rewards = torch.tensor([[0., 1, 5]])
+    torch.testing.assert_close(rloo_advantages(rewards, *group_statistics(rewards)), torch.tensor([[-3., -1.5, 4.5]]),
+                               atol=1e-6, rtol=0)
+    # with the std option (algo.scale_rewards), as GRPO's: [1,0,0,1] -> ±(2/3)/(.57735 + 1e-4) = ±1.15450
+    rewards = torch.tensor([[1., 0, 0, 1]])
+    torch.testing.assert_close(rloo_advantages(rewards, *group_statistics(rewards), scale=True),
+                               torch.tensor([[1.15450, -1.15450, -1.15450, 1.15450]]), atol=1e-5, rtol=0)
+
+
+def test_rloo_equals_the_literal_leave_one_out_mean_on_random_groups():
+    # the closed form G/(G-1)·(r_i - μ) against (Σ_j r_j - r_i)/(G-1) computed directly
+    rewards = torch.rand(6, 5, generator=torch.Generator().manual_seed(0)) * 4 - 1           # (B, G)
+    others = (rewards.sum(1, keepdim=True) - rewards) / (rewards.shape[1] - 1)               # (B, G)
+    torch.testing.assert_close(rloo_advantages(rewards, *group_statistics(rewards)), rewards - others,
+                               atol=1e-5, rtol=0)
+
+
+def test_rloo_needs_two_completions():
+    with pytest.raises(ValueError, match="G >= 2"):
+        rloo_advantages(torch.tensor([[1.0]]), torch.tensor([1.0]), torch.tensor([0.0]))
