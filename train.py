@@ -34,10 +34,10 @@ from pspo.methods import (Context, GroupBaseline, Method, MethodOutput, StepRoll
 from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
-from pspo.related.prm import PRM, load_prm, prm_metrics
+from pspo.related.prm import PRM, check_prm_path, load_prm, prm_metrics
 from pspo.rewards import Score, gather_scores, reward_scorer
 from pspo.rollout import CountingEngine, build_engine, engine_name
-from pspo.sampler import UniformSampler, build_sampler, sampler_metrics, sampler_mode
+from pspo.sampler import UniformSampler, build_sampler, check_prompts_per_step, sampler_metrics, sampler_mode
 from pspo.tasks.data import DataError, PromptSet, data_rows, prompt_sets
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.training import checkpoint, distributed
@@ -236,15 +236,18 @@ class Run:
 
 def setup(cfg: Config, dist_: Dist) -> Run:
     """The run's parts, in an order where a mistake is found before anything slow: the checks that need
-    no model (the output folder, the checkpoint to resume, the engine, the data) come before a model is
-    built or loaded, those that need its tokenizer alone (the context, the prompts, the sampler) before
-    its weights, and every check that can refuse the run (also the memory plan, the PRM) before anything
-    is written to its folder (training/run.py: open_folder)."""
+    no model (the output folder, the checkpoint to resume, the engine, the data, PPS's batch, the PRM's
+    folder) come before a model is built or loaded, with nothing printed before them; those that need
+    its tokenizer alone (the context, the prompts, the sampler) before its weights; and every check that
+    can refuse the run (also the memory plan, the PRM) before anything is written to its folder
+    (training/run.py: open_folder)."""
     m, r, out = cfg.model, cfg.rollout, cfg.train.output_dir
     check_writable(out, "train.output_dir", folder=True)
     resume_from = checkpoint.resolve_resume(cfg, sampler_mode(cfg))        # its trainer state read, checked
     engine = engine_name(r.engine)
     rows = data_rows(cfg)                                                   # read, their golds checked
+    check_prompts_per_step(cfg, len(rows[0].usable), cfg.data.train)
+    check_prm_path(cfg)
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                  # builds a builtin model once
     distributed.barrier()

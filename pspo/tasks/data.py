@@ -266,6 +266,7 @@ class Rows:
     label: str                     # names the dataset in reports and errors, e.g. "data.train x.jsonl"
     examples: list[Example]        # every row read, in file order
     usable: list[int]              # row numbers (from 0) with a problem and a gold that parses
+    left_out: list[str]            # "row (why)" of each other row, reported by `tokenized`
 
 
 @dataclass
@@ -321,8 +322,9 @@ def prompt_set(label: str, examples: list[Example], tokenizer, *, system_prompt:
 
 
 def usable_rows(label: str, examples: list[Example], *, bad_gold: str = "skip") -> Rows:
-    """The rows with a problem and a gold answer that parses; the others reported in one line (bad_gold
-    "skip") or the first one a DataError ("error"). No tokenizer: checked before a model is loaded."""
+    """The rows with a problem and a gold answer that parses; the others left out (bad_gold "skip": kept in
+    Rows.left_out, reported by `tokenized`, so that nothing is printed before a later input is refused)
+    or the first one a DataError ("error"). No tokenizer: checked before a model is loaded."""
     usable, bad = [], []                    # row numbers; "row (why)" of each unusable row
     for row, ex in enumerate(examples):
         why = ("no problem text" if not ex.problem.strip()
@@ -340,16 +342,16 @@ def usable_rows(label: str, examples: list[Example], *, bad_gold: str = "skip") 
             bad.append(f"{row} ({why})")
     if not usable:
         raise DataError(f"{label}: no rows left of {len(examples)} ({len(bad)} without a usable gold answer)")
-    if bad:
-        print0(f"{label}: left out {len(bad)} of {len(examples)} rows without a usable problem and gold "
-               f"answer (data.bad_gold=skip): {_listed(bad)}")
-    return Rows(label, examples, usable)
+    return Rows(label, examples, usable, bad)
 
 
 def tokenized(rows: Rows, tokenizer, *, system_prompt: str, max_prompt_tokens: int) -> PromptSet:
     """The usable rows' chat prompts, tokenized once; a prompt longer than `max_prompt_tokens` is left
-    out, reported in one line (module docstring)."""
+    out; each kind of row left out is reported in one line (module docstring)."""
     label, examples, usable = rows.label, rows.examples, rows.usable
+    if rows.left_out:
+        print0(f"{label}: left out {len(rows.left_out)} of {len(examples)} rows without a usable problem and "
+               f"gold answer (data.bad_gold=skip): {_listed(rows.left_out)}")
     # a chat-formatted problem (PaddleNLP's K&K src) is the prompt itself: never templated twice
     texts = [examples[row].problem if examples[row].chat_formatted else
              format_prompt(tokenizer, examples[row].problem, system_prompt) for row in usable]
