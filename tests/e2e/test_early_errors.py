@@ -1,12 +1,15 @@
 """A mistake is found before anything slow: every input train.py and eval.py can check without a model
-(the data files and splits, the output folder or file, the checkpoint to resume, the engine, the
-settings) stops the run before a model is built or loaded, with one line naming the file or key and
-nothing printed before it.
+(the data files and splits, the output folder or file, the checkpoint to resume, the engine, PPS's
+batch, the PRM's folder, the settings) stops the run before a model is built or loaded, with one line
+naming the file or key and nothing printed before it.
 
-Each case runs with an empty model cache ($PSPO_CACHE), where `builtin:tiny` would be built first (a
-minute or more): in this process (conftest's run_main) with the builder replaced by one that fails the
-test, so that a check that came too late fails at once; and, for the exit code and the streams, as
-`python train.py` / `python eval.py` with the real builder, whose cache must stay empty.
+Each case runs twice. As `python train.py ...` / `python eval.py ...` (`test_the_command_prints_one_line_
+and_exits_2`): the scripts' own `__main__`, in a process of their own (forked, after one interpreter
+imported them once: seconds for every case, not an import of torch each), with model.name_or_path a
+folder that does not exist, so that a check made after the model is loaded fails with the model's line
+instead. And in this process (conftest's run_main) with the default `builtin:tiny` and an empty model
+cache ($PSPO_CACHE), where its builder is replaced by one that fails the test: a check that came after
+the build fails at once.
 """
 import json
 import os
@@ -24,17 +27,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LINE = '{"problem": "What is 1 + 1?", "answer": "2"}\n'
 
 
-@pytest.fixture
-def files(tmp_path):
-    """The bad inputs: data files, a file where a folder is expected, checkpoints that cannot resume."""
-    f = tmp_path / "in"
-    f.mkdir()
+def bad_inputs(f) -> None:
+    """The bad inputs, in folder `f`: data files, a file where a folder is expected, checkpoints that
+    cannot resume."""
     (f / "empty.jsonl").write_text("")
     (f / "broken.jsonl").write_text(LINE + LINE + '{"problem": "What is 3 + 3?" "answer": "6"}\n')
     (f / "latin1.jsonl").write_bytes(LINE.encode() + b'{"problem": "caf\xe9?", "answer": "3"}\n')
     (f / "data.csv").write_text("problem,answer\n1+1,2\n")
+    (f / "broken.parquet").write_text("not parquet")
     (f / "question.jsonl").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
     (f / "bad_golds.jsonl").write_text('{"problem": "q", "answer": "\\\\frac{2}{"}\n' * 2)
+    (f / "some_bad_golds.jsonl").write_text(LINE + '{"problem": "q", "answer": ""}\n')   # skipped: reported
     (f / "folder.jsonl").mkdir()
     (f / "empty_folder").mkdir()
     (f / "a_file").write_text("x")
@@ -50,6 +53,13 @@ def files(tmp_path):
             torch.save({**state, **changes}, ckpt / "trainer_state.pt")
     (f / "lora" / "checkpoint-1" / "adapter_config.json").write_text(
         json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}))
+
+
+@pytest.fixture
+def files(tmp_path):
+    f = tmp_path / "in"
+    f.mkdir()
+    bad_inputs(f)
     return f
 
 
@@ -67,6 +77,8 @@ TRAIN = [
     (["--data.train={f}/latin1.jsonl"], "{f}/latin1.jsonl: not valid UTF-8 at byte 61 (line 2): byte 0xe9, invalid "
                                         "continuation byte; save the file as UTF-8"),
     (["--data.train={f}/data.csv"], "{f}/data.csv: expected a .jsonl, .json, .parquet file or a hub dataset name"),
+    (["--data.train={f}/broken.parquet"], "{f}/broken.parquet: cannot read it as parquet (ArrowInvalid: Parquet "
+                                          "magic bytes not found in footer."),
     (["--data.train={f}/folder.jsonl"], "{f}/folder.jsonl: a folder, expected a .jsonl, .json, .parquet file"),
     (["--data.train={f}/empty_folder"], "{f}/empty_folder: cannot load split 'train' (EmptyDatasetError: The "
                                         "directory at {f}/empty_folder doesn't contain any data files)"),
@@ -79,6 +91,12 @@ TRAIN = [
     (["--data.train={f}/bad_golds.jsonl", "--data.bad_gold=error"],
      "data.train {f}/bad_golds.jsonl: row 0: gold answer '\\frac{{2}}{{' does not parse with math-verify "
      "(data.bad_gold=error; 'skip' leaves such rows out)"),
+    # the train set's left-out row is reported only once every input passed: here nothing comes before the line
+    (["--data.train={f}/some_bad_golds.jsonl", "--data.eval={f}/none.jsonl"], "{f}/none.jsonl: file not found"),
+    (["--pps.enabled=true", "--train.prompts_per_step=12", "--data.max_train_examples=8"],
+     "train.prompts_per_step: PPS draws 12 prompts per step (distinct), builtin:arithmetic has 8"),
+    (["--reward.prm=0.5", "--prm.model={f}/absent"],
+     "prm.model: '{f}/absent': no such folder (expected a sequence classifier's folder or hub id)"),
     (["--data.train_people=2,3"], "builtin:arithmetic: data.train_people keeps K&K puzzles by their number of "
                                   "people, but row 0's gold is not a K&K answer"),
     (["--train.output_dir={f}/a_file"], "train.output_dir: '{f}/a_file' is a file, expected a folder"),
@@ -103,6 +121,15 @@ TRAIN = [
      "model.lora.target_modules: expected all-linear or module names separated by commas (q_proj,v_proj), got "
      "'q_proj;v_proj'"),
     (["--rollout.temperature=0"], "rollout.temperature: expected > 0, got 0.0"),
+    # the methods' settings
+    (["--algo.advantage=rloo", "--rollout.num_generations=1"],
+     "rollout.num_generations: expected G >= 2 (a group needs two samples), got 1"),
+    (["--algo.advantage=reinforce_pp", "--ers.enabled=true"],
+     "ers.enabled: expected false with algo.advantage=reinforce_pp (ERS smooths a group baseline's mean and std: "),
+    (["--rollout.is_correction=mask"],
+     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask, got 'mask'"),
+    (["--rollout.is_correction=token_mask", "--rollout.is_floor=1.5"],
+     "rollout.is_floor: expected a number in [0, 1) (C_low, the lower bound of π_old/π_engine), got 1.5"),
 ]
 # eval.py
 EVAL = [
@@ -110,6 +137,11 @@ EVAL = [
     (["--data.eval_split=validation"], "builtin:arithmetic: unknown split 'validation', expected one of train, test"),
     (["--data.eval={f}/broken.jsonl"], "{f}/broken.jsonl:3: not valid JSON (Expecting ',' delimiter, column 30); "
                                        "expected one JSON object per line"),
+    (["--data.eval={f}/data.csv"], "{f}/data.csv: expected a .jsonl, .json, .parquet file or a hub dataset name"),
+    (["--data.eval={f}/empty_folder"], "{f}/empty_folder: cannot load split 'test' (EmptyDatasetError: The "
+                                       "directory at {f}/empty_folder doesn't contain any data files)"),
+    (["--data.eval={f}/bad_golds.jsonl"], "data.eval {f}/bad_golds.jsonl: no rows left of 2 (2 without a usable "
+                                          "gold answer)"),
     (["--benchmarks=math500={f}/none.jsonl"], "{f}/none.jsonl: file not found"),
     (["--benchmarks=math5000"], "--benchmarks: unknown benchmark 'math5000'; expected "),
     (["--data.eval="], "data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''"),
@@ -150,6 +182,90 @@ def test_a_mistake_is_found_before_a_model_is_built(files, no_build, tmp_path, r
     assert str(e.value).startswith(message.format(f=files)) and "\n" not in str(e.value)
     assert capsys.readouterr() == ("", "")
     assert not out.exists() and os.listdir(no_build) == []
+
+
+def run_commands(commands_file: str, results_file: str) -> None:
+    """Each command of `commands_file` (JSON: [script, argv] pairs) as `python script.py argv` would run
+    it, from the repository root: the script's `__main__` in a process forked from this one, which
+    imported the scripts (and datasets) once, with its stdout and stderr in files. `results_file` gets
+    each one's exit code, stdout and stderr. Run in an interpreter of its own (the CLI fixture)."""
+    import importlib
+    import runpy
+    import tempfile
+    import datasets  # noqa: F401 - what reading a data file imports, once
+    for script in ("train", "eval"):
+        importlib.import_module(script)
+    with open(commands_file) as f:
+        commands = json.load(f)
+    results = []
+    for script, argv in commands:
+        out, err = (tempfile.TemporaryFile() for _ in range(2))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:                                               # the command, as `python script.py argv`
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            sys.argv = [f"{script}.py", *argv]
+            code = 0
+            try:
+                runpy.run_path(f"{script}.py", run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:                                  # noqa: BLE001 - a traceback, as python shows it
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        streams = []
+        for stream in (out, err):
+            stream.seek(0)
+            streams.append(stream.read().decode(errors="replace"))
+        results.append({"exit": os.waitstatus_to_exitcode(status), "stdout": streams[0], "stderr": streams[1]})
+    with open(results_file, "w") as f:
+        json.dump(results, f)
+
+
+CASES = [("train", *case) for case in TRAIN] + [("eval", *case) for case in EVAL]
+NO_MODEL = "no-model-here"           # model.name_or_path of the commands: loading it is refused with its own line
+
+
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """Every case's command run once (run_commands, in a fresh interpreter): (results, files' folder, runs'
+    folder, model cache)."""
+    tmp = tmp_path_factory.mktemp("commands")
+    f, runs, cache = tmp / "in", tmp / "runs", tmp / "cache"
+    for folder in (f, runs, cache):
+        folder.mkdir()
+    bad_inputs(f)
+    argvs = [[*arguments(script, runs / str(i), [o.format(f=f) for o in overrides]),
+              f"--model.name_or_path={tmp / NO_MODEL}"] for i, (script, overrides, _) in enumerate(CASES)]
+    (tmp / "commands.json").write_text(json.dumps([[script, argv] for (script, _, _), argv in zip(CASES, argvs)]))
+    driver = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+              "import test_early_errors; test_early_errors.run_commands(*sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", driver, str(tmp / "commands.json"), str(tmp / "results.json")],
+                          cwd=ROOT, env={**os.environ, "PSPO_CACHE": str(cache)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp / "results.json").read_text()), f, runs, cache
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{s}:{' '.join(o)}" for s, o, _ in CASES])
+def test_the_command_prints_one_line_and_exits_2(commands, case):
+    # `python train.py|eval.py --config configs/grpo.yaml <the mistake>`: exit code 2, nothing on stdout, one
+    # line on stderr naming the file or key; no run folder made, nothing built in the empty model cache
+    results, f, runs, cache = commands
+    script, _, message = CASES[case]
+    r = results[case]
+    lines = r["stderr"].splitlines()
+    assert (r["exit"], r["stdout"], len(lines)) == (2, "", 1), r
+    assert lines[0].startswith(f"error: {message.format(f=f)}"), lines[0]
+    assert NO_MODEL not in lines[0]                   # the model was never loaded: its path is not the complaint
+    assert not (runs / str(case)).exists() and os.listdir(cache) == []
 
 
 @pytest.mark.slow
