@@ -35,9 +35,16 @@ CASES = {
     "broken JSON line": ("train", ["--data.train={f}/broken.jsonl"]),
     "non-UTF-8 file": ("train", ["--data.train={f}/latin1.jsonl"]),
     "CSV file": ("train", ["--data.train={f}/data.csv"]),
+    "broken parquet": ("train", ["--data.train={f}/broken.parquet"]),
     "folder as data": ("train", ["--data.train={f}/empty_folder"]),
     "missing eval split": ("train", ["--data.eval_split=validation"]),
     "no problem field": ("train", ["--data.train={f}/question.jsonl"]),
+    "rows left out, then a missing eval file": ("train", ["--data.train={f}/some_bad_golds.jsonl",
+                                                          "--data.eval={f}/none.jsonl"]),
+    "PPS batch above the rows": ("train", ["--pps.enabled=true", "--train.prompts_per_step=12",
+                                           "--data.max_train_examples=8"]),
+    "PRM folder missing": ("train", ["--reward.prm=0.5", "--prm.model={f}/nowhere"]),
+    "ERS without a group baseline": ("train", ["--algo.advantage=reinforce_pp", "--ers.enabled=true"]),
     "output dir is a file": ("train", ["--train.output_dir={f}/a_file"]),
     "output dir under a file": ("train", ["--train.output_dir={f}/a_file/run"]),
     "resume path missing": ("train", ["--train.resume={f}/nowhere/checkpoint-1"]),
@@ -46,6 +53,7 @@ CASES = {
     "eval.py: missing eval file": ("eval", ["--data.eval={f}/none.jsonl"]),
     "eval.py: missing eval split": ("eval", ["--data.eval_split=validation"]),
     "eval.py: broken JSON line": ("eval", ["--data.eval={f}/broken.jsonl"]),
+    "eval.py: CSV file": ("eval", ["--data.eval={f}/data.csv"]),
     "eval.py: missing benchmark file": ("eval", ["--benchmarks=math500={f}/none.jsonl"]),
     "eval.py: output under a file": ("eval", ["--eval.output={f}/a_file/out.json"]),
 }
@@ -55,8 +63,9 @@ def bad_inputs(folder: str) -> None:
     """The files and folders the cases point at."""
     files = {"empty.jsonl": b"", "broken.jsonl": (LINE + LINE + '{"problem": "3+3" "answer": "6"}\n').encode(),
              "latin1.jsonl": LINE.encode() + b'{"problem": "caf\xe9?", "answer": "3"}\n',
-             "data.csv": b"problem,answer\n1+1,2\n", "question.jsonl": b'{"question": "1+1", "answer": "2"}\n',
-             "a_file": b"x"}
+             "data.csv": b"problem,answer\n1+1,2\n", "broken.parquet": b"not parquet",
+             "question.jsonl": b'{"question": "1+1", "answer": "2"}\n',
+             "some_bad_golds.jsonl": (LINE + '{"problem": "q", "answer": ""}\n').encode(), "a_file": b"x"}
     for name, content in files.items():
         with open(os.path.join(folder, name), "wb") as f:
             f.write(content)
