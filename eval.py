@@ -32,7 +32,7 @@ import torch
 from pspo.training import distributed
 from pspo.tasks.benchmarks import BENCHMARKS, load_benchmark
 from pspo.training.config import ConfigError, load_config
-from pspo.tasks.data import DataError, PromptSet, load_examples, prompt_set
+from pspo.tasks.data import DataError, Rows, load_examples, tokenized, usable_rows
 from pspo.training.distributed import print0
 from pspo.evaluation import evaluate
 from pspo.offline.builtin import resolve_model_path
@@ -40,6 +40,7 @@ from pspo.training.lora import LoraError, is_adapter, merged_for_eval
 from pspo.training.model import ModelError, build_policy, check_context, load_model_config, load_tokenizer
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.rollout import build_engine, engine_name
+from pspo.training.run import check_writable
 
 FLAGS = ("--benchmarks", "--engine")
 USAGE = ("usage: eval.py --config FILE.yaml [--benchmarks=" + ",".join(BENCHMARKS) + "] [--engine=vllm|hf] "
@@ -57,6 +58,11 @@ def main(argv: list[str]) -> dict:
         overrides.append(f"--rollout.engine={flags['--engine']}")
     cfg = load_config(argv[1], overrides, dist_.world_size)
     m = cfg.model
+    # the checks that need no model, before one is built or loaded: the output file, the engine, the data
+    if cfg.eval.output:
+        check_writable(cfg.eval.output, "eval.output", folder=False)
+    engine_name(cfg.rollout.engine)
+    suites = eval_rows(cfg, flags)
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                     # build builtin:tiny once
     distributed.barrier()
@@ -65,7 +71,7 @@ def main(argv: list[str]) -> dict:
         path = merged_for_eval(path, distributed.barrier)
         print0(f"{checkpoint}: a LoRA adapter, merged into its base for evaluation ({path})")
     try:
-        results = evaluate_model(cfg, flags, path, dist_)
+        results = evaluate_model(cfg, flags, path, dist_, suites)
         distributed.barrier()                     # every rank is done reading the merged folder
         return results
     finally:
@@ -73,28 +79,34 @@ def main(argv: list[str]) -> dict:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def evaluate_model(cfg, flags: dict, path: str, dist_) -> dict:
-    """The evaluation of main, on a plain (or merged) model folder."""
+def eval_rows(cfg, flags: dict) -> dict[str, Rows]:
+    """The eval sets by name: --benchmarks, or data.eval; read and their golds checked (rows without a
+    usable gold are left out), with no model."""
+    d = cfg.data
+    suites: dict[str, Rows] = {}
+    if flags.get("--benchmarks"):
+        for spec in flags["--benchmarks"].split(","):
+            name, source, examples = load_benchmark(spec, d.max_eval_examples or None)
+            suites[name] = usable_rows(f"{name} ({source})", examples, bad_gold=d.bad_gold)
+    elif d.eval:
+        examples = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field,
+                                 answer_field=d.answer_field, max_examples=d.max_eval_examples or None)
+        suites[f"{d.eval}:{d.eval_split}"] = usable_rows(f"data.eval {d.eval}", examples, bad_gold=d.bad_gold)
+    else:
+        raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
+    return suites
+
+
+def evaluate_model(cfg, flags: dict, path: str, dist_, rows: dict[str, Rows]) -> dict:
+    """The evaluation of main, on a plain (or merged) model folder, of the eval sets `rows` (eval_rows)."""
     d, e, m = cfg.data, cfg.eval, cfg.model
     pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))    # starts while loading
     tokenizer = load_tokenizer(path, m.trust_remote_code)
     check_context(load_model_config(path, m.trust_remote_code), d.max_prompt_tokens,
                   cfg.rollout.max_new_tokens)
-    # the eval sets: --benchmarks, or data.eval; rows without a usable gold or too long are left out
-    suites: dict[str, PromptSet] = {}
-    if flags.get("--benchmarks"):
-        for spec in flags["--benchmarks"].split(","):
-            name, source, examples = load_benchmark(spec, d.max_eval_examples or None)
-            suites[name] = prompt_set(f"{name} ({source})", examples, tokenizer, system_prompt=d.system_prompt,
-                                      max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
-    elif d.eval:
-        examples = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field,
-                                 answer_field=d.answer_field, max_examples=d.max_eval_examples or None)
-        suites[f"{d.eval}:{d.eval_split}"] = prompt_set(f"data.eval {d.eval}", examples, tokenizer,
-                                                        system_prompt=d.system_prompt,
-                                                        max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
-    else:
-        raise ConfigError("data.eval: expected a dataset to evaluate on (or --benchmarks=...), got ''")
+    # prompts longer than data.max_prompt_tokens are left out
+    suites = {name: tokenized(r, tokenizer, system_prompt=d.system_prompt, max_prompt_tokens=d.max_prompt_tokens)
+              for name, r in rows.items()}
     policy = None
     if engine_name(cfg.rollout.engine) == "hf":                                  # vLLM loads its own copy
         policy = build_policy(path, trust_remote_code=m.trust_remote_code, chunk_tokens=m.logprob_chunk_tokens,

@@ -36,11 +36,11 @@ from pspo.methods import (Context, GroupBaseline, Method, MethodOutput, StepRoll
 from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
-from pspo.related.prm import PRM, load_prm, prm_metrics
+from pspo.related.prm import PRM, check_prm_path, load_prm, prm_metrics
 from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty
 from pspo.rollout import CountingEngine, build_engine, engine_name
-from pspo.sampler import UniformSampler, build_sampler, sampler_metrics, sampler_mode
-from pspo.tasks.data import DataError, PromptSet, prompt_sets
+from pspo.sampler import UniformSampler, build_sampler, check_prompts_per_step, sampler_metrics, sampler_mode
+from pspo.tasks.data import DataError, PromptSet, data_rows, prompt_sets
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
 from pspo.training import checkpoint, distributed
 from pspo.training.checkpoint import CheckpointError
@@ -55,8 +55,8 @@ from pspo.training.model import (ModelError, attention_heads, check_context, com
 from pspo.training.packed_attention import choose_kernels
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
-from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, every, load_models, non_finite_error,
-                               open_folder, resume, summary, timings)
+from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, check_writable, every, load_models,
+                               non_finite_error, open_folder, resume, summary, timings)
 from pspo.update import policy_update
 
 
@@ -280,20 +280,29 @@ class Run:
 
 
 def setup(cfg: Config, dist_: Dist) -> Run:
-    """The run's parts, in an order where every check that can refuse the run (the model and its
-    context, the memory plan, the PRM, the data, the sampler, the checkpoint to resume, the engine)
-    comes before anything is written to its folder (training/run.py: open_folder)."""
+    """The run's parts, in an order where a mistake is found before anything slow: the checks that need
+    no model (the output folder, the checkpoint to resume, the engine, the data, PPS's batch, the PRM's
+    folder) come before a model is built or loaded, with nothing printed before them; those that need
+    its tokenizer alone (the context, the prompts, the sampler) before its weights; and every check that
+    can refuse the run (also the memory plan, the PRM) before anything is written to its folder
+    (training/run.py: open_folder)."""
     m, r, out = cfg.model, cfg.rollout, cfg.train.output_dir
+    check_writable(out, "train.output_dir", folder=True)
+    resume_from = checkpoint.resolve_resume(cfg, sampler_mode(cfg))        # its trainer state read, checked
+    engine = engine_name(r.engine)
+    rows = data_rows(cfg)                                                   # read, their golds checked
+    check_prompts_per_step(cfg, len(rows[0].usable), cfg.data.train)
+    check_prm_path(cfg)
     if dist_.is_main:
         resolve_model_path(m.name_or_path)                                  # builds a builtin model once
     distributed.barrier()
     base_path = resolve_model_path(m.name_or_path)
-    resume_from = checkpoint.resolve_resume(cfg.train.resume, out)
     reward_pool = RewardPool(resolve_workers(cfg.reward.workers, torch.get_num_threads()))   # starts now
     tokenizer = load_tokenizer(base_path, m.trust_remote_code)
     model_config = load_model_config(base_path, m.trust_remote_code)
     check_context(model_config, cfg.data.max_prompt_tokens, r.max_new_tokens)
-    engine = engine_name(r.engine)
+    train, evals = prompt_sets(cfg, tokenizer, rows)
+    sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
     plan_line, checkpointing = startup_check(cfg, base_path, dist_.world_size, dist_.device, engine,
                                              resolve=resolve_model_path)  # PlanError: cannot fit; auto resolved
     print0(plan_line)
@@ -304,8 +313,6 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     print0(compile_line(t.compile, m.logprob_head, dist_.device))
     prm = load_prm(cfg, dist_.device)
     policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels, checkpointing)
-    train, evals = prompt_sets(cfg, tokenizer)
-    sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
     lockstep = dist_.world_size > 1 and engine == "hf"
     method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep)   # the one choice of method

@@ -18,17 +18,25 @@ from pspo.priority_sampler import PrioritySampler, check_resumed_prompts
 from pspo.reference_sampler import ReferenceSampler
 
 
+def check_prompts_per_step(cfg: Config, num_prompts: int, label: str) -> None:
+    """ConfigError (one line) when PPS cannot draw train.prompts_per_step prompts from `num_prompts`.
+    train.py runs it first on the rows with a usable gold (data_rows), before a model is built, then
+    build_sampler on the prompts kept (fewer when some are too long)."""
+    B, p = cfg.train.prompts_per_step, cfg.pps
+    if p.enabled and B > num_prompts:
+        raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
+                          f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), "
+                          f"{label} has {num_prompts}")
+
+
 def build_sampler(cfg: Config, problems: list[str], label: str):
     """The run's sampler over the train set's problems: uniform epochs, PPS (§3 with the §3b
     options) or, with pps.mode=reference, the released code's (§3a; duplicate problems share the
     first row's priority). `label` names the data set in errors."""
-    N, B, p, a, seed = len(problems), cfg.train.prompts_per_step, cfg.pps, cfg.algo, cfg.train.seed
+    N, p, a, seed = len(problems), cfg.pps, cfg.algo, cfg.train.seed
+    check_prompts_per_step(cfg, N, label)
     if not p.enabled:
         return UniformSampler(N, seed)
-    if B > N:
-        raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
-                          f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), "
-                          f"{label} has {N}")
     if p.mode == "reference":
         first_row: dict[str, int] = {}
         leaf_of = torch.tensor([first_row.setdefault(problem, i) for i, problem in enumerate(problems)])

@@ -134,16 +134,23 @@ class PRM:
         return counts
 
 
+def check_prm_path(cfg: Config) -> None:
+    """ConfigError (one line) when reward.prm is on and prm.model is a local path with no folder. Needs
+    no model: train.py runs it before one is built or loaded (and load_prm again)."""
+    p = cfg.prm
+    if cfg.reward.prm != 0 and os.path.isabs(p.model) and not os.path.isdir(p.model):
+        raise ConfigError(f"prm.model: {p.model!r}: no such folder (expected a sequence classifier's folder "
+                          "or hub id)")
+
+
 def load_prm(cfg: Config, device: torch.device) -> PRM | None:
     """The PRM of the prm section on `device`, frozen, or None when reward.prm is 0. ConfigError (one
     line naming the key) when it cannot serve as the PRM (module docstring)."""
     p = cfg.prm
     if cfg.reward.prm == 0:
         return None
+    check_prm_path(cfg)
     path = resolve_model_path(p.model)                     # builtin:tiny-prm is built here once
-    if os.path.isabs(path) and not os.path.isdir(path):
-        raise ConfigError(f"prm.model: {p.model!r}: no such folder (expected a sequence classifier's folder "
-                          "or hub id)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()          # its load report would print before our one-line error

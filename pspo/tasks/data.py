@@ -8,12 +8,16 @@ and lists into such text).
 The second built-in task, `builtin:knights` (knights-and-knaves puzzles, pspo/tasks/knights.py), has
 golds "(1) Zoey is a knight\\n(2) ..." that the K&K reward checks instead (pspo/rewards.py).
 
-`prompt_set` then decides, once at load time, which rows are used (row numbers count from 0):
-- a row without a problem, or whose gold answer is missing or does not parse with math-verify,
-  is left out and reported in one line per dataset (`data.bad_gold: skip`), or stops the run
-  with a one-line DataError (`data.bad_gold: error`); it is never scored;
-- a prompt (chat template + system prompt, tokenized) longer than `data.max_prompt_tokens` is
-  dropped, again reported in one line per dataset; prompts are never truncated mid-problem.
+`prompt_set` then decides, once at load time, which rows are used (row numbers count from 0), in
+two passes:
+- `usable_rows`, with no model: a row without a problem, or whose gold answer is missing or does not
+  parse with math-verify, is left out and reported in one line per dataset (`data.bad_gold: skip`),
+  or stops the run with a one-line DataError (`data.bad_gold: error`); it is never scored;
+- `tokenized`, with the model's tokenizer: a prompt (chat template + system prompt, tokenized) longer
+  than `data.max_prompt_tokens` is dropped, again reported in one line per dataset; prompts are never
+  truncated mid-problem.
+Reading a dataset and the first pass need no model: train.py and eval.py run them (`data_rows`) before
+a model is built or loaded, so a mistake in the data stops a run in seconds.
 
 The built-in task, `builtin:arithmetic`, needs nothing downloaded: 2-digit additions
 "What is 47 + 35?" with a, b in 10..99 (8100 ordered pairs). One seeded shuffle of all pairs fixes
@@ -24,6 +28,9 @@ the test prompts and an RL gain on "test" is generalisation, not recall.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import json
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -123,29 +130,89 @@ def _field_examples(name: str, rows, problem_field: str, answer_field: str) -> l
 
 
 def _load_rows(name: str, split: str, config: str | None = None):
-    """A `datasets.Dataset` for a local file (by extension) or a hub name (or a local folder)."""
-    import datasets  # imported here: slow to import, and the built-in task does not need it
+    """A `datasets.Dataset` for a local file (by extension) or a hub name (or a local folder).
 
-    datasets.disable_progress_bars()
+    A local path is checked before datasets is imported (seconds): it exists, a data file is a file of a
+    known extension, not empty, UTF-8 text (.jsonl/.json); a JSON syntax error is then named by file
+    and line (`json_error`)."""
     ext = os.path.splitext(name)[1].lower()
-    if ext in LOCAL_BUILDERS:
-        if not os.path.isfile(name):
+    local = os.path.exists(name)
+    if ext in LOCAL_BUILDERS or os.path.isfile(name):
+        if os.path.isdir(name):
+            raise DataError(f"{name}: a folder, expected a {', '.join(LOCAL_BUILDERS)} file")
+        if not local:
             raise DataError(f"{name}: file not found")
+        if ext not in LOCAL_BUILDERS:
+            raise DataError(f"{name}: expected a {', '.join(LOCAL_BUILDERS)} file or a hub dataset name")
         if os.path.getsize(name) == 0:   # datasets' own error for this is an unhelpful StopIteration
             raise DataError(f"{name}: the file is empty")
         if ext in TEXT_EXTENSIONS:
             check_utf8(name)
-        builder = LOCAL_BUILDERS[ext]
-        try:   # datasets puts a plain data file in a split called "train", whatever it holds
-            return datasets.load_dataset(builder, data_files=os.path.abspath(name), split="train")
-        except Exception as e:  # noqa: BLE001 - datasets raises many types for a malformed file
-            raise DataError(f"{name}: cannot read it as {builder} ({error_line(_root_cause(e))})") from None
-    if os.path.isfile(name):
-        raise DataError(f"{name}: expected a {', '.join(LOCAL_BUILDERS)} file or a hub dataset name")
-    try:   # a hub name, or a local folder of data files; HF_DATASETS_OFFLINE / HF_HUB_OFFLINE apply
-        return datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # noqa: BLE001 - missing dataset, unknown split, no network, ...
-        raise DataError(f"{name}: cannot load split {split!r} ({error_line(e)})") from None
+    elif not local and (os.path.isabs(name) or name.startswith((".", "~"))):    # a path, not a hub id
+        raise DataError(f"{name}: no such file or folder, expected a {', '.join(LOCAL_BUILDERS)} file, "
+                        "a folder of them or a hub dataset name")
+    import datasets  # imported here: slow to import, and the built-in task does not need it
+
+    datasets.disable_progress_bars()
+    with _datasets_quiet():
+        if ext in LOCAL_BUILDERS:
+            builder = LOCAL_BUILDERS[ext]
+            try:   # datasets puts a plain data file in a split called "train", whatever it holds
+                return datasets.load_dataset(builder, data_files=os.path.abspath(name), split="train")
+            except Exception as e:  # noqa: BLE001 - datasets raises many types for a malformed file
+                where = json_error(name) if builder == "json" else None
+                raise DataError(where or f"{name}: cannot read it as {builder} "
+                                f"({error_line(_root_cause(e))})") from None
+        try:   # a hub name, or a local folder of data files; HF_DATASETS_OFFLINE / HF_HUB_OFFLINE apply
+            return datasets.load_dataset(name, config, split=split)
+        except Exception as e:  # noqa: BLE001 - missing dataset, unknown split, no network, ...
+            raise DataError(f"{name}: cannot load split {split!r} ({error_line(e)})") from None
+
+
+@contextlib.contextmanager
+def _datasets_quiet():
+    """datasets logs a malformed file on stderr before it raises; its error becomes one DataError line."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def json_error(path: str) -> str | None:
+    """"path:line: ..." naming the first line of `path` that is not JSON (JSON lines: one object per
+    line, blank lines allowed; or one JSON document), or None when it parses. Read only after datasets
+    failed on the file, whose pyarrow error names a row of a block instead of a line of the file."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if first is None:
+        return f"{path}: no rows (blank lines only)"
+    try:
+        json.loads(lines[first])
+        as_lines = True
+    except json.JSONDecodeError:
+        as_lines = False                  # "[" or "{" alone on the first line: one document
+    if not as_lines:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+        return None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return (f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno}); "
+                    "expected one JSON object per line")
+        if not isinstance(row, dict):
+            return f"{path}:{number}: expected one JSON object per line, got a {type(row).__name__}"
+    return None
 
 
 def check_utf8(path: str) -> None:
@@ -194,6 +261,15 @@ def format_prompt(tokenizer, problem: str, system_prompt: str) -> str:
 
 
 @dataclass
+class Rows:
+    """A dataset's rows as read, and those with a problem and a usable gold answer (`usable_rows`)."""
+    label: str                     # names the dataset in reports and errors, e.g. "data.train x.jsonl"
+    examples: list[Example]        # every row read, in file order
+    usable: list[int]              # row numbers (from 0) with a problem and a gold that parses
+    left_out: list[str]            # "row (why)" of each other row, reported by `tokenized`
+
+
+@dataclass
 class PromptSet:
     """The rows of a dataset a run uses, with their prompts, and how many rows were left out."""
     examples: list[Example]        # the kept rows, in file order
@@ -202,20 +278,29 @@ class PromptSet:
     skipped: int = 0               # rows left out: no usable problem or gold answer + prompts too long
 
 
-def prompt_sets(cfg: Config, tokenizer) -> tuple[PromptSet, PromptSet]:
-    """The run's train and eval prompts (the config's data section), formatted and tokenized; rows
-    without a usable gold and prompts over data.max_prompt_tokens are left out and reported."""
+def data_rows(cfg: Config) -> tuple[Rows, Rows | None]:
+    """The run's train and eval rows (the config's data section), read and their golds checked: every
+    check of the data that needs no model, so train.py runs it before a model is built or loaded."""
     d = cfg.data
     rows = load_examples(d.train, split=d.train_split, problem_field=d.problem_field, answer_field=d.answer_field,
                          max_examples=d.max_train_examples or None, people=d.people)
-    train = prompt_set(f"data.train {d.train}", rows, tokenizer, system_prompt=d.system_prompt,
-                       max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
+    train = usable_rows(f"data.train {d.train}", rows, bad_gold=d.bad_gold)
     if not d.eval:
-        return train, PromptSet([], [], [])
+        return train, None
     rows = load_examples(d.eval, split=d.eval_split, problem_field=d.problem_field, answer_field=d.answer_field,
                          max_examples=d.max_eval_examples or None)
-    return train, prompt_set(f"data.eval {d.eval}", rows, tokenizer, system_prompt=d.system_prompt,
-                             max_prompt_tokens=d.max_prompt_tokens, bad_gold=d.bad_gold)
+    return train, usable_rows(f"data.eval {d.eval}", rows, bad_gold=d.bad_gold)
+
+
+def prompt_sets(cfg: Config, tokenizer,
+                rows: tuple[Rows, Rows | None] | None = None) -> tuple[PromptSet, PromptSet]:
+    """The run's train and eval prompts, formatted and tokenized from `rows` (`data_rows`; read here when
+    None); prompts over data.max_prompt_tokens are left out and reported."""
+    d = cfg.data
+    train, evals = rows or data_rows(cfg)
+    kwargs = dict(system_prompt=d.system_prompt, max_prompt_tokens=d.max_prompt_tokens)
+    return (tokenized(train, tokenizer, **kwargs),
+            PromptSet([], [], []) if evals is None else tokenized(evals, tokenizer, **kwargs))
 
 
 def check_gold_answer(gold: str) -> None:
@@ -227,10 +312,19 @@ def check_gold_answer(gold: str) -> None:
 
 def prompt_set(label: str, examples: list[Example], tokenizer, *, system_prompt: str, max_prompt_tokens: int,
                bad_gold: str = "skip") -> PromptSet:
-    """The usable rows of `examples` with their prompts, tokenized once (module docstring).
+    """The usable rows of `examples` with their prompts, tokenized once (module docstring): `usable_rows`
+    then `tokenized`.
 
     `label` names the dataset in reports and errors, e.g. "data.train knoveleng/open-rs".
     bad_gold: "skip" (report in one line, leave out) | "error" (DataError at the first bad row)."""
+    return tokenized(usable_rows(label, examples, bad_gold=bad_gold), tokenizer, system_prompt=system_prompt,
+                     max_prompt_tokens=max_prompt_tokens)
+
+
+def usable_rows(label: str, examples: list[Example], *, bad_gold: str = "skip") -> Rows:
+    """The rows with a problem and a gold answer that parses; the others left out (bad_gold "skip": kept in
+    Rows.left_out, reported by `tokenized`, so that nothing is printed before a later input is refused)
+    or the first one a DataError ("error"). No tokenizer: checked before a model is loaded."""
     usable, bad = [], []                    # row numbers; "row (why)" of each unusable row
     for row, ex in enumerate(examples):
         why = ("no problem text" if not ex.problem.strip()
@@ -246,24 +340,34 @@ def prompt_set(label: str, examples: list[Example], tokenizer, *, system_prompt:
             raise DataError(f"{label}: row {row}: {why} (data.bad_gold=error; 'skip' leaves such rows out)")
         else:
             bad.append(f"{row} ({why})")
-    if bad:
-        print0(f"{label}: left out {len(bad)} of {len(examples)} rows without a usable problem and gold "
-               f"answer (data.bad_gold=skip): {_listed(bad)}")
+    if not usable:
+        raise DataError(f"{label}: no rows left of {len(examples)} ({len(bad)} without a usable gold answer)")
+    return Rows(label, examples, usable, bad)
+
+
+def tokenized(rows: Rows, tokenizer, *, system_prompt: str, max_prompt_tokens: int) -> PromptSet:
+    """The usable rows' chat prompts, tokenized once; a prompt longer than `max_prompt_tokens` is left
+    out; each kind of row left out is reported in one line (module docstring)."""
+    label, examples, usable = rows.label, rows.examples, rows.usable
+    if rows.left_out:
+        print0(f"{label}: left out {len(rows.left_out)} of {len(examples)} rows without a usable problem and "
+               f"gold answer (data.bad_gold=skip): {_listed(rows.left_out)}")
     # a chat-formatted problem (PaddleNLP's K&K src) is the prompt itself: never templated twice
     texts = [examples[row].problem if examples[row].chat_formatted else
              format_prompt(tokenizer, examples[row].problem, system_prompt) for row in usable]
     # verbose=False: transformers would warn about prompts longer than the model; they are dropped next
-    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     kept = [i for i, prompt in enumerate(ids) if len(prompt) <= max_prompt_tokens]
     too_long = [usable[i] for i, prompt in enumerate(ids) if len(prompt) > max_prompt_tokens]
     if too_long:
         print0(f"{label}: dropped {len(too_long)} of {len(examples)} prompts longer than "
                f"data.max_prompt_tokens={max_prompt_tokens} ({_listed(too_long)})")
+    bad = len(examples) - len(usable)
     if not kept:
-        raise DataError(f"{label}: no rows left of {len(examples)} ({len(bad)} without a usable gold answer, "
+        raise DataError(f"{label}: no rows left of {len(examples)} ({bad} without a usable gold answer, "
                         f"{len(too_long)} prompts longer than data.max_prompt_tokens={max_prompt_tokens})")
     return PromptSet([examples[usable[i]] for i in kept], [texts[i] for i in kept], [ids[i] for i in kept],
-                     len(bad) + len(too_long))
+                     bad + len(too_long))
 
 
 def _shown(text: str, limit: int = 40) -> str:

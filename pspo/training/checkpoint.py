@@ -32,7 +32,7 @@ from torch import Tensor
 from pspo.training import distributed
 from pspo.training.config import Config, ConfigError, error_line
 from pspo.training.distributed import Dist
-from pspo.training.lora import save_adapter
+from pspo.training.lora import check_adapter_config, is_adapter, save_adapter
 
 _NAME = re.compile(r"checkpoint-(\d+)$")
 
@@ -118,16 +118,31 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def resolve_resume(resume: str, output_dir: str) -> str | None:
-    """train.resume: "" -> None; "auto" -> newest checkpoint in output_dir (or None); else a path."""
+def resolve_resume(cfg: Config, sampler_mode: str) -> str | None:
+    """train.resume: "" -> None; "auto" -> the newest checkpoint in train.output_dir (or None); else a
+    path. The checkpoint is checked here, before a model is built or loaded: its trainer state reads
+    back and was trained under this run's method, sampler mode and ERS (`check_modes`), and it holds a
+    LoRA adapter of model.lora's settings exactly when model.lora.rank > 0 (full weights otherwise)."""
+    resume, lora = cfg.train.resume, cfg.model.lora
     if resume == "":
         return None
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
-    if not os.path.exists(os.path.join(resume, "trainer_state.pt")):
-        raise FileNotFoundError(f"train.resume: {resume!r} is not a checkpoint folder (no trainer_state.pt)")
-    return resume
+        found = list_checkpoints(cfg.train.output_dir)
+        if not found:
+            return None
+        path = found[-1][1]
+    elif not os.path.isfile(os.path.join(resume, "trainer_state.pt")):
+        raise CheckpointError(f"train.resume: {resume!r} is not a checkpoint folder (no trainer_state.pt)")
+    else:
+        path = resume
+    check_modes(read_trainer_state(path), cfg, sampler_mode)
+    if (lora.rank > 0) != is_adapter(path):
+        raise CheckpointError(f"train.resume: {path} holds {'full weights' if lora.rank else 'a LoRA adapter'}; "
+                              f"model.lora.rank {lora.rank} {'needs' if lora.rank else 'trains without'} "
+                              "adapters: resume with the settings it was trained with")
+    if lora.rank > 0:
+        check_adapter_config(path, lora)
+    return path
 
 
 class CheckpointError(ValueError):
@@ -144,12 +159,18 @@ def _load(path: str, name: str, **kwargs):
                               "resume from another checkpoint") from None
 
 
-def load_trainer_state(path: str, rank: int) -> dict:
-    """The trainer state, with this rank's RNG states restored."""
+def read_trainer_state(path: str) -> dict:
+    """The checkpoint's trainer state, refused (CheckpointError) when it is not one pspo wrote."""
     state = _load(path, "trainer_state.pt")
     if not isinstance(state, dict) or not {"step", "scheduler", "sampler"} <= set(state):
         raise CheckpointError(f"train.resume: {os.path.join(path, 'trainer_state.pt')} "
                               "is not a pspo trainer state")
+    return state
+
+
+def load_trainer_state(path: str, rank: int) -> dict:
+    """The trainer state, with this rank's RNG states restored."""
+    state = read_trainer_state(path)
     rng_file = f"rng-rank{rank}.pt"
     if os.path.exists(os.path.join(path, rng_file)):             # absent when resuming on more ranks
         rng = _load(path, rng_file)
@@ -171,9 +192,18 @@ def trainer_state(step: int, *, scheduler, sampler, method_state, generated_toke
 
 
 def restore_trainer_state(state: dict, sampler, method_state, cfg: Config, sampler_mode: str) -> None:
-    """Load the replicated state of a checkpoint into the run's sampler and method state.
+    """Load the replicated state of a checkpoint into the run's sampler and method state (`check_modes`
+    first)."""
+    check_modes(state, cfg, sampler_mode)
+    try:
+        sampler.load_state_dict(state["sampler"])
+        method_state.load_state_dict(state)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
-    A checkpoint trained under another algo.advantage or sampler mode (uniform, PPS paper or
+
+def check_modes(state: dict, cfg: Config, sampler_mode: str) -> None:
+    """A checkpoint trained under another algo.advantage or sampler mode (uniform, PPS paper or
     reference), or with ERS switched the other way, is refused with one ConfigError line naming both
     values. Hyperparameters (ers.alpha, pps.alpha, beta, ...) come from the config and may change on
     resume like any other field; an exact continuation needs the same config.
@@ -192,11 +222,6 @@ def restore_trainer_state(state: dict, sampler, method_state, cfg: Config, sampl
         if now != was:
             raise ConfigError(f"{key}: the checkpoint was trained with {key}={was}, this run has "
                               f"{key}={now}; resume with the same setting")
-    try:
-        sampler.load_state_dict(state["sampler"])
-        method_state.load_state_dict(state)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def load_optimizer(path: str, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

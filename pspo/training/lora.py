@@ -54,24 +54,30 @@ def add_adapters(lm: torch.nn.Module, lora: LoraConfig):
     return peft_model
 
 
+def check_adapter_config(path: str, lora: LoraConfig) -> None:
+    """LoraError (one line) unless the adapter of checkpoint `path` (its adapter_config.json) has model.lora's
+    rank, alpha and target modules; read before a model is built or loaded (checkpoint.resolve_resume)."""
+    try:
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            saved = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoraError(f"{path}/{ADAPTER_CONFIG}: cannot read it ({first_line(e, 200)})") from None
+    targets = saved.get("target_modules")
+    targets = "all-linear" if targets == "all-linear" else ",".join(sorted(targets or []))
+    want = "all-linear" if lora.targets == "all-linear" else ",".join(sorted(lora.targets))
+    for key, theirs, ours in (("rank", saved.get("r"), lora.rank), ("alpha", saved.get("lora_alpha"), lora.alpha),
+                              ("target_modules", targets, want)):
+        if theirs != ours and not (key == "target_modules" and want == "all-linear"):
+            raise LoraError(f"model.lora.{key}: the checkpoint {path} was trained with {theirs}, this run has "
+                            f"{ours}; resume with the same setting")
+
+
 def load_adapter_weights(peft_model, path: str, lora: LoraConfig | None = None) -> None:
     """A checkpoint's adapter (peft's file) into the injected adapters, before sharding; with `lora`, its
-    adapter_config.json must match model.lora's rank, alpha and target modules (one line if not)."""
+    adapter_config.json must match model.lora's rank, alpha and target modules (`check_adapter_config`)."""
     from peft import set_peft_model_state_dict
     if lora is not None:
-        try:
-            with open(os.path.join(path, ADAPTER_CONFIG)) as f:
-                saved = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise LoraError(f"{path}/{ADAPTER_CONFIG}: cannot read it ({first_line(e, 200)})") from None
-        targets = saved.get("target_modules")
-        targets = "all-linear" if targets == "all-linear" else ",".join(sorted(targets or []))
-        want = "all-linear" if lora.targets == "all-linear" else ",".join(sorted(lora.targets))
-        for key, theirs, ours in (("rank", saved.get("r"), lora.rank), ("alpha", saved.get("lora_alpha"), lora.alpha),
-                                  ("target_modules", targets, want)):
-            if theirs != ours and not (key == "target_modules" and want == "all-linear"):
-                raise LoraError(f"model.lora.{key}: the checkpoint {path} was trained with {theirs}, this run has "
-                                f"{ours}; resume with the same setting")
+        check_adapter_config(path, lora)
     file = os.path.join(path, ADAPTER_WEIGHTS)
     try:
         state = load_file(file)

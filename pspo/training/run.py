@@ -3,7 +3,9 @@ folder, and the rules that end a step (timings, when to evaluate and save, when 
 
 A refused run writes nothing: every check that can refuse it (the model, its context, the memory
 plan, the PRM, the data, the sampler, the checkpoint to resume and the engine) runs before
-`open_folder` writes the first file (config.yaml, then the metrics).
+`open_folder` writes the first file (config.yaml, then the metrics). And a mistake is found before
+anything slow: the checks that need no model (the folder, `check_writable`; the checkpoint to resume;
+the data) run before a model is built or loaded.
 """
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ import os
 import torch
 
 from pspo.training import checkpoint, distributed
-from pspo.training.checkpoint import CheckpointError
-from pspo.training.config import Config, report_sinks, save_config, to_dict
+from pspo.training.config import Config, ConfigError, report_sinks, save_config, to_dict
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
-from pspo.training.lora import BaseReference, is_adapter, load_adapter_weights, trainable_share
+from pspo.training.lora import BaseReference, load_adapter_weights, trainable_share
 from pspo.training.model import Policy, build_policy, check_packing, configure_scoring
 from pspo.training.packed_attention import Kernels
 from pspo.training.optim import adopt_optim_config
@@ -35,11 +36,7 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
     rank's device and sharded over the ranks, scoring with the attention `kernels` chosen at start-up.
     checkpointing: model.gradient_checkpointing resolved (plan.startup_check)."""
     m = cfg.model
-    lora, resumed = m.lora.rank > 0, path != base_path
-    if resumed and lora != is_adapter(path):
-        raise CheckpointError(f"train.resume: {path} holds {'full weights' if lora else 'a LoRA adapter'}; "
-                              f"model.lora.rank {m.lora.rank} {'needs' if lora else 'trains without'} adapters: "
-                              "resume with the settings it was trained with")
+    lora, resumed = m.lora.rank > 0, path != base_path      # a checkpoint of the same kind (resolve_resume)
     policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
                           chunk_tokens=m.logprob_chunk_tokens, bf16=m.bf16,
                           gradient_checkpointing=checkpointing, lora=m.lora)
@@ -79,6 +76,28 @@ def resume(path: str, *, cfg: Config, dist_: Dist, policy: torch.nn.Module, opti
     checkpoint.restore_trainer_state(state, sampler, method_state, cfg, sampler_mode)
     print0(f"resumed from {path} at step {state['step']}")
     return state["step"], state.get("generated_tokens", 0.0)
+
+
+def check_writable(path: str, key: str, *, folder: bool) -> None:
+    """ConfigError (one line naming `key`) unless this process can write `path`: a folder (made with its
+    parents, train.output_dir) or a file in a folder that exists (eval.output). Run at start-up, before
+    anything slow, so that a run never ends on a path it cannot write."""
+    kind = "folder" if folder else "file"
+    if os.path.exists(path) and os.path.isdir(path) != folder:
+        raise ConfigError(f"{key}: {path!r} is a {'file' if folder else 'folder'}, expected a {kind}")
+    if os.path.exists(path):
+        ok = os.access(path, os.W_OK | (os.X_OK if folder else 0))
+        if not ok:
+            raise ConfigError(f"{key}: {path!r}: permission denied, expected a {kind} this process can write")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while folder and not os.path.exists(parent):              # made with its parents (os.makedirs)
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        what = "is a file" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{key}: cannot create {path!r}: {parent!r} {what}, expected a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot create {path!r}: permission denied in {parent!r}")
 
 
 def open_folder(cfg: Config, dist_: Dist, step: int) -> MetricsLogger:

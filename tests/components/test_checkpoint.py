@@ -1,4 +1,7 @@
-"""The replicated-state digest that checkpoints compare across ranks, and unreadable checkpoint files."""
+"""The replicated-state digest that checkpoints compare across ranks, unreadable checkpoint files, and the
+checkpoint to resume checked before any model."""
+import json
+
 import torch
 
 from pspo.training.checkpoint import state_digest
@@ -40,3 +43,37 @@ def test_a_corrupt_checkpoint_file_is_one_line(tmp_path):
     torch.save({"something": 1}, tmp_path / "trainer_state.pt")      # readable, but not ours
     with pytest.raises(CheckpointError, match="is not a pspo trainer state"):
         load_trainer_state(str(tmp_path), 0)
+
+
+def test_resolve_resume_reads_and_checks_the_checkpoint_before_any_model(tmp_path):
+    # "" -> None; auto in a folder without complete checkpoints -> None (a fresh run); auto -> the newest
+    # complete one, whose trainer state is read and checked against the run's method and sampler
+    import pytest
+    from pspo.training.checkpoint import CheckpointError, resolve_resume
+    from pspo.training.config import ConfigError, load_config
+    from pspo.training.lora import LoraError
+    out = tmp_path / "run"
+
+    def cfg(*overrides):
+        return load_config("configs/grpo.yaml", [f"--train.output_dir={out}", *overrides])
+    assert resolve_resume(cfg(), "uniform") is None
+    assert resolve_resume(cfg("--train.resume=auto"), "uniform") is None
+    state = {"step": 2, "scheduler": {}, "sampler": {}, "advantage": "grpo", "sampler_mode": "uniform", "ers": None}
+    for step, advantage in ((2, "grpo"), (10, "reinforce_pp")):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        torch.save({**state, "advantage": advantage}, out / f"checkpoint-{step}" / "trainer_state.pt")
+    (out / ".tmp-checkpoint-12").mkdir()                          # a save cut short: never resumed
+    with pytest.raises(ConfigError, match="^algo.advantage: the checkpoint was trained with "
+                                          "algo.advantage=reinforce_pp, this run has algo.advantage=grpo"):
+        resolve_resume(cfg("--train.resume=auto"), "uniform")
+    assert resolve_resume(cfg(f"--train.resume={out}/checkpoint-2"), "uniform") == f"{out}/checkpoint-2"
+    with pytest.raises(ConfigError, match="^pps.enabled: the checkpoint was trained with pps.enabled=false"):
+        resolve_resume(cfg(f"--train.resume={out}/checkpoint-2", "--pps.enabled=true"), "paper")
+    with pytest.raises(CheckpointError, match=r"holds full weights; model.lora.rank 4 needs adapters"):
+        resolve_resume(cfg(f"--train.resume={out}/checkpoint-2", "--model.lora.rank=4"), "uniform")
+    adapter = {"r": 4, "lora_alpha": 32, "target_modules": "all-linear"}
+    (out / "checkpoint-2" / "adapter_config.json").write_text(json.dumps(adapter))
+    assert resolve_resume(cfg(f"--train.resume={out}/checkpoint-2", "--model.lora.rank=4"), "uniform")
+    with pytest.raises(LoraError, match="^model.lora.alpha: the checkpoint .* was trained with 32, this run has 16.0"):
+        resolve_resume(cfg(f"--train.resume={out}/checkpoint-2", "--model.lora.rank=4", "--model.lora.alpha=16"),
+                       "uniform")

@@ -104,17 +104,52 @@ def test_missing_field_names_the_field_and_lists_the_existing_ones(tmp_path):
 
 
 @pytest.mark.parametrize("name, content, message", [
-    ("nope.jsonl", None, "file not found"),
-    ("empty.jsonl", "", "the file is empty"),
-    ("broken.jsonl", "{not json\n", "cannot read it as json ("),
-    ("d.csv", "problem,answer\n1+1,2\n", "expected a .jsonl, .json, .parquet file"),
+    ("nope.jsonl", None, "{path}: file not found"),
+    ("empty.jsonl", "", "{path}: the file is empty"),
+    ("blank.jsonl", "\n\n", "{path}: no rows (blank lines only)"),
+    ("d.csv", "problem,answer\n1+1,2\n", "{path}: expected a .jsonl, .json, .parquet file or a hub dataset name"),
+    # a JSON syntax error is named by line: line 3 after a blank line 2, its column 19 the space after "3+3"
+    # ('{"problem": "3+3" "answer"': 18 characters, then the missing ',')
+    ("broken.jsonl", '{"problem": "1+1", "answer": "2"}\n\n{"problem": "3+3" "answer": "6"}\n',
+     "{path}:3: not valid JSON (Expecting ',' delimiter, column 19); expected one JSON object per line"),
+    ("broken2.jsonl", "{not json\n", "{path}:1: not valid JSON (Expecting property name enclosed in double quotes, "
+                                      "column 2)"),
+    ("list.jsonl", '{"problem": "q", "answer": "1"}\n[1, 2]\n', "{path}:2: expected one JSON object per line, "
+                                                                  "got a list"),
+    # one JSON document over several lines: its own line and column (the '"' after '  {"problem": "q2" ')
+    ("doc.json", '[\n  {"problem": "q", "answer": "1"},\n  {"problem": "q2" "answer": "2"}\n]\n',
+     "{path}:3: not valid JSON (Expecting ',' delimiter, column 20)"),
 ])
-def test_missing_empty_and_unsupported_files(tmp_path, name, content, message):
+def test_missing_empty_broken_and_unsupported_files(tmp_path, name, content, message):
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
-    with pytest.raises(DataError, match=re.escape(f"{path}: {message}")):
+    with pytest.raises(DataError) as err:
         load_examples(str(path))
+    assert str(err.value) == message.format(path=path)
+
+
+def test_a_folder_or_a_path_that_is_not_there(tmp_path):
+    # a folder named like a data file; a path (not a hub id "org/name") that does not exist; a folder of
+    # data files is datasets' (a hub dataset's layout: the file names give the splits)
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'd.jsonl'}: a folder, expected a .jsonl, .json, "
+                                                  ".parquet file")):
+        load_examples(str(tmp_path / "d.jsonl"))
+    for missing in (str(tmp_path / "nope"), "./nope-folder"):
+        with pytest.raises(DataError, match=re.escape(f"{missing}: no such file or folder, expected a .jsonl, "
+                                                      ".json, .parquet file, a folder of them or a hub dataset "
+                                                      "name")):
+            load_examples(missing)
+    folder = tmp_path / "set"
+    folder.mkdir()
+    with pytest.raises(DataError, match=re.escape(f"{folder}: cannot load split 'train' (EmptyDatasetError: ")):
+        load_examples(str(folder))
+    (folder / "train.jsonl").write_text(json.dumps({"problem": "q", "answer": "1"}) + "\n")
+    assert load_examples(str(folder), split="train") == [Example("q", "1")]
+    with pytest.raises(DataError, match=re.escape(f"{folder}: cannot load split 'test' (ValueError: Unknown split "
+                                                  "\"test\". Should be one of ['train'].)")):
+        load_examples(str(folder), split="test")
 
 
 def test_a_file_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path, monkeypatch):
