@@ -15,6 +15,7 @@ reader past the limit; whole lines are copied to the log and to standard output.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import select
 import signal
@@ -29,6 +30,16 @@ GRACE_S = 3.0              # SIGTERM, then this long before SIGKILL (a train.py 
 POLL_S = 0.5               # the longest wait between two readings of the process tree
 PR_SET_CHILD_SUBREAPER = 36
 _SUBREAPER = False         # this process is its descendants' subreaper: orphans below it come here
+
+
+def write_figures(path: str, figures) -> None:
+    """A child's figures as JSON, written whole (a temporary file, then os.replace): a child stopped
+    mid-write leaves the figures it wrote last, never half a file. Children write after each
+    measurement, so a section past its limit keeps what was measured before it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures, f, indent=1)
+    os.replace(tmp, path)
 
 
 def become_subreaper() -> bool:

@@ -55,8 +55,10 @@ DISTRIBUTIONS = ("datasets", "math-verify", "peft", "trl", "accelerate", "vllm")
 SLOT_S = 480
 WHEELS_S = 10       # pip install --no-index --no-deps --target of ~3 MB of pure-Python wheels (estimated)
 STARTUP_S = 8       # the check's own start: Python, torch's import, the environment (estimated)
-BUILD_S = 50        # the 1.5B built once, in the background beside the smoke test (~30 s, RESULTS §20)
+BUILD_S = 45        # the 1.5B built once, in the background beside the smoke test (~30 s, RESULTS §20)
 MARGIN_S = 7        # stopping the last section's processes, the last summary
+COMMAND_TIMEOUT_S = SLOT_S - WHEELS_S   # `timeout` around the check in docs/gpu.md's device command: the slot
+                                        # less the wheels' install, at least the check's own budget
 SMALL_LIMIT_S = 300  # --small: every section's limit on a CPU (stand-in widths, no budget)
 
 
@@ -104,14 +106,17 @@ SECTIONS = (
     Section("numerics", "packed rows on CUDA (train.packing, the varlen kernel) against unpacked rows and float32, "
             "forward and backward, and sdpa's default kernel against its math kernel: the 1.5B's log-probs and "
             "gradients of 4 sequences up to 2048 tokens; its packed_ok decides whether the later sections pack",
-            40, True, "start and the 1.5B's load ~15 s; 6 forward+backward passes of <= 8k tokens, < 1 s each "
+            35, True, "start and the 1.5B's load ~15 s; 6 forward+backward passes of <= 8k tokens, < 1 s each "
             "plus cuDNN's plans (~0.5 s per new shape)", (QWEN15,)),
     Section("update", "the update of the bench batch (48 sequences, completions 10-3523 tokens) at the recipe's "
             "token budget (grpo.yaml's train.micro_batch_tokens), packed, with the checkpointing the memory plan "
-            "chooses: MFU, real tokens/s, peak memory; "
-            "a profile of one more update: GEMM / attention / elementwise / idle shares, the attention kernel",
-            75, True, "start and load ~15 s; 3 updates of <= 3.8 s each (RESULTS §24), the first with its "
-            "compiles and plans (<= 30 s); one profiled update <= 8 s", (QWEN15,),
+            "chooses and the CUDA defaults (compiled decoder layers and log-prob head): MFU, real tokens/s, peak "
+            "memory; the same update with eager layers and head (--compile never --head eager) beside it, and "
+            "their ratio: the defaults chosen by measurement; a profile of one more update: GEMM / attention / "
+            "elementwise / idle shares, the attention kernel",
+            70, True, "start and load ~15 s; an untimed update with the compiles of the layers (train, with "
+            "grad) and the head and cuDNN's plans <= 30 s; one timed update <= 3.8 s (RESULTS §24: eager), one "
+            "eager <= 4 s; one profiled <= 8 s", (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
     Section("decode", "decoding 48 completions (8 prompts x 6) of the recipe's lengths, up to 3584 new tokens in "
             "the recipe's 4096-position cache: the loop that reads the whole cache (static-full) against the "
@@ -122,10 +127,14 @@ SECTIONS = (
             (PlanCase(f"{R15}/grpo.yaml", ("--rollout.engine=hf",)),)),
     Section("recipe", f"configs/qwen2.5-math-1.5b/grpo.yaml, train.py on one process, 2 steps of 48 completions of "
             f"{STEP_GEN} new tokens with the reference model (beta 0.04) and the recipe's rewards: each step's "
-            "split generation / rewards / advantages / update, peak memory", 85, True,
-            "start and two 1.5B loads ~20 s; step 1 with the decoding loop's compile ~41 s + ~6 s; step 2 "
-            f"~7 s ({STEP_GEN} steps at <= 6 ms, an update ~4 s); stopped once step 2 is logged (no final "
-            "checkpoint)", (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", STEP + ("--rollout.engine=hf",)),), TRAIN),
+            "split generation / rewards / advantages / update, peak memory", 100, True,
+            "start and two 1.5B loads ~20 s; step 1 with its compiles: the decoding step (rows and window "
+            "dynamic, <= 45 s cold as decode's), the decoder layers for scoring (eval, no grad: pi_old, the "
+            "reference) and the update (train) and the head (<= 30 s cold as update's), the attention probe "
+            f"(< 1 s), then ~6 s; step 2 ~7 s ({STEP_GEN} steps at <= 6 ms, an update ~4 s): ~109 s cold, less "
+            "with inductor's on-disk caches (FX graph, AOTAutograd; on by default) warm from update and decode, "
+            "which leave dynamo's tracing (not measured: step 1's step_time_s says); stopped once step 2 is "
+            "logged (no final checkpoint)", (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", STEP + ("--rollout.engine=hf",)),), TRAIN),
     Section("trl", "TRL's GRPOTrainer on the recipe step's workload (the same config, prompts, rewards, 48 "
             f"completions of {STEP_GEN} tokens, beta 0.04 with its reference model) with transformers' generate, "
             "2 steps: its step time beside train.py's (recipe)", 55, True,
@@ -136,7 +145,7 @@ SECTIONS = (
     Section("lora", "configs/qwen2.5-math-1.5b/pspo_lora.yaml (rank-16 adapters, a frozen bf16 base, the reference "
             f"the base itself) for 2 steps of {STEP_GEN} new tokens: step split and peak memory against the full "
             "fine-tuning recipe step's (recipe)", 420, False, "", (QWEN15,),
-            (PlanCase(f"{R15}/pspo_lora.yaml", STEP + ("--rollout.engine=hf",)),), ("peft",) + TRAIN),
+            (PlanCase(f"{R15}/pspo_lora.yaml", STEP + ("--rollout.engine=hf",)),), ("peft", "accelerate") + TRAIN),
     Section("rpp7b", "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml at the 7B's widths, 4 of 28 layers, "
             "2 steps of 64 K&K completions: peak memory against the plan", 480, False, "", (QWEN7B,),
             (PlanCase(f"{R7}/reinforce_pp.yaml", ("--data.eval=", f"--rollout.max_new_tokens={GEN}",
@@ -217,12 +226,13 @@ def commands(section: Section, ctx: Context) -> list[Child]:
         return [Child([py, "bench/attention_numerics.py", "--model", ctx.model(QWEN15), "--bf16", *shape,
                        "--json", j()])]
     if section.name == "update":
-        shape = (["--sequences", "6", "--max-completion", "64", "--max-prompt", "32", "--budget", "512", "--reps", "1"]
-                 if small else ["--sequences", "48", "--max-completion", "3584", "--max-prompt", "512",
-                                "--budget", str(recipe_budget()), "--reps", "3"])
+        shape = (["--sequences", "6", "--max-completion", "64", "--max-prompt", "32", "--budget", "512"] if small
+                 else ["--sequences", "48", "--max-completion", "3584", "--max-prompt", "512",
+                       "--budget", str(recipe_budget())])
+        shape += ["--warmup", "1", "--reps", "1"]
         return [Child([py, "bench/micro_batches.py", "--model", ctx.model(QWEN15), "--bf16", *shape,
                        "--modes", "packed" if ctx.packing else "token budget", "--checkpointing", "auto",
-                       "--profile", "--json", j()])]
+                       "--against-eager", "--profile", "--json", j()])]
     if section.name == "decode":
         shape = (["--prompts", "2", "--n", "2", "--max-new-tokens", "16", "--cache-len", "64"] if small
                  else ["--prompts", "8", "--n", "6", "--max-new-tokens", "3584", "--cache-len", "4096"])
@@ -317,7 +327,9 @@ def dry_run(names: list[str], gpu_gib: float) -> int:
     for step, limit, end in schedule(names):
         print(f"| {step} | {limit} | {WHEELS_S + end} |")
     verdict = "fits" if total <= SLOT_S else "does NOT fit"
-    print(f"\nin all {total} s: {verdict} in {SLOT_S // 60} minutes ({SLOT_S} s)")
+    print(f"\nin all {total} s: {verdict} in {SLOT_S // 60} minutes ({SLOT_S} s); the device command "
+          f"(docs/gpu.md) runs the check under `timeout -k 10 {COMMAND_TIMEOUT_S}`, its own budget "
+          f"{total - WHEELS_S} s")
     bad = 0
     for name in names:
         s = BY_NAME[name]
@@ -453,9 +465,13 @@ STEP_KEYS = ("step_time_s", "gen_s", "reward_s", "advantages_s", "update_s", "sy
 
 
 def figures(section: Section, ctx: Context) -> dict:
-    """The section's figures from the files its children wrote (absent ones are left out)."""
+    """The section's figures from the files its children wrote (absent ones are left out); ValueError
+    for a file that holds no JSON object."""
     if section.name in ("smoke", "numerics", "update", "decode", "prm", "trl"):
-        return read_json(os.path.join(ctx.out, f"{section.name}.json")) or {}
+        found = read_json(os.path.join(ctx.out, f"{section.name}.json")) or {}
+        if not isinstance(found, dict):
+            raise ValueError(f"{section.name}.json holds a {type(found).__name__}, not an object")
+        return found
     sync = read_json(os.path.join(ctx.out, f"{section.name}-sync.json"))
     kept = os.path.join(ctx.out, f"{section.name}.metrics.jsonl")
     rows = read_metrics(kept if os.path.isfile(kept) else os.path.join(ctx.runs, section.name, "metrics.jsonl"))
@@ -463,9 +479,15 @@ def figures(section: Section, ctx: Context) -> dict:
             "eval": [r for r in rows if "eval_accuracy" in r], **({"sync_check": sync} if sync else {})}
 
 
+def unreadable(e: Exception) -> str:
+    return f"figures unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
 def not_measured(summary: dict) -> list[str]:
-    """What the summary lacks, and why: every section that did not end "ok", and the notes."""
+    """What the summary lacks, and why: every section that did not end "ok" or whose figures could not be
+    read, and the notes."""
     return [f"{name}: {s['status']}" for name, s in summary["sections"].items() if s["status"] != "ok"] \
+        + [f"{name}: {s['figures_error']}" for name, s in summary["sections"].items() if s.get("figures_error")] \
         + summary.get("notes", [])
 
 
@@ -486,7 +508,12 @@ def markdown(summary: dict) -> str:
                      f"({packing['why']})")
     lines += ["", "| section | call | status | s | figure | value |", "|---|---:|---|---:|---|---|"]
     for name, s in summary["sections"].items():
-        rows = list(key_figures(name, s.get("figures") or {}, summary)) or [("-", "-")]
+        try:
+            rows = list(key_figures(name, s.get("figures") or {}, summary)) or [("-", "-")]
+        except Exception as e:              # figures of another shape than this table reads: said, not raised
+            rows = [("-", unreadable(e))]
+        if s.get("figures_error"):
+            rows = [("-", s["figures_error"])]
         if s.get("plan_gib"):
             rows.append(("memory plan peak GiB (an upper bound)", " / ".join(map(str, s["plan_gib"]))))
         call = "" if s.get("call") is None else s["call"] + 1
@@ -526,6 +553,18 @@ def key_figures(name: str, f: dict, summary: dict):
                    f"{number(m.get('mfu'), '.1%')} / {number(m.get('real_tokens_per_s'), ',.0f')} / "
                    f"{number(m.get('update_s'))} / {number(m.get('padded_share'))} / "
                    f"{number(m.get('peak_allocated_gib'), '.1f')}, {number(m.get('peak_reserved_gib'), '.1f')}")
+        e = f.get("against_eager")
+        if e:
+            default = (f.get("modes") or {}).get(e.get("mode")) or {}
+            yield (f"{e.get('mode')}, eager layers and head (--compile never --head eager): MFU / real tok/s / "
+                   "update s / peak alloc, reserved GiB",
+                   f"{number(e.get('mfu'), '.1%')} / {number(e.get('real_tokens_per_s'), ',.0f')} / "
+                   f"{number(e.get('update_s'))} / {number(e.get('peak_allocated_gib'), '.1f')}, "
+                   f"{number(e.get('peak_reserved_gib'), '.1f')}")
+            yield (f"eager / defaults update s (layers {'compiled' if f.get('compiled') else 'eager'}, head "
+                   f"{f.get('head')}; > 1: the defaults are faster)",
+                   f"{number(e.get('update_s'))} / {number(default.get('update_s'))} = "
+                   f"{number(e.get('eager_over_defaults'))}")
         p = f.get("profile") or {}
         if p:
             yield (f"profile: GEMM / attention ({p.get('attention_backend')}) / elementwise / other / idle",
@@ -672,7 +711,11 @@ def run_section(section: Section, ctx: Context, gpu_gib: float, limit: float, bu
             shutil.copy(os.path.join(run, "metrics.jsonl"), os.path.join(ctx.out, f"{section.name}.metrics.jsonl"))
         shutil.rmtree(run, ignore_errors=True)             # checkpoints of a 1.5B or 7B model fill a disk
         record["seconds"] = time.monotonic() - start
-        record["figures"] = figures(section, ctx)
+        try:
+            record["figures"] = figures(section, ctx)
+        except Exception as e:              # a file of another shape: said in the summary, the next section runs
+            record["figures"] = {}
+            record["figures_error"] = unreadable(e)
         if section.name == "numerics":
             packed, why = packing_verdict(record)
             ctx.packing = packed
@@ -767,6 +810,7 @@ def main(argv: list[str], started: float | None = None) -> int:
         ctx.summary["notes"].append("vLLM's ms per step and the sync check on a GPU: vLLM is not installed")
     write_summary(ctx)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))       # `timeout` around the check: still a summary
+    become_subreaper()              # an orphan of a section's children comes here, to be stopped with them
     t0 = time.monotonic() - STARTUP_S if started is None else started
     ends = {step: end for step, _, end in schedule(names)}
     build = None
@@ -793,5 +837,4 @@ def main(argv: list[str], started: float | None = None) -> int:
 
 
 if __name__ == "__main__":
-    become_subreaper()              # an orphan of a section's children comes here, to be stopped with them
     sys.exit(main(sys.argv[1:], started=STARTED))

@@ -40,7 +40,6 @@ profiler's own overhead counts there too, so idle is an upper bound).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,10 +51,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from bench.child_process import write_figures  # noqa: E402
 from pspo.training.config import ATTENTIONS, COMPILES, LOGPROB_HEADS, load_config  # noqa: E402
 from pspo.training.distributed import Dist  # noqa: E402
 from pspo.training.model import (attention_heads, build_policy, compile_line, compiled_layers,  # noqa: E402
-                                 head_mode, set_scoring)
+                                 decoder_layers, head_mode, set_scoring)
 from pspo.training.packed_attention import choose_kernels  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
 from pspo.training.micro_batches import plan_micro_batches  # noqa: E402
@@ -242,7 +242,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--budget", type=int, default=0, help="token budget (default: micro x the longest sequence)")
     ap.add_argument("--profile", action="store_true", help="a GPU: where one token-budget update spends its time")
     ap.add_argument("--modes", default="fixed,token budget,packed", help="which modes to time, comma-separated")
-    ap.add_argument("--json", default="", help="also write the figures to this JSON file")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file (after each update "
+                    "timed and after the profile: what is measured so far)")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed updates of each mode first (the compiles)")
+    ap.add_argument("--against-eager", action="store_true",
+                    help="also time the last mode with eager decoder layers and the eager head (--compile never "
+                         "--head eager), --reps times: the defaults against them")
     ap.add_argument("--plan-only", action="store_true",
                     help="no model: each mode's micro-batches and padded share on the batch's lengths")
     # how scoring runs, as train.py resolves it (defaults: the config's)
@@ -292,24 +297,6 @@ def main(argv: list[str]) -> None:
     # the decoder's matmuls: no embedding (a lookup) and no head (it scores completion tokens only;
     # tied to the embedding, parameters() counts it once)
     matmul_params = params - embed.numel() - (0 if head is embed else head.numel())
-    batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    peaks: dict[str, tuple[float, float]] = {}
-    sums: dict[str, UpdateSums] = {}
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0,    # the weights stay as built
-                                  fused=True if device.type == "cuda" else None)
-    for _ in range(args.reps):
-        for mode, cfg in modes.items():
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            sums[mode] = policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                peaks[mode] = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30)
-            times[mode].append(time.perf_counter() - start)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     gpu = device.type == "cuda"
     peak = args.peak_tflops or (peak_tflops(where) if gpu else None)
@@ -318,78 +305,144 @@ def main(argv: list[str]) -> None:
     attn_width = heads * (getattr(lm_config, "head_dim", None) or lm_config.hidden_size // heads)
     flops = update_flops(matmul_params, int(attention.sum()), attention.sum(1).tolist(),
                          lm_config.num_hidden_layers, attn_width, head.numel(), int(mask.sum()))
+    batch = UpdateBatch(input_ids, attention, mask, mask, advantages[:, None].expand_as(mask))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, tuple[float, float]] = {}
+    sums: dict[str, UpdateSums] = {}
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, weight_decay=0.0,    # the weights stay as built
+                                  fused=True if device.type == "cuda" else None)
+
+    def timed_update(cfg) -> tuple[UpdateSums, float, tuple[float, float] | None]:
+        """One update of the batch under cfg: its sums, seconds and (on a GPU) peak allocated, reserved GiB."""
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device))
+        if gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        memory = (torch.cuda.max_memory_allocated() / 2 ** 30, torch.cuda.max_memory_reserved() / 2 ** 30) if gpu \
+            else None
+        return out, seconds, memory
+
+    figures: dict[str, dict] = {}
+    result = {"device": where, "model": name, "parameters": params, "matmul_parameters": matmul_params,
+              "sequences": args.sequences, "real_tokens": int(attention.sum()), "longest": longest,
+              "bf16": args.bf16, "checkpointing": checkpointing, "checkpointing_asked": args.checkpointing,
+              "budget": budget, "outside_allocator_gib": None, "update_tflops": flops / 1e12, "peak_tflops": peak,
+              "modes": figures, "against_eager": None, "profile": {}, "attention_setting": args.attention,
+              "attention": kernels.describe(), "compile_setting": args.compile, "compiled": compiled,
+              "head_setting": args.head, "head": head_kind, "warmup": args.warmup}
+
+    def mode_figures(mode: str) -> dict:
+        s, t = sums[mode], modes[mode].train
+        plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens, t.packing)
+        median = statistics.median(times[mode])
+        planned = memory_plan.update_peak(arch, sizes[mode], bf16=args.bf16, checkpointing=checkpointing,
+                                          chunk_tokens=CHUNK)
+        reserved = memory_plan.device_bytes(planned) - int(memory_plan.OVERHEAD_GIB * memory_plan.GiB)
+        return {"micro_batches": len(plan), "padded_share": 1 - s.update_tokens / s.update_positions,
+                "update_s": median, "real_tokens_per_s": s.update_tokens / median,
+                "mfu": mfu(flops, median, peak) if gpu and peak else None,
+                "peak_allocated_gib": peaks[mode][0] if gpu else None,
+                "peak_reserved_gib": peaks[mode][1] if gpu else None,
+                # the memory plan of these micro-batches: what max_memory_allocated should reach (never
+                # under it, within 1.2x), and with the allocator's cache what max_memory_reserved may
+                "plan_peak_gib": planned / 2 ** 30, "plan_reserved_gib": reserved / 2 ** 30}
+
+    def measured() -> None:
+        """Write what is measured so far (--json): a run stopped later keeps it."""
+        if args.json:
+            write_figures(args.json, result)
+
+    for _ in range(args.warmup):                          # untimed: the compiles, the kernels' first calls
+        for cfg in modes.values():
+            timed_update(cfg)
+    for _ in range(args.reps):
+        for mode, cfg in modes.items():
+            sums[mode], seconds, memory = timed_update(cfg)
+            times[mode].append(seconds)
+            if gpu:
+                peaks[mode] = memory
+            figures[mode] = mode_figures(mode)
+            measured()
+    names = list(modes)
+    last = names[-1]                                      # the mode compared and profiled (packed by default)
+    if args.against_eager:
+        # the same update with eager decoder layers and the eager head (train.compile=never,
+        # model.logprob_head=eager), --reps times: what the defaults gain on this device
+        eager_layers(policy)
+        policy.head = "eager"
+        eager_times, eager_peak = [], None
+        for _ in range(args.reps):
+            eager_sums, seconds, eager_peak = timed_update(modes[last])
+            eager_times.append(seconds)
+        median = statistics.median(eager_times)
+        result["against_eager"] = {
+            "mode": last, "compile_setting": "never", "head_setting": "eager", "update_s": median,
+            "real_tokens_per_s": eager_sums.update_tokens / median,
+            "mfu": mfu(flops, median, peak) if gpu and peak else None,
+            "peak_allocated_gib": eager_peak[0] if gpu else None, "peak_reserved_gib": eager_peak[1] if gpu else None,
+            "eager_over_defaults": median / figures[last]["update_s"]}     # > 1: the defaults are faster
+        measured()
+        set_scoring(policy, kernels=kernels, compiled=compiled, head=head_kind)     # the defaults again
     print(f"{args.sequences} sequences, completions {int(lengths.min())}-{int(lengths.max())} tokens "
           f"(median {int(lengths.median())}), longest sequence {longest}; {name} ({params / 1e9:.3f}B parameters, "
           f"{matmul_params / 1e9:.3f}B in the decoder's matmuls, the head apart); {where}; "
           f"bf16 {'on' if args.bf16 else 'off'}, "
           f"checkpointing {checkpointing}{' (auto)' if args.checkpointing == 'auto' else ''}; "
-          f"median of {args.reps}; MFU: "
+          f"median of {args.reps}{f' after {args.warmup} untimed' if args.warmup else ''}; MFU: "
           + (f"{flops / 1e12:,.0f} TFLOPs per update (decoder matmuls + head on completion tokens + causal "
              f"attention) / time / {peak:g} TFLOP/s"
              if peak else "unknown peak (--peak-tflops)" if gpu else "GPU only") + f"\n{scoring}\n")
     print("| mode | micro-batches | padded share | update s | real tokens/s |"
           + (" MFU | peak allocated GiB | peak reserved GiB |" if gpu else "") + " plan allocated / reserved GiB |")
     print("|---|---:|---:|---:|---:|" + ("---:|---:|---:|" if gpu else "") + "---:|")
-    figures: dict[str, dict] = {}
     for mode in modes:
-        s = sums[mode]
-        t = modes[mode].train
-        plan = plan_micro_batches(attention, mask, t.micro_batch_size, t.micro_batch_tokens, t.packing)
-        median = statistics.median(times[mode])
-        planned = memory_plan.update_peak(arch, sizes[mode], bf16=args.bf16, checkpointing=checkpointing,
-                                          chunk_tokens=CHUNK)
-        reserved = memory_plan.device_bytes(planned) - int(memory_plan.OVERHEAD_GIB * memory_plan.GiB)
-        figures[mode] = {"micro_batches": len(plan), "padded_share": 1 - s.update_tokens / s.update_positions,
-                         "update_s": median, "real_tokens_per_s": s.update_tokens / median,
-                         "mfu": mfu(flops, median, peak) if gpu and peak else None,
-                         "peak_allocated_gib": peaks[mode][0] if gpu else None,
-                         "peak_reserved_gib": peaks[mode][1] if gpu else None,
-                         # the memory plan of these micro-batches: what max_memory_allocated should reach (never
-                         # under it, within 1.2x), and with the allocator's cache what max_memory_reserved may
-                         "plan_peak_gib": planned / 2 ** 30, "plan_reserved_gib": reserved / 2 ** 30}
-        row = (f"| {mode} | {len(plan)} | {figures[mode]['padded_share']:.2f} | {median:.2f} | "
-               f"{figures[mode]['real_tokens_per_s']:,.0f} |")
+        f = figures[mode]
+        row = (f"| {mode} | {f['micro_batches']} | {f['padded_share']:.2f} | {f['update_s']:.2f} | "
+               f"{f['real_tokens_per_s']:,.0f} |")
         if gpu:
-            row += (f" {figures[mode]['mfu']:.1%} |" if peak else " - |") \
-                + f" {peaks[mode][0]:.1f} | {peaks[mode][1]:.1f} |"
-        print(row + f" {planned / 2 ** 30:.1f} / {reserved / 2 ** 30:.1f} |")
-    names = list(modes)
+            row += (f" {f['mfu']:.1%} |" if peak else " - |") \
+                + f" {f['peak_allocated_gib']:.1f} | {f['peak_reserved_gib']:.1f} |"
+        print(row + f" {f['plan_peak_gib']:.1f} / {f['plan_reserved_gib']:.1f} |")
     for slow, fast in zip(names, names[1:]):
         ratio = statistics.median(times[slow]) / statistics.median(times[fast])
         print(f"\n{fast} updates are {ratio:.2f}x as fast as {slow} ({slow} / {fast}, medians; "
               f"per rep: {', '.join(f'{a / b:.2f}' for a, b in zip(times[slow], times[fast]))})")
-    profile: dict = {}
+    e = result["against_eager"]
+    if e:
+        print(f"\n{last}, eager layers and head (--compile never --head eager): {e['update_s']:.2f} s, "
+              f"{e['real_tokens_per_s']:,.0f} real tokens/s" + (f", MFU {e['mfu']:.1%}" if e["mfu"] else "")
+              + f"; eager / defaults ({compile_line(args.compile, args.head, device).removeprefix('scoring: ')}) "
+              f"= {e['eager_over_defaults']:.2f}")
     if args.profile and not gpu:
         print("\nprofile: GPU only (kernel times); absent on CPU")
     elif args.profile:
-        cfg = modes[names[-1]]                                # the last mode timed (packed by default)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        shares, kernels = profiled_update(
-            lambda: policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, device)))
-        profile = dict(shares, attention_backend=attention_backend(kernels))
-        print(f"\nprofile of one {names[-1]} update (share of wall time):")
+        shares, kernel_times = profiled_update(
+            lambda: policy_update(policy, optimizer, scheduler, batch, modes[last], Dist(0, 1, device)))
+        result["profile"] = dict(shares, attention_backend=attention_backend(kernel_times))
+        print(f"\nprofile of one {last} update (share of wall time):")
         print("| GEMM | of which fp32 | attention | elementwise/reductions | other kernels | idle "
               "| attention kernels |")
         print("|---:|---:|---:|---:|---:|---:|---|")
         print(f"| {shares['gemm']:.0%} | {shares['gemm_fp32']:.0%} | {shares['attention']:.0%} | "
               f"{shares['elementwise']:.0%} | {shares['other']:.0%} | {shares['idle']:.0%} | "
-              f"{profile['attention_backend']} |")
+              f"{result['profile']['attention_backend']} |")
     # what the GPU holds beyond PyTorch's allocator (the CUDA context, library workspaces): plan.OVERHEAD_GIB
-    outside = None
     if gpu:
         free, total = torch.cuda.mem_get_info()
-        outside = (total - free - torch.cuda.memory_reserved()) / 2 ** 30
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": where, "model": name, "parameters": params, "matmul_parameters": matmul_params,
-                       "sequences": args.sequences, "real_tokens": int(attention.sum()), "longest": longest,
-                       "bf16": args.bf16, "checkpointing": checkpointing, "checkpointing_asked": args.checkpointing,
-                       "budget": budget, "outside_allocator_gib": outside,
-                       "update_tflops": flops / 1e12, "peak_tflops": peak, "modes": figures,
-                       "profile": profile, "attention_setting": args.attention, "attention": kernels.describe(),
-                       "compile_setting": args.compile, "compiled": compiled, "head_setting": args.head,
-                       "head": head_kind}, f, indent=1)
+        result["outside_allocator_gib"] = (total - free - torch.cuda.memory_reserved()) / 2 ** 30
+    measured()
 
+
+def eager_layers(policy) -> None:
+    """Undo compile_layers: each decoder layer's own (class) forward again."""
+    for layer in decoder_layers(policy.lm):
+        layer.__dict__.pop("forward", None)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

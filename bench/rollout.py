@@ -24,11 +24,13 @@ max new tokens], the completion lengths of bench/micro_batches.py's update batch
 most 3584 tokens: 10-3523, median 327), the same in every call; the static engines alone take
 per-row budgets.
 
-Columns: the first call (warm-up; with compile, the compile), then the median over --repeats
-calls, the engines taking turns: completion tokens per second (tokens up to and including the
-stop token, or up to the row's budget), ms per decoding step (call time / columns generated,
-the prefill included), the cache positions a static loop's step attends over (rows x window,
-averaged over its steps), the rows whose tokens equal the first engine's, and on CUDA the peak
+Each engine makes its first call (the warm-up; with compile, the compile) and its first timed call
+before the next engine starts, the further --repeats calls taking turns; --json is rewritten after
+every call with what is measured so far (a run stopped during one engine keeps the engines before
+it). Columns: the first call, then the median over --repeats calls: completion tokens per second
+(tokens up to and including the stop token, or up to the row's budget), ms per decoding step (call
+time / columns generated, the prefill included), the cache positions a static loop's step attends
+over (rows x window, averaged over its steps), the rows whose tokens equal the first engine's, and on CUDA the peak
 memory allocated (on CPU the process's CPU seconds per call instead: steadier than wall time when
 other work shares the cores). With `static-full` and another static loop, a second table gives
 their ratios to `static-full`: length-aware vs whole-cache decoding, shrinking vs fixed rows. Run
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -56,6 +57,7 @@ from pspo.engines.hf_engine import HFEngine  # noqa: E402
 from pspo.rollout import compile_enabled  # noqa: E402
 from pspo.engines.sampling import column_keys, draw  # noqa: E402
 from pspo.training.tokens import left_pad  # noqa: E402
+from bench.child_process import write_figures  # noqa: E402
 from bench.micro_batches import skewed_batch  # noqa: E402
 from pspo.engines.sampling import sequence_seeds  # noqa: E402
 from pspo.offline.standin import build_random_model  # noqa: E402
@@ -116,11 +118,11 @@ class CacheReads:
             return step(tokens, positions, key_valid, kv)
         decoder.step = counted
 
-    def take(self) -> float:
-        """Positions per step since the last take (0 when no step ran)."""
-        per_step = self.positions / max(self.steps, 1)
+    def take(self) -> tuple[int, int]:
+        """(steps, positions) since the last take."""
+        counts = (self.steps, self.positions)
         self.steps = self.positions = 0
-        return per_step
+        return counts
 
 
 def row_budgets(spec: str, rows: int, max_new_tokens: int) -> torch.Tensor | None:
@@ -206,7 +208,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--lengths", default="max", choices=("max", "recipe"),
                     help="each row's budget of new tokens: max (--max-new-tokens each) or recipe (log-uniform in "
                          "[10, max new tokens], the recipe's completion lengths; static engines only)")
-    ap.add_argument("--json", default="", help="also write the figures to this JSON file (after each budget)")
+    ap.add_argument("--json", default="", help="also write the figures to this JSON file (after each call: "
+                    "what is measured so far)")
     args = ap.parse_args(argv)
     error = lengths_error(args.lengths, args.engines, args.max_new_tokens)
     if error:
@@ -245,43 +248,64 @@ def main(argv: list[str]) -> None:
               + " compiles / recompiles / CUDA-graph skips |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         first, times, cpu, outs, peaks = {}, {k: [] for k in engines}, {k: [] for k in engines}, {}, {}
-        reads: dict[str, float | None] = {}
+        reads = {name: [0, 0] for name in engines if name in STATIC}     # timed calls' (steps, positions)
         graphs: dict[str, dict[str, int]] = {}
-        for name, engine in engines.items():
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            before = compile_counts()
-            first[name] = timed(engine, prompts, args.n, max_new, 0, budgets)[0]
-            graphs[name] = {"compiles": compile_counts()["graphs"] - before["graphs"],
-                            "skips": compile_counts()["skips"] - before["skips"], "recompiles": 0}
-            peaks[name] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
-            if name in STATIC:
-                engine.reads.take()                                   # the timed calls' reads only
-        for step in range(1, args.repeats + 1):                     # the engines take turns
+        earlier = list(figures["runs"])                               # the figures of earlier budgets
+
+        def run(name: str) -> dict:
+            """An engine's figures so far: its first call, and its timed calls' once one has run."""
+            r = {"engine": name, "max_new_tokens": max_new, "first_call_s": first[name],
+                 "peak_gib": peaks[name] if device == "cuda" else None, **graphs[name]}
+            if name not in outs:
+                return r
+            (ids, mask), seconds = outs[name], statistics.median(times[name])
+            ref_ids, ref_mask = outs[reference]
+            steps, positions = reads.get(name, (0, 0))
+            return dict(r, tokens_per_s=float(mask.sum() / seconds), ms_per_step=1000 * seconds / ids.shape[1],
+                        steps=ids.shape[1], mean_length=float(mask.sum(1).float().mean()), wall_s=seconds,
+                        cpu_s=statistics.median(cpu[name]),
+                        cache_positions_per_step=positions / steps if name in reads else None,
+                        rows_equal=sum(a[m].tolist() == b[mb].tolist()
+                                       for a, m, b, mb in zip(ids, mask, ref_ids, ref_mask)))
+
+        def measured(name: str) -> None:
+            """Write what is measured so far (--json): a section stopped later keeps it."""
+            if args.json:
+                figures["runs"] = earlier + [run(n) for n in engines if n in first]
+                write_figures(args.json, figures)
+
+        # engine by engine, its first call (the warm-up: its compiles) and its first timed call, its figures
+        # written after each; further timed calls take turns
+        for step in range(1, args.repeats + 1):
             for name, engine in engines.items():
+                if step == 1:
+                    if device == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    before = compile_counts()
+                    first[name] = timed(engine, prompts, args.n, max_new, 0, budgets)[0]
+                    graphs[name] = {"compiles": compile_counts()["graphs"] - before["graphs"],
+                                    "skips": compile_counts()["skips"] - before["skips"], "recompiles": 0}
+                    peaks[name] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+                    if name in STATIC:
+                        engine.reads.take()                           # the timed calls' reads only
+                    measured(name)
                 before = compile_counts()
                 seconds, cpu_seconds, *outs[name] = timed(engine, prompts, args.n, max_new, step, budgets)
                 graphs[name]["recompiles"] += compile_counts()["graphs"] - before["graphs"]
                 graphs[name]["skips"] += compile_counts()["skips"] - before["skips"]
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
-        for name, engine in engines.items():
-            reads[name] = engine.reads.take() if name in STATIC else None
-        ref_ids, ref_mask = outs[reference]
-        for name in engines:
-            (ids, mask), seconds = outs[name], statistics.median(times[name])
-            same = sum(a[m].tolist() == b[mb].tolist() for a, m, b, mb in zip(ids, mask, ref_ids, ref_mask))
-            ms_step = 1000 * seconds / ids.shape[1]
-            figures["runs"].append({
-                "engine": name, "max_new_tokens": max_new, "first_call_s": first[name],
-                "tokens_per_s": float(mask.sum() / seconds), "ms_per_step": ms_step, "steps": ids.shape[1],
-                "mean_length": float(mask.sum(1).float().mean()), "wall_s": seconds,
-                "cpu_s": statistics.median(cpu[name]), "cache_positions_per_step": reads[name],
-                "rows_equal": same, "peak_gib": peaks[name] if device == "cuda" else None, **graphs[name]})
-            print(f"| {name} | {max_new} | {first[name]:.2f} | {mask.sum(1).float().mean():.1f} | "
-                  f"{mask.sum() / seconds:,.0f} | {ms_step:.2f} | "
-                  + ("-" if reads[name] is None else f"{reads[name]:,.0f}") + f" | {same}/{len(ids)} | "
-                  + (f"{peaks[name]:.1f} |" if device == "cuda" else f"{statistics.median(cpu[name]):.2f} |")
+                if name in STATIC:
+                    reads[name] = [a + b for a, b in zip(reads[name], engine.reads.take())]
+                measured(name)
+        figures["runs"] = earlier + [run(name) for name in engines]
+        for r in figures["runs"][len(earlier):]:
+            name = r["engine"]
+            print(f"| {name} | {max_new} | {r['first_call_s']:.2f} | {r['mean_length']:.1f} | "
+                  f"{r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | "
+                  + ("-" if r["cache_positions_per_step"] is None else f"{r['cache_positions_per_step']:,.0f}")
+                  + f" | {r['rows_equal']}/{rows} | "
+                  + (f"{peaks[name]:.1f} |" if device == "cuda" else f"{r['cpu_s']:.2f} |")
                   + f" {graphs[name]['compiles']} / {graphs[name]['recompiles']} / {graphs[name]['skips']} |")
         print_ratios(figures["runs"], max_new, device)
         for kind, values in (("wall", times), ("CPU", cpu)):
@@ -292,8 +316,7 @@ def main(argv: list[str]) -> None:
                       + f"; median {statistics.median(static) / statistics.median(generate):.2f}"
                       + f", fastest {min(static) / min(generate):.2f}")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(figures, f, indent=1)
+            write_figures(args.json, figures)
 
 
 def print_ratios(runs: list[dict], max_new: int, device: str) -> None:

@@ -350,7 +350,8 @@ def weight_rows(packed: dict[str, list[str]], engine: dict[str, tuple[torch.dtyp
 
 def adapter_rows(served: dict[str, Tensor] | None, params: Iterator[tuple[str, Tensor]]) -> tuple[int, int]:
     """(rows that differ, rows compared) between the adapter the engine serves (`served`: the state of its
-    current version's adapter_model.safetensors, what vLLM loaded; None: no version yet, the base) and the
+    current version's adapter_model.safetensors as read from disk, the file vLLM is told to load, not what it
+    holds in memory; None: no version yet, the base) and the
     trainer's adapters `params` (adapter_params: (name, full tensor)), bit for bit. Serving the base is
     right while every B is 0: then a row of B that is not 0 differs."""
     differ = compared = 0

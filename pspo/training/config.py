@@ -434,7 +434,14 @@ def _coerce(key: str, value: Any, typ: str) -> Any:
     raise ConfigError(f"{key}: expected {typ}, got {value!r}")
 
 
+# keys that are gone, and what replaced them (a config that still sets one gets this line, not "unknown key")
+REMOVED = {"rollout.sync_check_tol": "removed: the sync check compares exact per-row weight checksums, with no "
+                                     "tolerance (docs/gpu.md, Sync check); delete the key"}
+
+
 def _set(cfg: Config, key: str, value: Any) -> None:
+    if key in REMOVED:
+        raise ConfigError(f"{key}: {REMOVED[key]}")
     section, _, name = key.partition(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if section not in sections or not name:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
+from pspo.training.config import ConfigError
 from pspo.training.model import decoder_layers
 
 
@@ -105,11 +106,24 @@ def shard(policy: torch.nn.Module, world_size: int, bf16: bool = False) -> torch
     """
     if world_size == 1:
         return policy
+    same_attention(policy.lm.config._attn_implementation)
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     for layer in decoder_layers(policy.lm):
         fully_shard(layer, mp_policy=precision)
     fully_shard(policy, mp_policy=precision)
     return policy
+
+
+def same_attention(name: str) -> None:
+    """The ranks must score with one attention implementation (`name`: config._attn_implementation, which
+    names the kernels pinned at start-up, e.g. "pspo_packed_varlen_flash"), but each rank's probe ran on its
+    own GPU (packed_attention.choose_kernels): ConfigError on every rank, naming each rank's, when they differ."""
+    names: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(names, name)
+    if len(set(names)) > 1:
+        ranks = "; ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+        raise ConfigError(f"train.attention: the ranks' probes chose different kernels ({ranks}); set "
+                          "train.attention to a kernel every rank runs (math runs everywhere)")
 
 
 def group_device() -> torch.device:

@@ -92,6 +92,25 @@ def test_collectives_on_gloo_stay_on_cpu_with_the_right_values(monkeypatch):
     assert set(group.seen) == {torch.device("cpu")}
 
 
+def test_ranks_that_pinned_different_attention_kernels_stop_together(monkeypatch):
+    # Each FSDP rank probes the kernels on its own GPU (packed_attention.choose_kernels); before sharding, the
+    # ranks compare what they pinned. Rank 1 of two refused varlen and pinned sdpa flash per sequence: every
+    # rank stops with the same line naming both; ranks that agree go on.
+    other = ["pspo_packed_sdpa_flash"]
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 2)
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = [obj, other[0]]
+    monkeypatch.setattr(distributed.dist, "all_gather_object", all_gather_object)
+    with pytest.raises(distributed.ConfigError) as e:
+        distributed.same_attention("pspo_packed_varlen_flash")
+    assert str(e.value) == ("train.attention: the ranks' probes chose different kernels (rank 0: "
+                            "pspo_packed_varlen_flash; rank 1: pspo_packed_sdpa_flash); set train.attention to a "
+                            "kernel every rank runs (math runs everywhere)")
+    other[0] = "pspo_packed_varlen_flash"
+    distributed.same_attention("pspo_packed_varlen_flash")
+
+
 def test_world_of_one_needs_no_group():
     x = torch.tensor([1.0, 2.0])
     for out in (distributed.all_reduce_sum(x), distributed.all_reduce_max(x), distributed.all_gather_rows(x)):

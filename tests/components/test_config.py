@@ -63,6 +63,8 @@ def test_base_inheritance_and_presets():
     ("pps:\n  enabled: maybe\n", [], "pps.enabled: expected bool"),
     ("", ["--data.train_people=2,9"], "data.train_people: expected K&K numbers of people in 2..8"),
     ("data:\n  train_people: two\n", [], "data.train_people: expected K&K numbers of people in 2..8"),
+    ("rollout:\n  sync_check_tol: 0.02\n", [], "rollout.sync_check_tol: removed: the sync check compares exact "
+     "per-row weight checksums, with no tolerance"),
 ])
 def test_errors_name_the_key(tmp_path, yaml_text, overrides, message):
     path = write(tmp_path, "c.yaml", yaml_text)

@@ -2,9 +2,12 @@
 the same tokens, masks, texts and log-probs in float32 on CPU, for fresh prompts and for prefixes;
 completions independent of the shape buckets; early-stopping rows; the bf16 weight copies; the
 compiled step. Its length-aware windows, row compaction and per-row budgets against the loop over
-the whole cache with every row to the end (`Decoder(window=False, compact=False)`)."""
+the whole cache with every row to the end (`Decoder(window=False, compact=False)`), and against an
+independent recomputation: the model without a cache over each row's tokens and the Gumbel draw
+written in this file from the documented formula."""
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,6 +218,84 @@ def test_windows_and_compaction_decode_what_the_whole_cache_does(random_lm, temp
     read = sum(r * w for r, w in shapes["short"]) / sum(r * w for r, w in shapes["full"])
     assert read < 0.2 and len(shapes["short"]) == len(shapes["full"]) == tokens.shape[1] - 1 + (
         -(tokens.shape[1]) % done_check)                                  # the loop ends at a done check
+
+
+# The counter-based Gumbel noise of docs (engines/sampling.py's module docstring), written again here with numpy's
+# unsigned 64-bit integers (wrapping, logical shifts) rather than the engine's signed int64 emulation:
+# h = mix(mix(seed + t·GOLDEN) + v·MUL1), mix the splitmix64 finalizer; u = (the top 24 bits of h + 0.5) / 2^24 in
+# float32 (its rounding of + 0.5 is part of the definition); g = -log(-log u).
+GOLDEN, MUL1, MUL2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def splitmix(x: np.ndarray) -> np.ndarray:
+    x = (x ^ (x >> np.uint64(30))) * MUL1
+    x = (x ^ (x >> np.uint64(27))) * MUL2
+    return x ^ (x >> np.uint64(31))
+
+
+def gumbel(seed: int, t: int, vocab: int) -> np.ndarray:
+    """(V,) float64 noise of a completion's seed (a signed int64, as torch holds it) at position t."""
+    key = splitmix(np.array([seed % 2 ** 64], dtype=np.uint64) + np.array([t], dtype=np.uint64) * GOLDEN)
+    h = splitmix(key + np.arange(vocab, dtype=np.uint64) * MUL1)                   # (V,)
+    u = ((h >> np.uint64(40)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -24)
+    return -np.log(-np.log(u.astype(np.float64)))
+
+
+def independent_draw(logits: np.ndarray, seed: int | None, t: int, temperature: float,
+                     top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """(z, logp) of one position, float64, (V,) each: z's argmax is the token (greedy without a seed):
+    z = logits / T outside the nucleus -inf, + the noise of (seed, t); the nucleus is the smallest set of
+    the most probable tokens whose mass reaches top_p (a token is in while the mass before it is under
+    top_p); logp = log softmax(logits / T)."""
+    z = logits / temperature
+    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    if seed is None:
+        return z, logp
+    order = np.argsort(-logp, kind="stable")
+    probs = np.exp(logp[order])
+    outside = np.zeros(len(z), dtype=bool)
+    outside[order] = np.cumsum(probs) - probs >= top_p
+    return np.where(outside, -np.inf, z) + gumbel(seed, t, len(z)), logp
+
+
+@pytest.mark.parametrize("temperature, top_p, sampled", [(1.0, 1.0, True), (0.7, 0.9, True), (1.0, 1.0, False)])
+def test_windows_and_compaction_draw_what_an_independent_sampler_draws(random_lm, temperature, top_p, sampled):
+    # The length-aware loop (windows 64 -> 128 -> 190, rows compacted down to buckets of 2) over 24 rows with
+    # budgets 1..150 against a recomputation that shares none of its code: the model WITHOUT a cache over each
+    # row's own prompt (unpadded) + the tokens it generated, in float32, and the draw written above from the
+    # documented formula. Every token must be the independent draw's argmax; where the test's top two are
+    # within 1e-4 (float32 rounding of a cached vs uncached forward) either is accepted, and the test counts them.
+    policy, stop_ids, pad_id, prompts = random_lm
+    input_ids, attention = left_pad(prompts, pad_id)
+    budgets = torch.tensor([round(150 ** (i / 23)) for i in range(24)])
+    seeds = sequence_seeds(7, 3, torch.arange(24), 1) if sampled else None
+    decoder = Decoder(policy, stop_ids, pad_id, max_rows=32)
+    decoder.pad_shapes = True
+    shapes = recorded(decoder)
+    tokens, logprobs = decoder.generate(input_ids, attention, seeds, temperature, top_p, 150, budgets)
+    windows, row_counts = {w for _, w in shapes}, {r for r, _ in shapes}
+    assert windows == {64, 128, 190} and min(row_counts) == 2 and len(row_counts) >= 4     # both act
+    ends = row_ends(tokens, torch.tensor(stop_ids), budgets)
+    assert ends.max() >= 97
+    near_ties = checked = 0
+    for i, prompt in enumerate(prompts):
+        end = int(ends[i])
+        row = tokens[i, :end].tolist()
+        assert (tokens[i, end:] == pad_id).all() and (logprobs[i, end:] == 0).all()
+        assert all(x not in stop_ids for x in row[:-1])                  # it ran on until its stop or budget
+        assert row[-1] in stop_ids or end == int(budgets[i])
+        with torch.no_grad():                                               # no cache, no padding, positions 0..
+            logits = policy.lm(torch.tensor([prompt + row[:-1]])).logits[0, len(prompt) - 1:]   # (end, V)
+        logits = logits.double().numpy()
+        for t, token in enumerate(row):
+            z, logp = independent_draw(logits[t], None if seeds is None else int(seeds[i]), t, temperature, top_p)
+            expected = int(np.argmax(z))
+            if token != expected:
+                assert z[expected] - z[token] < 1e-4, (i, t, token, expected, z[expected] - z[token])
+                near_ties += 1
+            assert abs(float(logprobs[i, t]) - logp[token]) < 1e-4
+            checked += 1
+    assert checked == int(ends.sum()) > 500 and near_ties <= 2, near_ties
 
 
 def test_budgets_end_rows_where_a_longer_run_passes(random_lm):

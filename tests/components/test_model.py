@@ -184,18 +184,20 @@ def _steps(policy, seeds, packing=True):
 
 
 @pytest.mark.slow
-def test_compiled_layers_equal_eager_and_do_not_recompile_per_length(tiny_model_path):
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_compiled_layers_equal_eager_and_do_not_recompile_per_length(tiny_model_path, checkpointing):
     # train.compile=always on CPU (inductor, ~15-60 s to compile here): the same log-probs and
     # gradients as eager layers within float32 rounding, on packed micro-batches of a new length every
-    # step, under gradient checkpointing (which recomputes through the compiled forward); and after
-    # the first step no layer compiles again (dynamic shapes; the per-sequence attention is outside)
+    # step, under gradient checkpointing (which recomputes through the compiled forward: all of it, or
+    # under selective checkpointing the layer's non-matmul ops, the CUDA default pair with compile); and
+    # after the first step no layer compiles again (dynamic shapes; the per-sequence attention is outside)
     import torch._dynamo
     from torch._dynamo.utils import counters
     from pspo.training.model import build_policy, set_scoring
     from pspo.training.packed_attention import Kernels
     torch._dynamo.reset()
     counters.clear()
-    eager, compiled = (build_policy(tiny_model_path, chunk_tokens=64, gradient_checkpointing=True).train()
+    eager, compiled = (build_policy(tiny_model_path, chunk_tokens=64, gradient_checkpointing=checkpointing).train()
                        for _ in range(2))
     set_scoring(compiled, kernels=Kernels("sdpa", "flash"), compiled=True, head="eager")
     set_scoring(eager, kernels=Kernels("sdpa", "flash"), compiled=False, head="eager")
