@@ -106,6 +106,22 @@ def code_draws(sampler: PrioritySampler, batch: int, draws: int, seed: int) -> t
     return indices, weights
 
 
+def agreement(counts: torch.Tensor, pi: torch.Tensor, pi_se: torch.Tensor, draws: int, least: float = 10.0) -> float:
+    """max |z| of the code path's inclusion counts (N,) over `draws` batches against π (N,): one cell per
+    prompt expected at least `least` times, the rarer prompts pooled into one cell (a single hit of a
+    prompt expected 10^-3 times is no evidence of a difference, but its own z would be ~30). A cell's
+    variance: draws·Σπ(1-π) (an upper bound for the pooled cell: the draw's inclusions are negatively
+    correlated) plus draws²·ΣSE(π)²."""
+    expected, var = draws * pi, draws * pi * (1 - pi) + draws ** 2 * pi_se ** 2
+    common = expected >= least
+    diff, spread = counts[common] - expected[common], var[common]
+    if (~common).any():
+        rare = ~common
+        diff = torch.cat([diff, (counts[rare] - expected[rare]).sum()[None]])
+        spread = torch.cat([spread, var[rare].sum()[None]])
+    return float((diff / spread.sqrt()).abs().max())
+
+
 def normalise(raw: torch.Tensor, norm: str) -> torch.Tensor:
     """(M, B) raw weights divided per batch as is_norm says."""
     if norm == "batch_max":
@@ -133,8 +149,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(args.seed + 2)
         idx = torch.cat([i for i, _, _ in race_batches(probs, batch, args.draws, g)])   # (M, B) fresh batches
         code_idx, code_w = code_draws(sampler, batch, args.code_draws, args.seed)     # (M', B)
-        pi_code = torch.bincount(code_idx.flatten(), minlength=n).double() / args.code_draws
-        z = (pi_code - pi) / (pi * (1 - pi) / args.code_draws + pi_se ** 2).sqrt()   # null: both are π
+        z = agreement(torch.bincount(code_idx.flatten(), minlength=n).double(), pi, pi_se, args.code_draws)
         raw = (n * probs[code_idx]) ** (-beta)
         if not torch.allclose(normalise(raw, sampler.is_norm).float(), code_w, rtol=1e-5, atol=0):
             sys.exit(f"{checkpoint}: the weights computed here differ from the sampler's")
@@ -143,7 +158,7 @@ def main() -> None:
         rows_inc.append((name, n, batch, beta, float(sampler.seen.double().mean()), float(batch * probs[top]),
                          float(pi[top]), float(pi_se[top]),
                          *np.quantile(ratio[idx].flatten().numpy(), [0.0, 0.01, 0.5, 0.99, 1.0]),
-                         float(z.abs().max())))
+                         z))
         raw_code = (n * probs[idx]) ** (-beta)                                 # (M, B) (N·P')^-β, the code's
         raw_true = (n * pi[idx] / batch) ** (-beta)                            # (M, B) (N·π/B)^-β
         noise = float((beta * pi_se[idx] / pi[idx]).max())
