@@ -25,7 +25,7 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
     N, B, p, a, seed = len(problems), cfg.train.prompts_per_step, cfg.pps, cfg.algo, cfg.train.seed
     if not p.enabled:
         return UniformSampler(N, seed)
-    if B > N:
+    if B > N and not p.replacement:
         raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
                           f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), "
                           f"{label} has {N}")
@@ -38,7 +38,7 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
                            beta_end=None if p.beta_end == -1 else p.beta_end,   # pps.beta_end -1: constant β
                            total_steps=cfg.train.max_steps, priority=p.priority,
                            posterior_decay=p.posterior_decay, is_norm=p.is_norm, uniform_mix=p.uniform_mix,
-                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min,
+                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min, replacement=p.replacement,
                            scale_rewards=a.scale_rewards, adv_eps=a.adv_eps)
 
 
