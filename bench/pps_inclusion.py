@@ -135,7 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", help="checkpoint folders of PPS runs (RUN/checkpoint-STEP)")
     parser.add_argument("--draws", type=int, default=200_000, help="batches of the fast draw: π_q, then the errors")
-    parser.add_argument("--code-draws", type=int, default=10_000, help="batches of PrioritySampler.sample (the check)")
+    parser.add_argument("--code-draws", type=int, default=10_000,
+                        help="batches of PrioritySampler.sample (the check)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows_inc, rows_w = [], []

@@ -10,8 +10,10 @@ weights them as prioritized experience replay does:
     w_q = (N·P(q))^(-β) / max over the drawn batch     (w ≤ 1; β annealed linearly to beta_end)
 
 Departures from the reference code, on purpose: sampling follows the live priorities every step
-(the reference effectively froze them per epoch); the weights are normalized by the batch max
-(the reference's reach ~27; `is_norm: none` keeps them so, `mean` divides by the batch mean);
+(the reference effectively froze them per epoch); the batch is B distinct prompts weighted by the
+single-draw P(q), where prioritized replay and the reference draw B independently (`replacement`
+does; §3 measures the error); the weights are normalized by the batch max (the reference's reach ~27;
+`is_norm: none` keeps them so, `mean` divides by the batch mean);
 the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
 reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
@@ -80,7 +82,8 @@ class PrioritySampler:
         if num_prompts < 1:
             raise ValueError("PrioritySampler: the dataset has no prompts")
         if replacement and skip:
-            raise ValueError("pps.replacement: false with pps.skip (a skip replaces a prompt among the distinct ones)")
+            raise ValueError("pps.replacement: false with pps.skip (a skip replaces a prompt among the "
+                             "distinct ones)")
         self.num_prompts, self.alpha, self.beta, self.eps = num_prompts, alpha, beta, eps
         self.priority = priority
         if not 0 <= uniform_mix < 1:
@@ -192,8 +195,8 @@ class PrioritySampler:
             taken, skipped, draws = self._distinct(batch_size, c)
         indices = torch.tensor(taken, dtype=torch.int64)
         probs = (self.tree[indices + self.size] + c) / (self.tree[1] + c * self.num_prompts)   # P'(q)
-        # Departure (§3, Departures): without replacement q is in the batch with probability π_q, not
-        # B·P'(q), so (N·P')^-β is not (N·π/B)^-β; on the demo's and K&K's runs the two differ by WEIGHT_ERROR
+        # Departure (§3): drawn without replacement, q is in the batch with probability π_q, not B·P'(q), so
+        # (N·P')^-β is not (N·π/B)^-β: up to 14% apart on the demo by step 150 (bench/RESULTS.md §29)
         weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P')^-β
         self.steps += 1
         self._last = {"draws": draws, "raw_weights": weights, "distinct": len(set(taken)),
