@@ -10,8 +10,10 @@ weights them as prioritized experience replay does:
     w_q = (N·P(q))^(-β) / max over the drawn batch     (w ≤ 1; β annealed linearly to beta_end)
 
 Departures from the reference code, on purpose: sampling follows the live priorities every step
-(the reference effectively froze them per epoch); the weights are normalized by the batch max
-(the reference's reach ~27; `is_norm: none` keeps them so, `mean` divides by the batch mean);
+(the reference effectively froze them per epoch); the batch is B distinct prompts weighted by the
+single-draw P(q), where prioritized replay and the reference draw B independently (`replacement`
+does; §3 measures the error); the weights are normalized by the batch max (the reference's reach ~27;
+`is_norm: none` keeps them so, `mean` divides by the batch mean);
 the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
 reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
@@ -27,6 +29,9 @@ The fixes of docs/methods.md §3b, each off by default (the paper's method):
   skip             a drawn prompt whose last k ≥ 1 groups all had zero variance is kept with
                    probability max(ρ^k, s_min), else skipped before any rollout and replaced by
                    another draw (GRESO-style); the skips are counted.
+  replacement      B independent draws from P' (prioritized experience replay's own draw), for
+                   which (N·P')^-β is the exact weight; a prompt may then be drawn twice in a batch,
+                   and its groups are scored in batch order.
 
 Priorities live in a sum-tree (one float64 array, leaves at [S, S+N)), so a draw is a
 vectorized descent of log2(N) levels: B of N = 10^6 costs well under a millisecond
@@ -60,27 +65,32 @@ class PrioritySampler:
 
     alpha α, beta β (at the first draw) and beta_end (at draw total_steps; None keeps β), eps ε_p;
     priority (PRIORITIES) and its posterior_decay λ; is_norm (IS_NORMS); uniform_mix u; skip with
-    skip_rho ρ and skip_min s_min; seed of the draws; scale_rewards and adv_eps: the algo section's,
-    for the raw GRPO |A| a group's rewards give (docs/methods.md §1).
+    skip_rho ρ and skip_min s_min; replacement (B independent draws); seed of the draws; scale_rewards and
+    adv_eps: the algo section's, for the raw GRPO |A| a group's rewards give (docs/methods.md §1).
     """
 
     def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None,
                  total_steps: int = 1, is_norm: str = "batch_max", uniform_mix: float = 0.0,
                  posterior_decay: float = 1.0, skip: bool = False, skip_rho: float = 0.5,
-                 skip_min: float = 0.01, scale_rewards: bool = True, adv_eps: float = 1e-4):
+                 skip_min: float = 0.01, replacement: bool = False, scale_rewards: bool = True,
+                 adv_eps: float = 1e-4):
         if priority not in PRIORITIES:
             raise ValueError(f"pps.priority: expected one of {', '.join(PRIORITIES)}, got {priority!r}")
         if is_norm not in IS_NORMS:
             raise ValueError(f"pps.is_norm: expected one of {', '.join(IS_NORMS)}, got {is_norm!r}")
         if num_prompts < 1:
             raise ValueError("PrioritySampler: the dataset has no prompts")
+        if replacement and skip:
+            raise ValueError("pps.replacement: false with pps.skip (a skip replaces a prompt among the "
+                             "distinct ones)")
         self.num_prompts, self.alpha, self.beta, self.eps = num_prompts, alpha, beta, eps
         self.priority = priority
         if not 0 <= uniform_mix < 1:
             raise ValueError(f"pps.uniform_mix: expected a value in [0, 1), got {uniform_mix}")
         self.is_norm, self.uniform_mix, self.decay = is_norm, uniform_mix, posterior_decay
         self.skip, self.skip_rho, self.skip_min = skip, skip_rho, skip_min
+        self.replacement = replacement
         self.scale_rewards, self.adv_eps = scale_rewards, adv_eps
         self.beta_end = beta if beta_end is None else beta_end
         self.total_steps = max(1, total_steps)
@@ -172,10 +182,31 @@ class PrioritySampler:
         return (torch.rand(len(drawn), dtype=torch.float64, generator=self.generator) < keep_prob).numpy()
 
     def sample(self, batch_size: int) -> Tensor:
-        """B distinct prompt indices (B,). The draw fixes their IS weights, `self.weights` (B,) float32,
+        """B prompt indices (B,): distinct ones (`_distinct`), or with pps.replacement B independent
+        draws from P'. The draw fixes their IS weights, `self.weights` (B,) float32,
         which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
         batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
         (the reference code's).
+        """
+        c = self._mix_constant()                                                # from the full tree
+        if self.replacement:                                                    # §3b: PER's draw
+            taken, skipped, draws = self._draw(batch_size, c).tolist(), [], batch_size
+        else:
+            taken, skipped, draws = self._distinct(batch_size, c)
+        indices = torch.tensor(taken, dtype=torch.int64)
+        probs = (self.tree[indices + self.size] + c) / (self.tree[1] + c * self.num_prompts)   # P'(q)
+        # Departure (§3): drawn without replacement, q is in the batch with probability π_q, not B·P'(q), so
+        # (N·P')^-β is not (N·π/B)^-β: up to 14% apart on the demo by step 150 (bench/RESULTS.md §29)
+        weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P')^-β
+        self.steps += 1
+        self._last = {"draws": draws, "raw_weights": weights, "distinct": len(set(taken)),
+                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
+        norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
+        self.weights = (weights / norm).float()
+        return indices
+
+    def _distinct(self, batch_size: int, c: float) -> tuple[list[int], list[int], int]:
+        """B distinct prompts drawn with P' ∝ p_q + c: the batch, the skipped prompts, the raw draws.
 
         Successive sampling without replacement, in rounds: a round draws as many prompts as are
         still missing, keeps each new one in draw order (a repeat is discarded, which is the same
@@ -189,7 +220,6 @@ class PrioritySampler:
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} distinct prompts asked of "
                              f"{self.num_prompts}")
-        c = self._mix_constant()                                                # from the full tree
         leaves = self.tree.numpy()[self.size:]                                  # views: zeroing shows here
         live = self.count.numpy()[self.size:]
         taken, skipped, draws = [], [], 0
@@ -216,16 +246,8 @@ class PrioritySampler:
             keep = self._keep(drawn) if self.skip else np.ones(len(drawn), dtype=bool)
             taken.extend(drawn[keep].tolist())
             skipped.extend(drawn[~keep].tolist())
-        indices = torch.tensor(taken, dtype=torch.int64)
         self._set(np.array(removed, dtype=np.int64), np.array(values), 1.0)    # priorities back
-        probs = (self.tree[indices + self.size] + c) / (self.tree[1] + c * self.num_prompts)   # P'(q)
-        weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P')^-β
-        self.steps += 1
-        self._last = {"draws": draws, "raw_weights": weights,
-                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
-        norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
-        self.weights = (weights / norm).float()
-        return indices
+        return taken, skipped, draws
 
     def batch_stats(self) -> dict[str, float]:
         """Diagnostics of the last `sample` and of the current priorities (logged each step).
@@ -233,7 +255,8 @@ class PrioritySampler:
         entropy: H(P') / ln N, 1 for uniform priorities, lower as sampling concentrates.
         is_max / is_min: the unnormalized (N·P')^-β of the batch (the loss uses w = these / is_max).
         ess: effective sample size of the batch's weights, (Σw)² / Σw², out of B.
-        repeat_frac: fraction of raw draws that hit a prompt already in the batch (redrawn).
+        repeat_frac: fraction of raw draws that hit a prompt already in the batch (redrawn, or with
+        pps.replacement kept).
         revisit_frac: fraction of the batch's prompts that were scored in an earlier step.
         skipped: prompts drawn and skipped before generation (pps.skip; 0 without it).
         """
@@ -243,7 +266,7 @@ class PrioritySampler:
         entropy = (float(-(probs * probs.log()).sum()) / math.log(self.num_prompts)
                    if self.num_prompts > 1 else 1.0)
         ess = float(raw.sum() ** 2 / (raw ** 2).sum())
-        repeat = 1.0 - (len(raw) + self._last["skipped"]) / self._last["draws"]
+        repeat = 1.0 - (self._last["distinct"] + self._last["skipped"]) / self._last["draws"]
         return {"entropy": entropy, "is_max": float(raw.max()), "is_min": float(raw.min()), "ess": ess,
                 "repeat_frac": repeat, "revisit_frac": self._last["revisit"],
                 "skipped": float(self._last["skipped"])}
@@ -264,15 +287,24 @@ class PrioritySampler:
 
         abs_advantages (B, G) ≥ 0, the raw GRPO |A|: p_q = (stat_i |A_i| + ε)^α; `successes` (B, G)
         in [0, 1] (the accuracy) feed the posterior instead when priority = posterior. Zero-variance
-        groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it.
+        groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it. A prompt
+        in the batch twice (pps.replacement) has its groups scored one after the other, in batch order.
         """
         a = abs_advantages.detach().double().cpu()
         indices = indices.cpu().long()
         # checked before any change
         weights = self._weights_for(len(indices), a.shape[1])                  # (B, G)
+        if self.priority == "posterior" and successes is None:
+            raise ValueError("pps.priority=posterior: set_priorities needs the completions' successes")
+        earlier = torch.tril(indices[:, None] == indices[None, :], -1).sum(1)  # (B,) rows of the same prompt before
+        for k in range(int(earlier.max()) + 1 if len(indices) else 0):         # one pass when all are distinct
+            rows = earlier == k
+            self._score(indices[rows], a[rows], None if successes is None else successes[rows])
+        return weights
+
+    def _score(self, indices: Tensor, a: Tensor, successes: Tensor | None) -> None:
+        """set_priorities for distinct indices (B',): |A| rows a (B', G) float64, successes (B', G)."""
         if self.priority == "posterior":                                         # §3b: decayed Beta counts
-            if successes is None:
-                raise ValueError("pps.priority=posterior: set_priorities needs the completions' successes")
             r = successes.detach().double().cpu().clamp(0, 1)                   # (B, G)
             self.posterior_a[indices] = self.decay * self.posterior_a[indices] + r.sum(1)
             self.posterior_b[indices] = self.decay * self.posterior_b[indices] + (1 - r).sum(1)
@@ -293,7 +325,6 @@ class PrioritySampler:
             leaves = self.tree[self.size:self.size + self.num_prompts]
             leaves[~self.seen] = new_max
             self._rebuild()
-        return weights
 
     def _weights_for(self, batch: int, groups: int) -> Tensor:
         """The last sample's weights, one per completion (B, G): every completion of a group shares

@@ -23,7 +23,7 @@ def check_prompts_per_step(cfg: Config, num_prompts: int, label: str) -> None:
     train.py runs it first on the rows with a usable gold (data_rows), before a model is built, then
     build_sampler on the prompts kept (fewer when some are too long)."""
     B, p = cfg.train.prompts_per_step, cfg.pps
-    if p.enabled and B > num_prompts:
+    if p.enabled and B > num_prompts and not p.replacement:       # with replacement: any B
         raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
                           f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), "
                           f"{label} has {num_prompts}")
@@ -46,7 +46,7 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
                            beta_end=None if p.beta_end == -1 else p.beta_end,   # pps.beta_end -1: constant β
                            total_steps=cfg.train.max_steps, priority=p.priority,
                            posterior_decay=p.posterior_decay, is_norm=p.is_norm, uniform_mix=p.uniform_mix,
-                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min,
+                           skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min, replacement=p.replacement,
                            scale_rewards=a.scale_rewards, adv_eps=a.adv_eps)
 
 

@@ -258,6 +258,7 @@ class PPSConfig:
     skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
     skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
     skip_min: float = 0.01              # s_min
+    replacement: bool = False           # B independent draws from P' (PER's), for which (N·P')^-β is exact (§3b)
 
 
 @dataclass
@@ -555,9 +556,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
     check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
     check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
+    check(not (p.replacement and p.skip), "pps.replacement", "false with pps.skip (a skipped prompt is replaced "
+          "among the distinct ones)", p.replacement)
     if p.mode == "reference":                     # §3a is one fixed procedure: the §3b options do not apply
         paper_only = {"beta_end": -1.0, "priority": "mean_abs", "is_norm": "batch_max", "uniform_mix": 0.0,
-                      "skip": False, "eps": 1e-6}
+                      "skip": False, "eps": 1e-6, "replacement": False}
         for key, default in paper_only.items():
             check(getattr(p, key) == default, f"pps.{key}", f"{default} (unset) with pps.mode=reference, "
                    "the released code's fixed procedure (docs/methods.md §3a)", getattr(p, key))

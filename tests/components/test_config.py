@@ -147,6 +147,9 @@ def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
     ("", ["--pps.mode=reference", "--pps.priority=posterior"],
      "pps.priority: expected mean_abs (unset) with pps.mode=reference"),
     ("", ["--pps.mode=reference", "--pps.beta_end=1"], "pps.beta_end: expected -1.0 (unset) with pps.mode=reference"),
+    ("", ["--pps.replacement=true", "--pps.skip=true"], "pps.replacement: expected false with pps.skip"),
+    ("", ["--pps.mode=reference", "--pps.replacement=true"],
+     "pps.replacement: expected False (unset) with pps.mode=reference"),
 ])
 def test_pps_option_errors_name_the_key(tmp_path, yaml_text, overrides, message):
     path = write(tmp_path, "c.yaml", yaml_text)

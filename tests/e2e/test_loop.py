@@ -2,6 +2,7 @@
 2-process FSDP2 run that reproduces a 1-process run. One-process runs are train.main in this
 process (conftest's run_main); two-process runs are torchrun subprocesses."""
 import json
+import math
 import os
 import shutil
 
@@ -295,6 +296,23 @@ def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, train, nine_prompts)
         train(part, *nine_prompts, "--train.max_steps=5", "--train.resume=auto", "--pps.mode=paper", config=config)
     assert f"error: {e.value}" == ("error: pps.mode: the checkpoint was trained with pps.mode=reference, this run "
                                    "has pps.mode=paper; resume with the same setting")
+
+
+def test_pps_replacement_trains_on_a_prompt_drawn_twice(tmp_path, train):
+    # 3 prompts, 4 per step, pps.replacement: every batch repeats a prompt (B > N), and the loop trains on
+    # it: each of the 2 steps' 4 groups is folded into ERS (visits sum to 8) and scored by PPS
+    path = tmp_path / "three.jsonl"
+    with open(path, "w") as f:
+        for ex in builtin_arithmetic("train")[:3]:
+            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
+    out = str(tmp_path / "run")
+    train(out, f"--data.train={path}", "--train.prompts_per_step=4", "--train.max_steps=2",
+          "--pps.replacement=true", config="configs/pspo.yaml")
+    rows = metrics(out)[1:]
+    assert [r["step"] for r in rows[:2]] == [1, 2]
+    assert all(r["pps_repeat_frac"] >= 0.25 and math.isfinite(r["loss"]) for r in rows[:2])
+    state = trainer_state(os.path.join(out, "checkpoint-2"))
+    assert int(state["ers"]["visits"].sum()) == 8
 
 
 def test_pps_options_run_and_log_skips(tmp_path, pspo):

@@ -239,6 +239,71 @@ def test_skip_takes_the_skipped_back_when_the_prompts_run_out(mix):
     assert torch.equal(z.tree, before)
 
 
+
+# ---- replacement ----
+
+def test_replacement_draws_iid_pairs_chi_square():
+    # α=1, ε=0: priorities [1,2,3], P = [1/6, 2/6, 3/6]; B = 2 independent draws, so a batch is the
+    # multiset {i, j} with probability P_i² (i = j) or 2·P_i·P_j:
+    #   {0,0} 1/36 = .027778   {0,1} 4/36 = .111111   {0,2} 6/36 = .166667
+    #   {1,1} 4/36 = .111111   {1,2} 12/36 = .333333  {2,2} 9/36 = .25
+    # (the default draw never repeats a prompt: chi-square on 5 degrees of freedom, 99.9% point 20.5)
+    s = PrioritySampler(3, alpha=1.0, eps=0.0, seed=0, replacement=True)
+    s.set_priorities(torch.arange(3), rows(1, 2, 3))
+    pairs = [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
+    counts = dict.fromkeys(pairs, 0)
+    for _ in range(6000):
+        counts[tuple(sorted(s.sample(2).tolist()))] += 1
+    assert chi2([counts[k] for k in pairs], [1 / 36, 4 / 36, 6 / 36, 4 / 36, 12 / 36, 9 / 36], 6000) < 20.5
+    assert counts[(2, 2)] > 1000                                           # duplicates are kept, ~1500
+    assert s.batch_stats()["repeat_frac"] in (0.0, 0.5)                    # one repeat of 2 draws, or none
+
+
+def test_replacement_makes_the_weighted_mean_unbiased_hand_worked():
+    # β = 1, is_norm none: w = (N·P)^-1, so mean over the batch of w·f estimates the uniform mean of f.
+    # P = [1/6, 2/6, 3/6], N = 3, f = [1, 10, 100]: the uniform mean is 111/3 = 37.
+    # With replacement each slot is q with probability P_q: E = Σ P_q · f_q / (N·P_q) = Σ f_q / N = 37.
+    # Without replacement (B = 2), q is in the batch with π_q, P(i then j) = P_i·P_j / (1 - P_i):
+    #   π_0 = 1/6 + (2/6)(1/6)/(4/6) + (3/6)(1/6)/(3/6) = .166667 + .083333 + .166667 = .416667
+    #   π_1 = 2/6 + (1/6)(2/6)/(5/6) + (3/6)(2/6)/(3/6) = .333333 + .066667 + .333333 = .733333
+    #   π_2 = 3/6 + (1/6)(3/6)/(5/6) + (2/6)(3/6)/(4/6) = .5 + .1 + .25 = .85                     (Σ = 2)
+    #   E = Σ π_q · f_q / (N·P_q·B) = .416667·1/1 + .733333·10/2 + .85·100/3 = .416667 + 3.666667 + 28.333333
+    #     = 32.416667: the single-draw weight undercounts the likeliest prompt (π_2 = .85 < B·P_2 = 1).
+    # Per batch the estimate's sd is about 21 (slots: 2, 10, 66.7 with P): over 10,000 batches SE ≈ .21.
+    f = torch.tensor([1.0, 10.0, 100.0])
+    for replacement, expected in ((True, 37.0), (False, 32.416667)):
+        s = PrioritySampler(3, alpha=1.0, beta=1.0, eps=0.0, seed=1, is_norm="none", replacement=replacement)
+        s.set_priorities(torch.arange(3), rows(1, 2, 3))
+        estimates = torch.empty(10_000)
+        for m in range(10_000):
+            idx = s.sample(2)
+            estimates[m] = (s.weights * f[idx]).mean()
+        se = float(estimates.std()) / 100
+        assert abs(float(estimates.mean()) - expected) < 4 * se, (replacement, float(estimates.mean()), se)
+        assert 0.1 < se < 0.35
+
+
+def test_a_prompt_drawn_twice_is_scored_in_batch_order():
+    # posterior, α=1, ε=0, λ=.5, G=4: prompt 1 twice in one batch, successes [1,0,0,0] then [1,1,1,1],
+    # folds like two visits (test_posterior_update_over_two_visits_hand_worked):
+    #   a = .5·(.5·1 + 1) + 4 = 4.75, b = .5·(.5·1 + 3) + 0 = 1.75, priority 4.75·1.75/6.5² = .196746
+    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=0.5)
+    succ = torch.tensor([[1., 0, 0, 0], [0, 1, 1, 0], [1, 1, 1, 1]])
+    s.set_priorities(torch.tensor([1, 0, 1]), grpo_abs(succ), succ)
+    assert (s.posterior_a[1].item(), s.posterior_b[1].item()) == (4.75, 1.75)
+    assert s.priorities()[1].item() == pytest.approx(0.196746, abs=1e-6)
+    assert (s.posterior_a[0].item(), s.posterior_b[0].item()) == (2.5, 2.5)   # .5·1 + 2 each
+    # mean_abs: the later group's priority stays; the streak counts both groups, in order:
+    #   prompt 0: zero-variance then mixed -> 0; prompt 2: zero-variance twice -> 2; mixed then zero -> 1
+    m = PrioritySampler(4, alpha=1.0, eps=0.0)
+    out = m.set_priorities(torch.tensor([1, 0, 2, 1, 0, 2, 3, 3]), rows(0.5, 0, 0, 2, 0.25, 0, 0.5, 0))
+    assert m.priorities().tolist() == [0.25, 2.0, 0.0, 0.0]
+    assert m.zero_streak.tolist() == [0, 0, 2, 1]
+    assert out.shape == (8, 4) and torch.equal(out, torch.ones(8, 4))      # nothing sampled yet: ones
+    with pytest.raises(ValueError, match="pps.replacement: false with pps.skip"):
+        PrioritySampler(4, replacement=True, skip=True)
+
+
 # ---- state ----
 
 def grpo_abs(successes):
