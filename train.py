@@ -144,7 +144,7 @@ class Run:
         offsets its completions' prompt keys by round·B, so that their seeds differ from every other round's."""
         cfg, r, G, W = self.cfg, self.cfg.rollout, self.cfg.rollout.num_generations, self.dist.world_size
         with clock("bookkeeping_s"):
-            indices = self.sampler.sample(prompts)                              # (P,) the same on all ranks
+            indices = self.sampler.sample(prompts, same_step=round_ > 0)        # (P,) the same on all ranks
         mine = slice(self.dist.rank * prompts // W, (self.dist.rank + 1) * prompts // W)
         local = indices[mine].tolist()                                          # this rank's prompts
         rows = [i for i in local for _ in range(G)]                             # (N,) prompt-major

@@ -105,7 +105,7 @@ class PrioritySampler:
         self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)
         # posterior: every prompt starts at the prior's learnability .25, the largest possible
         self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
-        self.steps = 0                                                          # sample() calls so far
+        self.steps = 0                                                          # steps drawn so far
         self.weights: Tensor | None = None                                      # (B,) the last draw's w
         self.generator = torch.Generator().manual_seed(seed)
         self.tree[self.size:self.size + num_prompts] = self.max_priority
@@ -169,9 +169,11 @@ class PrioritySampler:
         c = self._mix_constant()
         return (self.priorities() + c) / (self.tree[1] + c * self.num_prompts)
 
-    def current_beta(self) -> float:
-        """β for the next draw: linear from beta (first draw) to beta_end (draw number total_steps)."""
-        frac = min(1.0, self.steps / max(1, self.total_steps - 1))
+    def current_beta(self, step: int | None = None) -> float:
+        """β of step `step` (0-based; default: the next step's): linear from beta (the first step) to
+        beta_end (step total_steps)."""
+        step = self.steps if step is None else step
+        frac = min(1.0, step / max(1, self.total_steps - 1))
         return self.beta + (self.beta_end - self.beta) * frac
 
     def _keep(self, drawn: np.ndarray) -> np.ndarray:
@@ -181,12 +183,13 @@ class PrioritySampler:
         keep_prob = torch.where(k > 0, torch.clamp(self.skip_rho ** k, min=self.skip_min), torch.ones_like(k))
         return (torch.rand(len(drawn), dtype=torch.float64, generator=self.generator) < keep_prob).numpy()
 
-    def sample(self, batch_size: int) -> Tensor:
+    def sample(self, batch_size: int, *, same_step: bool = False) -> Tensor:
         """B prompt indices (B,): distinct ones (`_distinct`), or with pps.replacement B independent
         draws from P'. The draw fixes their IS weights, `self.weights` (B,) float32,
         which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
         batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
-        (the reference code's).
+        (the reference code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
+        §9), weighted with the step's β: β anneals per step, not per draw.
         """
         c = self._mix_constant()                                                # from the full tree
         if self.replacement:                                                    # §3b: PER's draw
@@ -197,8 +200,10 @@ class PrioritySampler:
         probs = (self.tree[indices + self.size] + c) / (self.tree[1] + c * self.num_prompts)   # P'(q)
         # Departure (§3): drawn without replacement, q is in the batch with probability π_q, not B·P'(q), so
         # (N·P')^-β is not (N·π/B)^-β: up to 14% apart on the demo by step 150 (bench/RESULTS.md §29)
-        weights = (self.num_prompts * probs) ** (-self.current_beta())         # (B,) (N·P')^-β
-        self.steps += 1
+        if not same_step:                                                       # the step's first draw
+            self.steps += 1
+        beta = self.current_beta(self.steps - 1)
+        weights = (self.num_prompts * probs) ** (-beta)                         # (B,) (N·P')^-β
         self._last = {"draws": draws, "raw_weights": weights, "distinct": len(set(taken)),
                       "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]

@@ -58,9 +58,9 @@ class ReferenceSampler:
         """The probability of each row at the next epoch's draws. (N,)"""
         return self.tree / self.tree.sum()
 
-    def sample(self, batch_size: int) -> Tensor:
+    def sample(self, batch_size: int, *, same_step: bool = False) -> Tensor:
         """The next B rows of the epoch's draws (B,). Their weights are per completion and come from
-        `observe`, after each completion's own priority write."""
+        `observe`, after each completion's own priority write (β is fixed: same_step changes nothing)."""
         if batch_size > self.num_prompts:
             raise ValueError(f"train.prompts_per_step: {batch_size} prompts per step asked of "
                              f"{self.num_prompts} (an epoch of pps.mode=reference draws N rows)")

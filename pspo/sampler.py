@@ -81,8 +81,8 @@ class UniformSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_prompts, generator=g)
 
-    def sample(self, batch_size: int) -> Tensor:
-        """Next batch_size prompt indices (B,).
+    def sample(self, batch_size: int, *, same_step: bool = False) -> Tensor:
+        """Next batch_size prompt indices (B,) (same_step, a further draw of the step: no difference here).
 
         A batch that crosses an epoch boundary continues into the next permutation; a batch
         larger than the dataset wraps around (a prompt can then appear twice in one batch).

@@ -1,5 +1,6 @@
 """PPS: priorities, probabilities, normalized IS weights, unseen prompts, β annealing, resume."""
 import pytest
+import numpy as np
 import torch
 
 from pspo.priority_sampler import PrioritySampler
@@ -138,6 +139,22 @@ def test_beta_anneals_linearly():
     for _ in range(5):                                                  # past the end it stays at beta_end
         s.sample(2)
     assert s.current_beta() == 1.0
+
+
+def test_beta_anneals_per_step_not_per_draw():
+    # A further draw of the same step (dynamic sampling's extra rounds) keeps the step's β. β .4 -> 1 over 3
+    # steps: step 0 .4, step 1 .7, step 2 1. Priorities [1, 3] over N = 2: P = [.25, .75], N·P = [.5, 1.5]; a
+    # batch of both, raw w = (N·P)^-β: step 0 [.5^-.4, 1.5^-.4] = [1.319508, .850283]; at step 1 (β .7)
+    # [1.624505, .752898]. batch_max: / the first = 3^-β -> step 0 [1, .644394], step 1 [1, .463463]
+    s = PrioritySampler(2, beta=0.4, beta_end=1.0, total_steps=3, seed=0)
+    s._set(np.array([0, 1]), np.array([1.0, 3.0]))                     # priorities 1 and 3
+    first = s.sample(2)
+    torch.testing.assert_close(s.weights[first.argsort()], torch.tensor([1.0, 0.644394]), atol=1e-6, rtol=0)
+    again = s.sample(2, same_step=True)                                 # the same step: β stays .4
+    torch.testing.assert_close(s.weights[again.argsort()], torch.tensor([1.0, 0.644394]), atol=1e-6, rtol=0)
+    assert s.steps == 1 and abs(s.current_beta() - 0.7) < 1e-12
+    nxt = s.sample(2)                                                   # step 1: β .7
+    torch.testing.assert_close(s.weights[nxt.argsort()], torch.tensor([1.0, 0.463463]), atol=1e-6, rtol=0)
 
 
 def test_state_dict_round_trip(tmp_path):
