@@ -4,7 +4,7 @@ train.packing).
     python bench/micro_batches.py                 # 2-core CPU: ~3 min; prints one table
     python bench/micro_batches.py --reps 5 --sequences 64     # longer, steadier
     python bench/micro_batches.py --arch configs/qwen2.5-math-1.5b/model_config.json --sequences 48 \
-        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing auto --budget 36864 --profile
+        --max-completion 3584 --max-prompt 512 --bf16 --checkpointing auto --budget 5120 --profile
                                                   # a GPU: the 1.5B recipe's update (scripts/gpu_check.sh OUT update)
 
 A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded) runs
@@ -12,7 +12,7 @@ A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded
 (log-uniform; prompts 20-120 tokens), as a reasoning model's do. Fixed micro-batches of
 `--micro` rows are padded to the step's longest prompt + completion; the token budget is set to
 the same padded size (micro x the longest sequence), so the peak memory of a micro-batch is the
-same and only the padding differs; --budget sets another budget (the GPU recipes' is 36864).
+same and only the padding differs; --budget sets another budget (the 1.5B GRPO recipe's is 5120, its train.micro_batch_tokens).
 `packed` fills the same budget first-fit-decreasing with sequences back to back in one row
 (train.packing, no padding). The modes alternate, `--reps` times each; the table has the median
 update time, real tokens per second and the padded share of positions, then the ratios.
