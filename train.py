@@ -78,7 +78,8 @@ def main(argv: list[str]) -> None:
         if r.dynamic_sampling:                                                  # DAPO (§9): all-equal groups set
             drawn = dynamic_sampling(drawn, lambda k, n: run.draw(k, n, clock), world=dist_.world_size,
                                      rank=dist_.rank, max_rounds=r.max_sampling_rounds,
-                                     pad_id=run.tokenizer.pad_token_id)        # aside, more prompts drawn
+                                     pad_id=run.tokenizer.pad_token_id,        # aside, more prompts drawn
+                                     normalize=run.sampler.normalize)
             if not drawn.groups:                                                # none with a spread: no update
                 if run.idle_step(clock, drawn):
                     break
@@ -95,7 +96,7 @@ def main(argv: list[str]) -> None:
             out = method.estimate(step, ctx)                                    # (N, T) A, M
             if method.generates:
                 run.engine.release()                                            # SPO: after its continuations
-            batch, engine_gap = training_batch(out, step, ctx)                  # π_old, π_ref; A·w_PPS·w_TIS
+            batch, engine_gap = training_batch(out, step, ctx)                  # π_old, π_ref; A·w_PPS·w_IS
         with clock("update_s"):
             update = policy_update(run.policy, run.optimizer, run.scheduler, batch, cfg, dist_)
         run.step += 1
@@ -160,7 +161,8 @@ class Run:
                                                cfg.reward.overlong_cache)
             rewards, accuracy = gather_scores(scored, G)                        # (P, G) each, every rank's
         with clock("bookkeeping_s"):
-            is_weights = self.sampler.observe(indices, rewards, accuracy)       # PPS: priorities; (P, G) w
+            is_weights = self.sampler.observe(indices, rewards, accuracy,       # PPS: priorities; (P, G) w
+                                              normalized=not r.dynamic_sampling)   # (raw: §9's rounds)
         return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout, scored=scored, rewards=rewards,
                     is_weights=is_weights)
 

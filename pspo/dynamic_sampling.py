@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, §3.2; docs/methods.md §9): after the rewards,
-the groups whose G rewards are all equal (`estimators.zero_variance`: every group-baseline advantage is
-0 there, so they carry no gradient and only dilute the batch) are set aside, and more prompts are drawn
+the groups whose G rewards are all equal (`estimators.zero_variance`: their advantage is 0 under their own
+group's statistics, so they carry no gradient and only dilute the batch) are set aside, and more prompts are drawn
 from the run's sampler and generated until the step holds B groups with a spread, or
 rollout.max_sampling_rounds rounds were drawn; then the step trains on what it has, and says so in its
 metrics (`ds_short`).
@@ -46,7 +46,7 @@ class Draw:
     rollout: Rollout          # this rank's N completions
     scored: RewardResult      # their rewards and reward components, (N,) each
     rewards: Tensor           # (P, G) every rank's rewards
-    is_weights: Tensor        # (P, G) the sampler's importance weights (its observe of the round)
+    is_weights: Tensor        # (P, G) importance weights: a round's raw ones (observe), the step's normalized
     metrics: dict[str, float] = field(default_factory=dict)   # dynamic sampling's counts, logged as they are
 
     @property
@@ -75,11 +75,13 @@ def keep(informative: Tensor, need: list[int]) -> list[list[int]]:
 
 
 def dynamic_sampling(first: Draw, draw: Callable[[int, int], Draw], *, world: int, rank: int, max_rounds: int,
-                     pad_id: int) -> Draw:
+                     pad_id: int, normalize: Callable[[Tensor], Tensor]) -> Draw:
     """The step's groups with a spread (module docstring), from round 0 `first` (B prompts) and, while a
     rank falls short and fewer than max_rounds rounds were drawn, more rounds: draw(k, W·m) is round k of
-    W·m prompts. Returns them as one Draw (B' = W·k groups, B' <= B; this rank's completions padded to
-    the longest, with pad_id) with its metrics: ds_rounds, ds_scored_groups, ds_set_aside_groups (all
+    W·m prompts. Each round's importance weights are its draw's raw ones (the sampler's observe with
+    normalized=False); the trained groups' are normalized together, as one batch, by `normalize` (the
+    sampler's: PPS's is_norm over the B' prompts, docs/methods.md §3b). Returns them as one Draw (B' = W·k
+    groups, B' <= B; this rank's completions padded to the longest, with pad_id) with its metrics: ds_rounds, ds_scored_groups, ds_set_aside_groups (all
     rewards equal), ds_trained_groups (B'), ds_unused_groups (with a spread, not trained) and ds_short
     (1 when B' < B)."""
     rounds, share = [first], first.groups // world
@@ -98,6 +100,7 @@ def dynamic_sampling(first: Draw, draw: Callable[[int, int], Draw], *, world: in
         rounds.append(draw(len(rounds), world * max(need)))
     trained = share - max(need)                              # k: what the shortest rank holds
     out = _gather(rounds, [t[:trained] for t in taken], rank, world, pad_id)
+    out.is_weights = normalize(out.is_weights)                          # (B', G) one batch's weights
     scored = sum(d.groups for d in rounds)
     out.metrics = {"ds_rounds": float(len(rounds)), "ds_scored_groups": float(scored),
                    "ds_set_aside_groups": float(set_aside), "ds_trained_groups": float(out.groups),

@@ -272,7 +272,7 @@ def group_baseline(method: Method, s: StepRollouts, ctx: Context) -> GroupBaseli
     return GroupBaseline(mean, std, {f"ers_{k}": v for k, v in stats.items()})
 
 
-def training_batch(adv: MethodOutput, s: StepRollouts, ctx: Context) -> tuple[UpdateBatch, dict[str, float]]:
+def training_batch(out: MethodOutput, s: StepRollouts, ctx: Context) -> tuple[UpdateBatch, dict[str, float]]:
     """The batch the optimizer step trains on: the method's advantages and loss mask on its rows (the
     step's completions, or SPO-tree's edges), π_ref scored where the loss needs it (algo.beta > 0),
     π_old where the update (num_iterations > 1) or the correction (rollout.is_correction) needs it and
@@ -280,11 +280,11 @@ def training_batch(adv: MethodOutput, s: StepRollouts, ctx: Context) -> tuple[Up
     mismatch metrics (`weigh`). Collective when it scores."""
     cfg = ctx.cfg
     need_ref = cfg.algo.needs_reference
-    if adv.rows is not None:                      # SPO-tree's edges: their own π_old, no IS weight
-        rows = adv.rows
+    if out.rows is not None:                      # SPO-tree's edges: their own π_old, no IS weight
+        rows = out.rows
         _, ref_logp = score_policy(ctx.policy, ctx.ref, rows, cfg=cfg, need_old=False, need_ref=need_ref)
-        return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, adv.loss_mask, adv.advantages,
-                           adv.old_logp, ref_logp), {}
+        return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, out.loss_mask, out.advantages,
+                           out.old_logp, ref_logp), {}
     rows, r = s.inputs, cfg.rollout
     keep_old = s.old_logp is not None or cfg.algo.num_iterations > 1
     score_old = s.old_logp is None and (keep_old or r.is_correction != "none")
@@ -293,9 +293,9 @@ def training_batch(adv: MethodOutput, s: StepRollouts, ctx: Context) -> tuple[Up
     old_logp = s.old_logp if s.old_logp is not None else old_logp
     ref_logp = s.ref_logp if s.ref_logp is not None else ref_logp
     pps = s.is_weights[ctx.mine].reshape(-1, 1)                                    # (N, 1) w_PPS
-    advantages, metrics = weigh(adv.advantages, pps_weights=pps, old_logp=old_logp, engine_logp=s.rollout.logprobs,
+    advantages, metrics = weigh(out.advantages, pps_weights=pps, old_logp=old_logp, engine_logp=s.rollout.logprobs,
                                 mask=rows.mask, r=r)
-    loss_mask = adv.loss_mask
+    loss_mask = out.loss_mask
     if cfg.algo.overlong_filter:
         loss_mask, metrics["overlong_filtered_frac"] = overlong_filtered(loss_mask, s.rollout.truncated)
     return UpdateBatch(rows.input_ids, rows.attention_mask, rows.mask, loss_mask, advantages,

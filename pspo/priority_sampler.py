@@ -63,7 +63,7 @@ def check_resumed_prompts(saved: int, num_prompts: int) -> None:
 class PrioritySampler:
     """PPS over `num_prompts` prompts; the options are the pps section's (config.py), by keyword.
 
-    alpha α, beta β (at the first draw) and beta_end (at draw total_steps; None keeps β), eps ε_p;
+    alpha α, beta β (at the first step) and beta_end (at step total_steps; None keeps β), eps ε_p;
     priority (PRIORITIES) and its posterior_decay λ; is_norm (IS_NORMS); uniform_mix u; skip with
     skip_rho ρ and skip_min s_min; replacement (B independent draws); seed of the draws; scale_rewards and
     adv_eps: the algo section's, for the raw GRPO |A| a group's rewards give (docs/methods.md §1).
@@ -206,8 +206,7 @@ class PrioritySampler:
         weights = (self.num_prompts * probs) ** (-beta)                         # (B,) (N·P')^-β
         self._last = {"draws": draws, "raw_weights": weights, "distinct": len(set(taken)),
                       "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
-        norm = {"batch_max": weights.max(), "mean": weights.mean(), "none": 1.0}[self.is_norm]
-        self.weights = (weights / norm).float()
+        self.weights = self.normalize(weights[:, None])[:, 0]                   # (B,)
         return indices
 
     def _distinct(self, batch_size: int, c: float) -> tuple[list[int], list[int], int]:
@@ -276,16 +275,32 @@ class PrioritySampler:
                 "repeat_frac": repeat, "revisit_frac": self._last["revisit"],
                 "skipped": float(self._last["skipped"])}
 
-    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor, *, normalized: bool = True) -> Tensor:
         """The step's scores -> the scored prompts' priorities, and the batch's IS weights per completion.
 
         indices (B,) as `sample` drew them; rewards and accuracy (B, G) of every rank. The priority
         comes from the raw GRPO |A| of each group (whatever advantage the method trains on, ERS's
         included), or from the accuracy r̂ in [0, 1] with priority = posterior. Returns (B, G): the
-        weights the draw gave, one per completion, which multiply the policy-gradient term.
+        weights the draw gave, one per completion, which multiply the policy-gradient term; normalized
+        False: the raw (N·P')^-β (float64), for a step that trains groups of several draws and
+        normalizes them together (`normalize`; dynamic sampling, docs/methods.md §9).
         """
         abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
-        return self.set_priorities(indices, abs_advantages, accuracy if self.priority == "posterior" else None)
+        weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority == "posterior" else None)
+        if normalized:
+            return weights
+        raw = self._last["raw_weights"] if self.weights is not None else torch.ones(len(indices), dtype=torch.float64)
+        return raw[:, None].expand(-1, rewards.shape[1]).clone()                # (B, G) (N·P')^-β
+
+    def normalize(self, raw: Tensor) -> Tensor:
+        """Raw weights (P, G) float64 (a group's completions share its prompt's) -> the weights `sample` gives a
+        batch of these P prompts: divided by their max (batch_max) or mean (mean), or as they are (none),
+        float32 (docs/methods.md §3b)."""
+        prompts = raw[:, 0]                                                     # (P,) one per prompt
+        if not len(prompts):
+            return raw.float()
+        norm = {"batch_max": prompts.max(), "mean": prompts.mean(), "none": 1.0}[self.is_norm]
+        return (raw / norm).float()
 
     def set_priorities(self, indices: Tensor, abs_advantages: Tensor, successes: Tensor | None = None) -> Tensor:
         """Set the scored prompts' priorities and return the batch's IS weights per completion (B, G).

@@ -75,11 +75,16 @@ class ReferenceSampler:
         self._last = {"indices": indices}
         return indices
 
-    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
+    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor, *, normalized: bool = True) -> Tensor:
         """The step's scores (B, G) -> the priorities from each completion's raw GRPO |A|, and the
-        weights per completion (B, G); `accuracy` is not read (the reference has no posterior)."""
+        weights per completion (B, G), never normalized (the reference's), so `normalized` changes
+        nothing; `accuracy` is not read (the reference has no posterior)."""
         abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
         return self.set_priorities(indices, abs_advantages)
+
+    def normalize(self, raw: Tensor) -> Tensor:
+        """Weights of several draws, trained together: the reference normalizes none. (P, G)"""
+        return raw.float()
 
     def set_priorities(self, indices: Tensor, abs_advantages: Tensor) -> Tensor:
         """Write the priorities completion by completion (prompt-major, as the reference loops) and

@@ -99,9 +99,13 @@ class UniformSampler:
                 self.epoch, self.position = self.epoch + 1, 0
         return torch.cat(taken)
 
-    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor) -> Tensor:
-        """Nothing to learn from the scores: importance weights all 1, (B, G) as rewards."""
+    def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor, *, normalized: bool = True) -> Tensor:
+        """Nothing to learn from the scores: importance weights all 1, (B, G) as rewards (raw or not)."""
         return torch.ones(rewards.shape)
+
+    def normalize(self, raw: Tensor) -> Tensor:
+        """Weights of several draws, trained together: all 1 already. (P, G)"""
+        return raw.float()
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "num_prompts": self.num_prompts,

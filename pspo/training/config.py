@@ -531,6 +531,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            r.is_cap)
     check(0 <= r.is_floor < 1, "rollout.is_floor", "a number in [0, 1) (C_low, the lower bound of "
           "π_old/π_engine)", r.is_floor)
+    check(r.is_floor == 0 or r.is_correction != "none", "rollout.is_floor", "0 with rollout.is_correction=none "
+          "(there is no ratio to bound)", r.is_floor)
     check(not corrected or r.top_p == 1, "rollout.top_p", f"1 with rollout.is_correction={r.is_correction} "
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
     check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
@@ -653,6 +655,10 @@ def validate_dapo(cfg: Config) -> None:
     has no meaning."""
     r, a, cache = cfg.rollout, cfg.algo.advantage, cfg.reward.overlong_cache
     check(r.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", ">= 1 (the first round included)",
+          r.max_sampling_rounds)
+    default_rounds = RolloutConfig.max_sampling_rounds
+    check(r.dynamic_sampling or r.max_sampling_rounds == default_rounds, "rollout.max_sampling_rounds",
+          f"{default_rounds} (the default) with rollout.dynamic_sampling=false (there are no extra rounds)",
           r.max_sampling_rounds)
     check(not r.dynamic_sampling or a != "spo_tree", "rollout.dynamic_sampling", "false with algo.advantage="
           "spo_tree (it trains edges replayed from earlier steps, not the step's groups)", r.dynamic_sampling)

@@ -182,6 +182,8 @@ TREE = ["--algo.advantage=spo_tree", "--algo.beta=0", "--rollout.num_generations
 @pytest.mark.parametrize("overrides, message", [
     (["--rollout.max_sampling_rounds=0"], "rollout.max_sampling_rounds: expected >= 1 (the first round included), "
      "got 0"),
+    (["--rollout.max_sampling_rounds=9"], "rollout.max_sampling_rounds: expected 4 (the default) with rollout."
+     "dynamic_sampling=false (there are no extra rounds), got 9"),
     (["--rollout.dynamic_sampling=true", *TREE], "rollout.dynamic_sampling: expected false with algo.advantage="
      "spo_tree (it trains edges replayed from earlier steps, not the step's groups), got True"),
     (["--algo.overlong_filter=true", *TREE], "algo.overlong_filter: expected false with algo.advantage=spo_tree "

@@ -25,9 +25,14 @@ class InOrder:
         self.next += n
         return out
 
-    def observe(self, indices, rewards, accuracy):
+    def observe(self, indices, rewards, accuracy, *, normalized=True):
         self.observed += indices.tolist()
         return (indices.float() / 100)[:, None].expand(-1, G).clone()
+
+    @staticmethod
+    def normalize(raw):
+        """batch_max over the trained prompts (none: nothing to scale)."""
+        return raw / raw[:, 0].max() if len(raw) else raw
 
 
 def table(flat):
@@ -50,7 +55,7 @@ def stub_round(sampler, rewards_of, *, rank=0, world=1, B=4):
                           [f"{i}@{k}" for i in rows], 1.0)
         flat = rewards[mine].reshape(-1)
         scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(N)}, {"accuracy": 1})
-        is_weights = sampler.observe(indices, rewards, rewards.clamp(max=1))
+        is_weights = sampler.observe(indices, rewards, rewards.clamp(max=1), normalized=False)
         seeds = prompt_keys(k, prompts, B, mine).repeat_interleave(G)              # (N,) stand-ins for seeds
         return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout,
                     scored=scored, rewards=rewards, is_weights=is_weights)
@@ -60,7 +65,8 @@ def stub_round(sampler, rewards_of, *, rank=0, world=1, B=4):
 def run(flat, *, max_rounds=4, rank=0, world=1, B=4, sampler=None):
     sampler = sampler or InOrder()
     draw = stub_round(sampler, table(flat), rank=rank, world=world, B=B)
-    out = dynamic_sampling(draw(0, B), draw, world=world, rank=rank, max_rounds=max_rounds, pad_id=PAD)
+    out = dynamic_sampling(draw(0, B), draw, world=world, rank=rank, max_rounds=max_rounds, pad_id=PAD,
+                           normalize=sampler.normalize)
     return out, sampler
 
 
@@ -73,8 +79,9 @@ def test_one_rank_draws_the_shortfall_until_the_step_is_full():
     assert out.metrics == {"ds_rounds": 3.0, "ds_scored_groups": 7.0, "ds_set_aside_groups": 3.0,
                            "ds_trained_groups": 4.0, "ds_unused_groups": 0.0, "ds_short": 0.0}
     assert sampler.observed == [0, 1, 2, 3, 4, 5, 6]                     # every scored group, set-aside ones too
-    # each kept group's importance weights are those its round's observe returned (here i/100)
-    torch.testing.assert_close(out.is_weights, torch.tensor([[0.0, 0], [.03, .03], [.04, .04], [.06, .06]]))
+    # the kept groups' raw weights (observe's, here i/100: 0, .03, .04, .06), normalized together as one
+    # batch (the stub's batch_max): / .06 -> 0, .5, .666667, 1
+    torch.testing.assert_close(out.is_weights, torch.tensor([[0.0, 0], [.5, .5], [2 / 3, 2 / 3], [1.0, 1]]))
     # this rank's completions: rows, texts, seeds and rewards of the same groups, in the same order
     assert out.rows == [0, 0, 3, 3, 4, 4, 6, 6] and out.rollout.texts == ["0@0", "0@0", "3@0", "3@0", "4@1", "4@1",
                                                                           "6@2", "6@2"]
@@ -151,14 +158,17 @@ def test_pps_priorities_are_set_for_every_scored_group():
         d = draw(k, prompts)
         scored.append(d)
         return d
-    out = dynamic_sampling(recording(0, 4), recording, world=1, rank=0, max_rounds=4, pad_id=PAD)
+    out = dynamic_sampling(recording(0, 4), recording, world=1, rank=0, max_rounds=4, pad_id=PAD,
+                           normalize=sampler.normalize)
     seen = torch.cat([d.indices for d in scored])
     assert out.metrics["ds_scored_groups"] == len(seen) and bool(sampler.seen[seen].all())
     priorities = sampler.priorities()
     for i in seen.tolist():
         assert float(priorities[i]) == pytest.approx(1e-6 ** 0.6 if i % 2 == 0 else 0.8122, rel=1e-3), i
     assert all(i % 2 == 1 for i in out.indices.tolist()) and not zero_variance(out.rewards).any()
-    # the kept groups' weights are their own round's draw weights (observe's)
-    for row, i in enumerate(out.indices.tolist()):
-        d = next(d for d in scored if i in d.indices.tolist())
-        assert torch.equal(out.is_weights[row], d.is_weights[d.indices.tolist().index(i)])
+    # the kept groups' weights: their own round's raw draw weights (observe's), normalized over the kept
+    # groups together (batch_max: the largest is 1), not round by round
+    raw = torch.stack([next(d for d in scored if i in d.indices.tolist()).is_weights[
+        next(d for d in scored if i in d.indices.tolist()).indices.tolist().index(i)] for i in out.indices.tolist()])
+    torch.testing.assert_close(out.is_weights, (raw / raw[:, 0].max()).float())
+    assert float(out.is_weights.max()) == 1.0

@@ -192,7 +192,7 @@ def _step(mode, monkeypatch, pps=(1.0, 0.5), old_read_first=False, floor=0.0):
 
 
 def test_training_batch_multiplies_pps_and_tis_weights_into_the_advantages(monkeypatch):
-    # token mode, C = 2: A·w_PPS·w_TIS =
+    # token mode, C = 2: A·w_PPS·w_IS =
     #   row 0: +1 · 1 · [1.648721, 1, 2];  row 1: −1 · .5 · [.740818, .904837, 1]
     s, ctx, adv, asked = _step("token", monkeypatch)
     batch, metrics = training_batch(adv, s, ctx)
@@ -263,6 +263,8 @@ def test_weigh_with_the_trainers_own_logprobs_is_a_no_op():
     (["--rollout.is_floor=-0.1"], "rollout.is_floor: expected a number in [0, 1)"),
     (["--rollout.is_floor=1.0"], "rollout.is_floor: expected a number in [0, 1)"),
     (["--rollout.is_floor=nan"], "rollout.is_floor: expected a number in [0, 1)"),
+    (["--rollout.is_floor=0.5"], "rollout.is_floor: expected 0 with rollout.is_correction=none (there is no ratio "
+     "to bound), got 0.5"),
     (["--rollout.is_correction=sequence_mask", "--rollout.top_p=0.9"], "rollout.top_p: expected 1 with rollout."),
     (["--rollout.is_correction=token_mask", "--algo.advantage=spo_tree"],
      "rollout.is_correction: expected none with algo.advantage=spo_tree"),

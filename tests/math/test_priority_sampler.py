@@ -157,6 +157,32 @@ def test_beta_anneals_per_step_not_per_draw():
     torch.testing.assert_close(s.weights[nxt.argsort()], torch.tensor([1.0, 0.463463]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("is_norm, expected", [
+    # raw per prompt [2, .5, 1]: batch_max / 2 -> [1, .25, .5]; mean / (3.5 / 3 = 1.166667) -> [1.714286,
+    # .428571, .857143]; none as they are
+    ("batch_max", [1.0, 0.25, 0.5]), ("mean", [1.714286, 0.428571, 0.857143]), ("none", [2.0, 0.5, 1.0])])
+def test_normalize_treats_the_prompts_given_as_one_batch(is_norm, expected):
+    s = PrioritySampler(4, is_norm=is_norm)
+    raw = torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64)[:, None].expand(3, 2)       # (P, G)
+    w = s.normalize(raw)
+    assert w.dtype == torch.float32 and w.shape == (3, 2)
+    torch.testing.assert_close(w, torch.tensor(expected)[:, None].expand(3, 2), atol=1e-6, rtol=0)
+
+
+def test_observe_gives_the_raw_weights_when_asked():
+    # priorities [1, 3] over N = 2, β .4: a batch of both, raw (N·P)^-β = [.5^-.4, 1.5^-.4] = [1.319508, .850283]
+    # (whatever the rewards then write); normalized (batch_max) [1, .644394]
+    s = PrioritySampler(2, beta=0.4, seed=0)
+    s._set(np.array([0, 1]), np.array([1.0, 3.0]))
+    idx = s.sample(2)
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    raw = s.observe(idx, rewards, rewards, normalized=False)                    # (2, 2) float64
+    torch.testing.assert_close(raw[idx.argsort()], torch.tensor([[1.319508] * 2, [0.850283] * 2], dtype=torch.float64),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(s.normalize(raw)[idx.argsort()], torch.tensor([[1.0] * 2, [0.644394] * 2]),
+                               atol=1e-6, rtol=0)
+
+
 def test_state_dict_round_trip(tmp_path):
     s = PrioritySampler(50, seed=3)
     s.set_priorities(torch.arange(10), torch.rand(10, 4, generator=torch.Generator().manual_seed(0)))
