@@ -70,6 +70,19 @@ def knights_standin_path() -> str:
 
 
 @pytest.fixture(scope="module")
+def six_prompts(tmp_path_factory) -> str:
+    """A 6-prompt train file (the first six built-in additions): with B = 4, prompts revisit within a few
+    steps, so the sampler's and ERS's state matter."""
+    import json
+    from pspo.tasks.data import builtin_arithmetic
+    path = tmp_path_factory.mktemp("data") / "six.jsonl"
+    with open(path, "w") as f:
+        for ex in builtin_arithmetic("train")[:6]:
+            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def tiny_knights_model_path() -> str:
     from pspo.offline.tiny_knights import tiny_knights_path
     if not os.path.isdir(tiny_knights_path()) and os.environ.get("PSPO_BUILD_KNIGHTS") != "1":

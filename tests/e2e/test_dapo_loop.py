@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pspo.tasks.data import builtin_arithmetic
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop
 
@@ -18,15 +17,6 @@ DAPO = ["--rollout.dynamic_sampling=true", "--rollout.max_sampling_rounds=3", "-
         "--reward.overlong_cache=3", "--algo.aggregation=token_mean", "--algo.beta=0"]
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
          "--data.eval=", "--train.progress=false", "--optim.lr=1e-3", *DAPO]
-
-
-@pytest.fixture(scope="module")
-def six_prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "six.jsonl"
-    with open(path, "w") as f:
-        for ex in builtin_arithmetic("train")[:6]:
-            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -71,13 +71,9 @@ def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path, train):
 
 
 @pytest.fixture(scope="module")
-def few_prompts(tmp_path_factory):
-    """A 6-prompt train set: with B = 4 prompts revisit within a few steps, so ERS and PPS state matter."""
-    path = tmp_path_factory.mktemp("data") / "six.jsonl"
-    with open(path, "w") as f:
-        for ex in builtin_arithmetic("train")[:6]:
-            f.write(json.dumps({"problem": ex.problem, "answer": ex.answer}) + "\n")
-    return [f"--data.train={path}", "--train.prompts_per_step=4"]
+def few_prompts(six_prompts):
+    """The 6-prompt train set with B = 4: prompts revisit within a few steps, so ERS and PPS state matter."""
+    return [f"--data.train={six_prompts}", "--train.prompts_per_step=4"]
 
 
 @pytest.fixture(scope="module")
