@@ -66,6 +66,7 @@ class EngineSpec:
     batch_size: int                 # rollout.batch_size
     compile: bool                   # the decoding step compiled (rollout.compile resolved)
     lora: LoraConfig | None         # the adapters it carries (model.lora), None without LoRA
+    bf16: bool                      # model.bf16: autocast on GPU, as the trainer's policy
     threads: int                    # torch threads: the trainer's, so that the matmuls block alike
     cores: tuple[int, ...] = ()     # cores to pin to (rollout.engine_cores); () = inherited
 
@@ -115,7 +116,7 @@ class EngineProcess:
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(), staging_fd),
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=child_env)
         child.close()
-        self.pid = self.proc.pid
+        self.pid, self.started = self.proc.pid, time.monotonic()
         send(self.conn, spec)
 
     def name(self) -> str:
@@ -239,8 +240,9 @@ class _HFServer:
         if spec.kind != "hf":
             raise ValueError(f"engine kind: expected hf, got {spec.kind!r}")
         policy = build_policy(spec.model_path, trust_remote_code=spec.trust_remote_code, chunk_tokens=2048,
-                              trainable=spec.lora is not None, lora=spec.lora)   # adapters are built trainable
+                              bf16=spec.bf16, trainable=spec.lora is not None, lora=spec.lora)   # adapters: so built
         policy.requires_grad_(False)
+        policy.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # its GPU (CUDA_VISIBLE_DEVICES)
         self.tied = bool(getattr(policy.lm.config, "tie_word_embeddings", False))
         self.params = dict(policy.lm.named_parameters())
         tokenizer = load_tokenizer(spec.model_path, spec.trust_remote_code)

@@ -39,7 +39,7 @@ def gone(pid: int) -> bool:
 
 def spec(path: str) -> EngineSpec:
     return EngineSpec(kind="hf", model_path=path, trust_remote_code=False, max_len=128, batch_size=512,
-                      compile=False, lora=None, threads=1)
+                      compile=False, lora=None, bf16=False, threads=1)
 
 
 def prompts(tok) -> list[list[int]]:
@@ -144,7 +144,7 @@ from pspo.engines.process import EngineProcess, EngineSpec
 from pspo.engines.staging import StagingBuffer
 buffer = StagingBuffer(64)
 e = EngineProcess(EngineSpec(kind="hf", model_path={path!r}, trust_remote_code=False, max_len=128, batch_size=8,
-                             compile=False, lora=None, threads=1), 0, buffer.fd)
+                             compile=False, lora=None, bf16=False, threads=1), 0, buffer.fd)
 print(e.pid, flush=True)
 time.sleep(60)
 """
