@@ -148,6 +148,7 @@ class EngineRollouts:
         self.checked = False                       # a sync check was asked once
         self.expected: dict[str, Tensor] = {}      # rank 0: the row sums of the version staged, when checked
         self.answer: dict | None = None            # rank 0: the step answered (or restored), not yet taken
+        self.failed: str | None = None             # rank 0: an engine's error line met outside a collective
         self.startup_s = 0.0
         self._metrics: dict[str, float] = {}
 
@@ -195,14 +196,20 @@ class EngineRollouts:
         s = self.s
         seeds = sequence_seeds(s.seed, step, torch.arange(len(indices)), s.G)       # (P·G,)
         parts = split(len(indices), len(self.engines))
-        for e, part in zip(self.engines, parts):
-            e.send(Generate(step=step, version=version, entries=self.entries,
-                            prompt_ids=[self.train_ids[i] for i in indices[part].tolist()], n=s.G,
-                            temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                            seeds=seeds[part.start * s.G:part.stop * s.G], check=check), f"generating step {step}")
+        try:
+            for e, part in zip(self.engines, parts):
+                e.send(Generate(step=step, version=version, entries=self.entries,
+                                prompt_ids=[self.train_ids[i] for i in indices[part].tolist()], n=s.G,
+                                temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                seeds=seeds[part.start * s.G:part.stop * s.G], check=check),
+                       f"generating step {step}")
+        except EngineError as e:                   # raised by every rank at the next collective (take)
+            self.failed = str(e)
 
     def _answer(self, step: int) -> dict:
         """Rank 0: the engines' answer to step `step`, all ranks' rows in prompt order (waits for it once)."""
+        if self.failed is not None:
+            raise EngineError(self.failed)
         if self.answer is not None:
             return self.answer
         version, parts, loads, stale = generating_version(step, self.lag), [], [0.0], 0
@@ -284,14 +291,22 @@ class EngineRollouts:
         return box[0]
 
     def in_flight(self) -> dict | None:
-        """Rank 0: the step launched and not yet taken, answered (waits for it), for the checkpoint; else None."""
-        if self.rank != 0 or self.launched_step is None:
+        """The step launched and not yet taken, answered (rank 0 waits for it), for the checkpoint: rank 0's
+        answer, None on the other ranks and when nothing is in flight. Collective: an engine's error is
+        raised on every rank."""
+        if self.launched_step is None:
             return None
-        try:
-            return self._answer(self.launched_step)
-        except EngineError:
-            self.close()
-            raise
+        answer, line = None, None
+        if self.rank == 0:
+            try:
+                answer = self._answer(self.launched_step)
+            except (EngineError, SyncError) as e:
+                self.close()
+                line = str(e)
+        line = self._same_on_all(line)
+        if line is not None:
+            raise EngineError(line)
+        return answer
 
     def restore(self, state: dict) -> None:
         """A checkpoint's step in flight (every rank reads it): launched, its answer held by rank 0."""
