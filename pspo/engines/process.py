@@ -160,15 +160,14 @@ class EngineProcess:
                else f"exited with code {code}")
         return EngineError(f"{self.name()} {how} while {doing}")
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
     def kill(self) -> None:
-        """SIGKILL to the engine's session (its children too), then reap it; idempotent."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGKILL to the engine's session (its children too), then reap it; idempotent. Only while it is not
+        reaped: its pid (its group's id) is then still its own, never another process's."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()
         self.conn.close()
 
@@ -181,11 +180,6 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
-
-
-def stop_all(engines: list[EngineProcess]) -> None:
-    for e in engines:
-        e.stop()
 
 
 # ---- the engine's side ----------------------------------------------------------------------
