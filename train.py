@@ -164,7 +164,7 @@ class Run:
             if cfg.reward.overlong_cache:                                       # + R_length (§9)
                 scored = with_overlong_penalty(scored, rollout.mask.sum(1), r.max_new_tokens,
                                                cfg.reward.overlong_cache)
-            rewards, accuracy = gather_scores(scored, r.num_generations)                        # (P, G) each, every rank's
+            rewards, accuracy = gather_scores(scored, r.num_generations)        # (P, G) each, every rank's
         with clock("bookkeeping_s"):
             is_weights = self.sampler.observe(indices, rewards, accuracy)       # PPS: priorities; (P, G) w
         return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout, scored=scored, rewards=rewards,

@@ -364,8 +364,9 @@ def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_
     if gpus and not torch.cuda.is_available():
         raise ConfigError(f"rollout.engine_gpus: expected empty on a machine without CUDA, got {r.engine_gpus!r}")
     if min(gpus, default=dist_.world_size) < dist_.world_size:
-        raise ConfigError(f"rollout.engine_gpus: expected indices >= {dist_.world_size} (GPUs 0..{dist_.world_size - 1} "
-                          f"hold the trainer ranks), got {r.engine_gpus!r}")
+        W = dist_.world_size
+        raise ConfigError(f"rollout.engine_gpus: expected indices >= {W} (GPUs 0..{W - 1} hold the trainer ranks), "
+                          f"got {r.engine_gpus!r}")
     lora = m.lora.rank > 0
     entries = layout(policy_shapes(policy.lm, lora=lora), torch.float32)     # the hf engine's dtype
     if dist_.is_main:

@@ -43,8 +43,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 from torch import Tensor
 
-from pspo.engines.staging import Layout, views
-from pspo.engines.vllm_engine import row_sums
+from pspo.engines.staging import Layout, row_sums, views
 from pspo.training.config import LoraConfig, error_line
 
 PR_SET_PDEATHSIG = 1           # prctl option, <linux/prctl.h>

@@ -11,6 +11,9 @@ The buffer is a file in /dev/shm reserved with `posix_fallocate` (a tmpfs too sm
 there, with ENOSPC; `ftruncate` + `mmap`, what `multiprocessing.shared_memory` does, would reserve
 nothing and the first write past the free space would kill the process with SIGBUS) and unlinked at
 once: no name is left to leak after a kill -9, and the memory goes with the last process holding its fd.
+
+`row_sums` lives here too: the exact checksums with which the sync check compares what an engine computes
+with against what the trainer staged or streamed (engines/vllm_engine.py uses them in process as well).
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pspo.engines.vllm_engine import row_sums
 from pspo.training.config import ConfigError
 
 ALIGN = 64                     # bytes: every tensor starts on a cache line
@@ -65,6 +67,23 @@ def policy_shapes(lm: torch.nn.Module, *, lora: bool) -> list[tuple[str, tuple[i
 
 def total_bytes(entries: Layout) -> int:
     return entries[-1].offset + -(-entries[-1].nbytes // ALIGN) * ALIGN if entries else 0
+
+
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def row_sums(t: Tensor) -> Tensor:
+    """Per row of `t` (its first dim; a 1-D tensor's rows are its elements) the sum of the elements' bits
+    read as integers: (rows,) int64, on the CPU. Integer sums are exact, so equal tensors give equal sums
+    on any device and in any order of summation, and a tensor made by concatenating others along dim 0
+    (vLLM's qkv_proj, gate_up_proj) has their sums concatenated. One element that changes changes its
+    row's sum (by the difference of its bits); two in a row cancel only if those differences do."""
+    bits = t.detach().contiguous().view(INT_OF_SIZE[t.element_size()])
+    bits = bits.reshape(bits.shape[0] if bits.dim() else 1, -1)                   # (rows, row length)
+    chunk = max(1, 2**24 // max(1, bits.shape[1]))                              # ≤ 128 MB of int64 at a time
+    sums = [bits[i:i + chunk].long().sum(dim=1) for i in range(0, bits.shape[0], chunk)]
+    return torch.cat(sums).cpu() if sums else torch.zeros(0, dtype=torch.long)
 
 
 def gib(nbytes: float) -> str:

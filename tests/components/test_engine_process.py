@@ -14,8 +14,8 @@ import torch
 from pspo.engines.hf_engine import HFEngine
 from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generate, stale_rows
 from pspo.engines.sampling import sequence_seeds
-from pspo.engines.staging import StagingBuffer, layout, policy_shapes, stage, total_bytes
-from pspo.engines.vllm_engine import full_params, row_sums
+from pspo.engines.staging import StagingBuffer, layout, policy_shapes, row_sums, stage, total_bytes
+from pspo.engines.vllm_engine import full_params
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.model import build_policy, load_tokenizer
 

@@ -5,8 +5,9 @@ import os
 import pytest
 import torch
 
-from pspo.engines.staging import ALIGN, StagingBuffer, check_room, layout, policy_shapes, stage, total_bytes, views
-from pspo.engines.vllm_engine import full_params, row_sums
+from pspo.engines.staging import (ALIGN, StagingBuffer, check_room, layout, policy_shapes, row_sums, stage, total_bytes,
+                                  views)
+from pspo.engines.vllm_engine import full_params
 from pspo.training.config import ConfigError
 from pspo.training.model import build_policy
 

@@ -44,7 +44,8 @@ def assert_same(a: list[dict], b: list[dict], rel: float = 0.0, aside: tuple[str
     for ra, rb in zip(a, b):
         keys = {k for k in ra if not TIMING.search(k) and k not in skip}
         assert keys == {k for k in rb if not TIMING.search(k) and k not in skip}, ra["step"]
-        differ = [(k, ra[k], rb[k]) for k in sorted(keys) if ra[k] != pytest.approx(rb[k], rel=rel, abs=1e-6 if rel else 0)]
+        close = lambda x, y: x == pytest.approx(y, rel=rel, abs=1e-6 if rel else 0)   # noqa: E731
+        differ = [(k, ra[k], rb[k]) for k in sorted(keys) if not close(ra[k], rb[k])]
         assert not differ, (ra["step"], differ)
 
 
