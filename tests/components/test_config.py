@@ -236,3 +236,25 @@ def test_async_accepts_lag_0_without_a_correction():
     # lag 0 is the synchronous schedule through the engine processes: nothing to correct
     cfg = load_config(None, ["--rollout.mode=async", "--rollout.lag=0"])
     assert (cfg.rollout.mode, cfg.rollout.lag, cfg.rollout.is_correction) == ("async", 0, "none")
+
+
+def test_async_devices_are_checked_against_the_machine_in_one_line():
+    # checked at start-up, before any engine starts or the model is read (rollouts.py)
+    import torch
+    from pspo.rollouts import engine_rollouts, pin_cores
+    from pspo.training.distributed import Dist
+    allowed = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=r"^rollout.engine_cores: expected cores among .* that leave the trainer "
+                                          r"at least one, got '999'$"):
+        pin_cores("999")
+    with pytest.raises(ConfigError, match="^rollout.engine_cores: .* leave the trainer at least one"):
+        pin_cores(",".join(map(str, allowed)))
+    assert os.sched_getaffinity(0) == set(allowed) and pin_cores("") == ()      # refused: nothing pinned
+    cfg = load_config(None, ["--rollout.mode=async", "--rollout.is_correction=token", "--rollout.engine_gpus=1"])
+    dist_ = Dist(rank=0, world_size=2, device=torch.device("cpu"))
+    message = ("rollout.engine_gpus: expected empty on a machine without CUDA, got '1'" if not torch.cuda.is_available()
+               else "rollout.engine_gpus: expected indices >= 2 (GPUs 0..1 hold the trainer ranks), got '1'")
+    with pytest.raises(ConfigError) as e:
+        engine_rollouts(cfg, dist_, policy=None, model_path="", train_ids=[], sampling=None, counter=None,
+                        max_len=0, cores=(), compile=False, resumed=None)
+    assert str(e.value) == message
