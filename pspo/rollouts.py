@@ -27,7 +27,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from pspo.dynamic_sampling import prompt_keys
@@ -38,6 +37,7 @@ from pspo.engines.vllm_engine import SyncError, adapter_params, full_params
 from pspo.rollout import CountingEngine
 from pspo.training.checkpoint import read_extra
 from pspo.training.config import Config, ConfigError, parse_ints
+from pspo.training import distributed
 from pspo.training.distributed import Dist, print0
 from pspo.training.tokens import Rollout
 
@@ -257,7 +257,7 @@ class EngineRollouts:
         line = self._same_on_all(line)
         if line is not None:
             raise EngineError(line)
-        share = shares[0] if self.world == 1 else self._scatter(shares)
+        share = distributed.scatter_objects(shares)
         self.launched_step = None
         s, indices = self.s, self.indices
         mine, rows = rank_rows(indices, self.rank, self.world, s.G)
@@ -277,18 +277,9 @@ class EngineRollouts:
                           answer["truncated"][rows], answer["texts"][rows], answer["metrics"]["engine_gen_s"])
         return rollout, answer["metrics"]
 
-    def _scatter(self, shares: list | None):
-        out = [None]
-        dist.scatter_object_list(out, shares if self.rank == 0 else None, src=0)
-        return out[0]
-
     def _same_on_all(self, line: str | None) -> str | None:
         """Rank 0's error line (or None) on every rank."""
-        if self.world == 1:
-            return line
-        box = [line]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return distributed.broadcast_object(line)
 
     def in_flight(self) -> dict | None:
         """The step launched and not yet taken, answered (rank 0 waits for it), for the checkpoint: rank 0's
