@@ -1,6 +1,6 @@
 """The overlap of rollout.mode=async on a 2-core CPU: synchronous and one-step-off step times side by side.
 
-    python bench/async_overlap.py [--steps 8] [--prompts 16] [--generations 8] [--max_new_tokens 32]
+    python bench/async_overlap.py [--steps 8] [--prompts 16] [--generations 8] [--max_new_tokens 32] [--gen_batch 8]
 
 The tiny model (pspo/offline/tiny.py) trains GRPO with the IS correction (rollout.is_correction=token, in
 every run, so that the trainer's work is the same) in three runs of train.py, one thread per process:
@@ -9,7 +9,9 @@ every run, so that the trainer's work is the same) in three runs of train.py, on
    engine generates step s+1 while the trainer updates on step s;
 3. sync on both cores with two threads, for honesty: what the second core buys without the overlap.
 It shows the overlap, not GPU speed. Sync ≈ gen + update; async ≈ max(gen, update) + the transfer, so the
-gain is largest where generation and update take similar times: the first run's ratio gen_s / (the rest of
+gain is largest where generation and update take similar times. On the tiny model generation is cheap next
+to the update (ratio ~0.3 with one generate call per step); generating in calls of --gen_batch = 8
+sequences (rollout.batch_size) balances them (ratio ~1.0 here). The first run's ratio gen_s / (the rest of
 its step) is printed, and a ratio outside [0.7, 1.4] is refused (exit 2) unless --any_ratio, with a line
 that says which way to move --max_new_tokens. The step time is the median over the steps after the
 first two (start-up, the first load). The table is printed; nothing is written to bench/RESULTS.md.
@@ -37,6 +39,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8, help="rollout.num_generations")
     p.add_argument("--max_new_tokens", type=int, default=32, help="rollout.max_new_tokens")
     p.add_argument("--micro_batch_size", type=int, default=32, help="train.micro_batch_size")
+    p.add_argument("--gen_batch", type=int, default=8,
+                   help="rollout.batch_size: sequences per generate call; small, the decoding batches less")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="rollout.temperature: above 1 the tiny model's completions run longer, to max_new_tokens")
     p.add_argument("--any_ratio", action="store_true", help="run whatever the sync run's gen/update ratio")
     args = p.parse_args(argv)
     if args.steps <= WARMUP:
@@ -51,7 +57,9 @@ def train(out: str, args: argparse.Namespace, *, cores: str, threads: int, extra
            f"--model.name_or_path={ensure_tiny_model()}", f"--train.output_dir={out}",
            f"--train.max_steps={args.steps}", f"--train.prompts_per_step={args.prompts}",
            f"--rollout.num_generations={args.generations}", f"--rollout.max_new_tokens={args.max_new_tokens}",
-           f"--train.micro_batch_size={args.micro_batch_size}", "--rollout.is_correction=token",
+           f"--train.micro_batch_size={args.micro_batch_size}", f"--rollout.temperature={args.temperature}",
+           f"--rollout.batch_size={args.gen_batch}",
+           "--rollout.is_correction=token",
            "--reward.workers=0", "--data.max_eval_examples=1", "--train.eval_steps=0", "--train.save_steps=0",
            "--train.progress=false", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
