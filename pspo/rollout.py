@@ -47,8 +47,13 @@ class CountingEngine:
                  prefix_ids: list[list[int]] | None = None) -> Rollout:
         out = self.engine.generate(prompt_ids, n, temperature, top_p, max_new_tokens, seeds,
                                    prefix_ids=prefix_ids)
+        self.count(out, prefix=prefix_ids is not None)
+        return out
+
+    def count(self, out: Rollout, *, prefix: bool) -> None:
+        """Count a rollout: its own `generate`'s, or one that engine processes generated (rollout_schedule.py)."""
         tokens, c = float(out.mask.sum()), self.counts
-        if prefix_ids is None:
+        if not prefix:
             c.rollout_tokens += tokens
             c.rollout_calls += 1
             c.rollout_gen_s += out.gen_time_s
@@ -56,7 +61,6 @@ class CountingEngine:
             c.mc_tokens += tokens
             c.mc_calls += 1
             c.mc_gen_s += out.gen_time_s
-        return out
 
     def release(self) -> None:
         self.engine.release()

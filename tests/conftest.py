@@ -233,7 +233,7 @@ def hub_offline(monkeypatch):
 
 
 # module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
-SHARED_RUNS = ("pspo_3_steps", "with_hf")
+SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted")
 
 
 def pytest_collection_modifyitems(config, items):

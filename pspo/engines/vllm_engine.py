@@ -42,6 +42,7 @@ from pspo.training.config import error_line
 from pspo.training.model import ModelError
 from pspo.training.lora import ADAPTER_WEIGHTS, save_adapter
 from pspo.engines.sampling import sequence_seeds
+from pspo.engines.staging import row_sums
 from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
 
 # Set before vLLM is first imported (its logging is configured at import): build the engine in
@@ -285,23 +286,6 @@ def stale_engine(metrics: dict[str, float], step: int) -> SyncError | None:
         return None
     return SyncError(f"rollout.sync_check_steps: at step {step} the engine's weights differ from the trainer's in "
                      f"{rows} rows (exact checksums, equal when synced): the weight sync did not reach the engine")
-
-
-INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@torch.no_grad()
-def row_sums(t: Tensor) -> Tensor:
-    """Per row of `t` (its first dim; a 1-D tensor's rows are its elements) the sum of the elements' bits
-    read as integers: (rows,) int64, on the CPU. Integer sums are exact, so equal tensors give equal sums
-    on any device and in any order of summation, and a tensor made by concatenating others along dim 0
-    (vLLM's qkv_proj, gate_up_proj) has their sums concatenated. One element that changes changes its
-    row's sum (by the difference of its bits); two in a row cancel only if those differences do."""
-    bits = t.detach().contiguous().view(INT_OF_SIZE[t.element_size()])
-    bits = bits.reshape(bits.shape[0] if bits.dim() else 1, -1)                   # (rows, row length)
-    chunk = max(1, 2**24 // max(1, bits.shape[1]))                              # ≤ 128 MB of int64 at a time
-    sums = [bits[i:i + chunk].long().sum(dim=1) for i in range(0, bits.shape[0], chunk)]
-    return torch.cat(sums).cpu() if sums else torch.zeros(0, dtype=torch.long)
 
 
 def _engine_row_sums(worker) -> tuple[dict[str, list[str]], dict[str, tuple[torch.dtype, Tensor]]]:

@@ -160,6 +160,14 @@ class RolloutConfig:
     # more prompts drawn and generated until the step has B groups, or max_sampling_rounds rounds were drawn
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4        # generation rounds per step, the first included (verl's max_num_gen_batches)
+    # one step off (docs/methods.md §7b, docs/gpu.md): sync (generate, then update) | async (engine processes
+    # generate step s+1 with θ_s while the trainer updates on step s)
+    mode: str = "sync"
+    lag: int = 1                        # async: steps between the generating weights and the trainer's, 0 | 1
+    engines: int = 1                    # async: engine processes, each generating a contiguous slice of the prompts
+    engine_gpus: str = ""               # async: one CUDA index per engine ("4,5,6,7"); "" = the trainer's GPU or CPU
+    engine_cores: str = ""              # async on CPU: cores the engines are pinned to ("1"); the trainer the rest
+    engine_timeout_s: float = 300.0     # async: longest wait for an engine's start or answer before the run stops
 
 
 @dataclass
@@ -648,6 +656,7 @@ def validate_method(cfg: Config) -> None:
           f"{a.advantage} has none)", cfg.ers.enabled)
     validate_dapo(cfg)
     validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
+    validate_async(cfg)
 
 
 def validate_dapo(cfg: Config) -> None:
@@ -668,6 +677,41 @@ def validate_dapo(cfg: Config) -> None:
           f"{r.max_new_tokens}) tokens (0 = off)", cache)
     check(cache == 0 or a not in ("spo_chain", "spo_tree"), "reward.overlong_cache", f"0 with algo.advantage={a} "
           "(its continuations are scored from their text alone, without their token counts)", cache)
+
+
+ROLLOUT_MODES = ("sync", "async")
+
+
+def validate_async(cfg: Config) -> None:
+    """rollout.mode=async (docs/methods.md §7b): its keys, and the settings it refuses, each saying why. The
+    devices (engine_gpus, engine_cores) are checked against the machine at start-up (rollout_schedule.py)."""
+    r, a = cfg.rollout, cfg.algo.advantage
+    check(r.mode in ROLLOUT_MODES, "rollout.mode", " | ".join(ROLLOUT_MODES), r.mode)
+    check(r.lag in (0, 1), "rollout.lag", "0 or 1 (a fixed lag of one step; 0 runs the synchronous schedule "
+          "through the engine processes)", r.lag)
+    check(r.engines >= 1, "rollout.engines", ">= 1", r.engines)
+    check(0 < r.engine_timeout_s < 600, "rollout.engine_timeout_s", "in (0, 600) seconds (at 600 the process "
+          "group's own time-out would end the other ranks first)", r.engine_timeout_s)
+    for key, value in (("rollout.engine_gpus", r.engine_gpus), ("rollout.engine_cores", r.engine_cores)):
+        check(not value or parse_ints(value), key, "integers separated by commas, or empty", value)
+    if r.mode != "async":
+        return
+    check(r.lag == 0 or r.is_correction != "none", "rollout.is_correction", "token | sequence | token_mask | "
+          "sequence_mask with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without "
+          "the IS weight the update is the gradient of another policy)", r.is_correction)
+    check(a not in ("spo_chain", "spo_tree"), "algo.advantage", "not spo_chain / spo_tree with rollout.mode=async "
+          "(their Monte Carlo continuations are generated inside the step and must come from π_old)", a)
+    check(not r.dynamic_sampling, "rollout.dynamic_sampling", "false with rollout.mode=async (its extra rounds are "
+          "drawn inside the step from the rewards just seen, which would need the engines mid-step)",
+          r.dynamic_sampling)
+    check(not r.sleep, "rollout.sleep", "false with rollout.mode=async (a sleeping engine cannot generate "
+          "during the update)", r.sleep)
+    check(r.engine in ("auto", "hf"), "rollout.engine", "hf or auto with rollout.mode=async (the engine "
+          "processes run the transformers engine; vLLM in an engine process is not built yet)", r.engine)
+    gpus = parse_ints(r.engine_gpus) if r.engine_gpus else ()
+    check(not gpus or len(gpus) == r.engines, "rollout.engine_gpus", f"one CUDA index per engine "
+          f"(rollout.engines={r.engines})", r.engine_gpus)
+    check(len(set(gpus)) == len(gpus), "rollout.engine_gpus", "distinct indices", r.engine_gpus)
 
 
 def validate_prm(p: PRMConfig, weight: float) -> None:

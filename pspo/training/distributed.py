@@ -192,6 +192,24 @@ def all_equal(value: bytes) -> bool:
     return all(v == values[0] for v in values)
 
 
+def scatter_objects(objects: list | None) -> object:
+    """Rank r's item of rank 0's `objects` (one picklable item per rank; None on the other ranks)."""
+    if not dist.is_initialized():
+        return objects[0]
+    out = [None]
+    dist.scatter_object_list(out, objects if dist.get_rank() == 0 else None, src=0)
+    return out[0]
+
+
+def broadcast_object(value: object) -> object:
+    """Rank 0's picklable `value` on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def reduce_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum a dict of per-rank scalars over ranks in one collective."""
     keys = sorted(sums)

@@ -77,3 +77,18 @@ def test_resolve_resume_reads_and_checks_the_checkpoint_before_any_model(tmp_pat
     with pytest.raises(LoraError, match="^model.lora.alpha: the checkpoint .* was trained with 32, this run has 16.0"):
         resolve_resume(cfg(f"--train.resume={out}/checkpoint-2", "--model.lora.rank=4", "--model.lora.alpha=16"),
                        "uniform")
+
+
+def test_a_checkpoint_of_another_rollout_mode_is_refused_in_one_line():
+    # async at lag 1 saves with the next step drawn already (inflight.pt): the sampler's state assumes it
+    import pytest
+    from pspo.training.checkpoint import check_modes
+    from pspo.training.config import ConfigError, load_config
+    cfg = load_config(None, ["--rollout.mode=async", "--rollout.is_correction=token"])
+    state = {"sampler": {}, "sampler_mode": "uniform", "advantage": "grpo", "rollout_mode": "sync"}
+    with pytest.raises(ConfigError) as e:
+        check_modes(state, cfg, "uniform")
+    assert str(e.value) == ("rollout.mode: the checkpoint was trained with rollout.mode=sync, this run has "
+                            "rollout.mode=async-lag1; resume with the same setting")
+    check_modes({**state, "rollout_mode": "async-lag1"}, cfg, "uniform")
+    check_modes({k: v for k, v in state.items() if k != "rollout_mode"}, load_config(None, []), "uniform")   # older

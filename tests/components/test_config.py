@@ -206,3 +206,57 @@ def test_dapo_parts_load_with_every_other_method():
         cfg = load_config(None, [f"--algo.advantage={advantage}", "--algo.beta=0", "--rollout.dynamic_sampling=true",
                                  "--algo.overlong_filter=true", "--rollout.max_sampling_rounds=3"])
         assert cfg.rollout.dynamic_sampling and cfg.algo.overlong_filter and cfg.rollout.max_sampling_rounds == 3
+
+
+ASYNC = ["--rollout.mode=async", "--rollout.is_correction=token"]
+
+
+@pytest.mark.parametrize("overrides, key, why", [
+    (["--rollout.mode=later"], "rollout.mode", "sync | async"),
+    (["--rollout.mode=async"], "rollout.is_correction", "without the IS weight the update is the gradient of "
+     "another policy"),
+    ([*ASYNC, "--rollout.lag=2"], "rollout.lag", "0 or 1 (a fixed lag of one step"),
+    ([*ASYNC, "--rollout.engines=0"], "rollout.engines", ">= 1"),
+    ([*ASYNC, "--rollout.engine_timeout_s=600"], "rollout.engine_timeout_s", "in (0, 600) seconds"),
+    ([*ASYNC, "--rollout.engine_cores=a"], "rollout.engine_cores", "integers separated by commas"),
+    ([*ASYNC, "--rollout.engines=2", "--rollout.engine_gpus=3"], "rollout.engine_gpus", "one CUDA index per engine"),
+    ([*ASYNC, "--rollout.engines=2", "--rollout.engine_gpus=3,3"], "rollout.engine_gpus", "distinct indices"),
+    ([*ASYNC, "--algo.advantage=spo_chain", "--algo.beta=0"], "algo.advantage", "must come from π_old"),
+    ([*ASYNC, "--rollout.dynamic_sampling=true"], "rollout.dynamic_sampling", "would need the engines mid-step"),
+    ([*ASYNC, "--rollout.sleep=true"], "rollout.sleep", "cannot generate during the update"),
+    ([*ASYNC, "--rollout.engine=vllm"], "rollout.engine", "vLLM in an engine process is not built yet"),
+    ([*ASYNC, "--rollout.top_p=0.9"], "rollout.top_p", "renormalised over the nucleus"),
+])
+def test_async_refusals_are_one_line_naming_the_key(overrides, key, why):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    line = str(e.value)
+    assert line.startswith(f"{key}: expected") and why in line and "\n" not in line
+
+
+def test_async_accepts_lag_0_without_a_correction():
+    # lag 0 is the synchronous schedule through the engine processes: nothing to correct
+    cfg = load_config(None, ["--rollout.mode=async", "--rollout.lag=0"])
+    assert (cfg.rollout.mode, cfg.rollout.lag, cfg.rollout.is_correction) == ("async", 0, "none")
+
+
+def test_async_devices_are_checked_against_the_machine_in_one_line():
+    # checked at start-up, before any engine starts or the model is read (rollout_schedule.py)
+    import torch
+    from pspo.rollout_schedule import engine_rollouts, pin_cores
+    from pspo.training.distributed import Dist
+    allowed = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=r"^rollout.engine_cores: expected cores among .* that leave the trainer "
+                                          r"at least one, got '999'$"):
+        pin_cores("999")
+    with pytest.raises(ConfigError, match="^rollout.engine_cores: .* leave the trainer at least one"):
+        pin_cores(",".join(map(str, allowed)))
+    assert os.sched_getaffinity(0) == set(allowed) and pin_cores("") == ()      # refused: nothing pinned
+    cfg = load_config(None, ["--rollout.mode=async", "--rollout.is_correction=token", "--rollout.engine_gpus=1"])
+    dist_ = Dist(rank=0, world_size=2, device=torch.device("cpu"))
+    message = ("rollout.engine_gpus: expected empty on a machine without CUDA, got '1'" if not torch.cuda.is_available()
+               else "rollout.engine_gpus: expected indices >= 2 (GPUs 0..1 hold the trainer ranks), got '1'")
+    with pytest.raises(ConfigError) as e:
+        engine_rollouts(cfg, dist_, policy=None, model_path="", train_ids=[], sampling=None, counter=None,
+                        max_len=0, cores=(), compile=False, resumed=None)
+    assert str(e.value) == message

@@ -1,0 +1,270 @@
+"""An engine in its own process (asynchronous rollouts, docs/gpu.md "One step off"): its start, its lifetime
+and the protocol it speaks with the trainer's rank 0.
+
+Start. Like reward_pool.py's workers: a fresh interpreter (`python -c`, the trainer's sys.path; never a
+fork of a process holding CUDA, threads or vLLM, and not multiprocessing's "spawn", which re-imports
+train.py), its own session (a Ctrl-C to the terminal reaches the trainer only, which decides when the
+engine ends: it may still need the step in flight for its checkpoint), PR_SET_PDEATHSIG = SIGKILL (the
+trainer's death, kill -9 included, kills it; it fires when the *thread* that started the child exits, so
+engines start from the main thread only), and EOF on its pipe as the second way out. The staging buffer's
+fd (engines/staging.py) is passed to it.
+
+Protocol: `send` / `recv` are plain pickle over the pipe's bytes. `Connection.send` would hand torch
+tensors over as fds through multiprocessing's resource sharer, which a `python -c` child cannot reach
+(it lacks the parent's authkey); plain pickle sends them by value.
+
+    trainer -> engine                       engine -> trainer
+    EngineSpec (once, first)                ("ready", pid, start-up seconds)
+    Generate(step, version, ...)            ("loaded", version, load_s, row sums | None): it has read the
+                                              staging buffer (which may now be overwritten); sent when the
+                                              version differs from the one it holds, or a check is asked
+                                            ("rollout", step, version, Rollout, gen_s, idle_s)
+    Stop()                                  (exits 0)
+    (any request)                           ("error", one line), then exits 1: an engine error is fatal
+
+Every wait of the trainer (`EngineProcess.wait_for`) has a deadline and checks, every WAIT_TICK_S, that
+the engine is alive: an exit or EOF, an ("error", ...) answer or a deadline passed becomes EngineError, one
+line naming the engine, its pid and what it was doing; the engine is then killed (its whole session).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+
+import torch
+from torch import Tensor
+
+from pspo.engines.staging import Layout, row_sums, views
+from pspo.training.config import LoraConfig, error_line
+
+PR_SET_PDEATHSIG = 1           # prctl option, <linux/prctl.h>
+WAIT_TICK_S = 0.5              # seconds between two liveness checks of a waited-for engine
+STOP_GRACE_S = 5.0             # seconds a stopped engine may take to exit before it is killed
+
+
+class EngineError(RuntimeError):
+    """An engine process died, failed, or did not answer in time: the run stops (exit 2)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine process builds (sent once, first)."""
+    kind: str                       # "hf" (transformers, engines/hf_engine.py)
+    model_path: str                 # the base model: the weights come through the staging buffer
+    trust_remote_code: bool
+    max_len: int                    # longest prompt + rollout.max_new_tokens
+    batch_size: int                 # rollout.batch_size
+    compile: bool                   # the decoding step compiled (rollout.compile resolved)
+    lora: LoraConfig | None         # the adapters it carries (model.lora), None without LoRA
+    bf16: bool                      # model.bf16: autocast on GPU, as the trainer's policy
+    threads: int                    # torch threads: the trainer's, so that the matmuls block alike
+    cores: tuple[int, ...] = ()     # cores to pin to (rollout.engine_cores); () = inherited
+
+
+@dataclass(frozen=True)
+class Generate:
+    """One request: n completions of each prompt, by the weights of `version` (staged in the buffer)."""
+    step: int                       # the training step it is for (-1: evaluation)
+    version: int                    # optimizer steps behind the weights it must generate with
+    entries: Layout                 # the staging buffer's layout
+    prompt_ids: list[list[int]]
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seeds: Tensor | None            # (len(prompt_ids)·n,) int64, None for greedy
+    check: bool = False             # answer the row sums of the weights it computes with (the sync check)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The engine exits (0)."""
+
+
+def send(conn: Connection, obj: object) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=5))
+
+
+def recv(conn: Connection) -> object:
+    return pickle.loads(conn.recv_bytes())
+
+
+class EngineProcess:
+    """The trainer's handle on one engine process (rank 0 holds them)."""
+
+    def __init__(self, spec: EngineSpec, index: int, staging_fd: int, env: dict[str, str] | None = None):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("engine processes start from the main thread (PR_SET_PDEATHSIG is per thread)")
+        self.index = index
+        self.conn, child = Pipe()
+        # PR_SET_PDEATHSIG first, before the seconds of imports; then the trainer must still be its parent
+        code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
+                f"os.getppid() == {os.getpid()} or os._exit(1); import sys; sys.path[:] = {sys.path!r}; "
+                f"from pspo.engines.process import engine_main; engine_main({child.fileno()}, {staging_fd})")
+        child_env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(), staging_fd),
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=child_env)
+        child.close()
+        self.pid, self.started = self.proc.pid, time.monotonic()
+        send(self.conn, spec)
+
+    def name(self) -> str:
+        return f"rollout.engines: engine {self.index} (pid {self.pid})"
+
+    def send(self, msg: Generate | Stop, doing: str) -> None:
+        try:
+            send(self.conn, msg)
+        except OSError:                             # its end is closed: it died
+            raise self._dead(doing) from None
+
+    def wait_for(self, doing: str, timeout_s: float) -> tuple:
+        """The engine's next message, within `timeout_s` seconds; EngineError (the engine killed) if it
+        died, failed or stayed silent. `doing`: what it was asked, for the error line."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if wait([self.conn], timeout=max(0.0, min(WAIT_TICK_S, left))):
+                try:
+                    msg = recv(self.conn)
+                except (EOFError, OSError):
+                    raise self._dead(doing) from None
+                if msg[0] == "error":
+                    self.kill()
+                    raise EngineError(f"{self.name()} failed while {doing}: {msg[1]}")
+                return msg
+            if self.proc.poll() is not None:
+                raise self._dead(doing)
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise EngineError(f"{self.name()} did not answer within {timeout_s:g} s while {doing} "
+                                  "(rollout.engine_timeout_s); it was killed")
+
+    def _dead(self, doing: str) -> EngineError:
+        try:
+            code = self.proc.wait(timeout=WAIT_TICK_S)
+        except subprocess.TimeoutExpired:           # EOF, yet not exited: it closed its pipe
+            code = None
+        self.kill()
+        how = ("closed its pipe" if code is None else f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited with code {code}")
+        return EngineError(f"{self.name()} {how} while {doing}")
+
+    def kill(self) -> None:
+        """SIGKILL to the engine's session (its children too), then reap it; idempotent. Only while it is not
+        reaped: its pid (its group's id) is then still its own, never another process's."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait()
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask it to exit; killed if it has not within STOP_GRACE_S."""
+        if self.proc.poll() is None:
+            try:
+                send(self.conn, Stop())
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+# ---- the engine's side ----------------------------------------------------------------------
+
+def engine_main(fd: int, staging_fd: int) -> None:
+    """An engine process's life (module docstring): the spec, "ready", then requests until Stop or EOF.
+    Its start line (EngineProcess) has set PR_SET_PDEATHSIG already."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the trainer decides when the engine ends
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    start = time.perf_counter()
+    try:
+        spec = recv(conn)
+        if spec.cores:
+            os.sched_setaffinity(0, spec.cores)
+        torch.set_num_threads(spec.threads)
+        server = _HFServer(spec, mmap.mmap(staging_fd, 0))
+        send(conn, ("ready", os.getpid(), time.perf_counter() - start))
+        answered = time.perf_counter()
+        while True:
+            try:
+                msg = recv(conn)
+            except EOFError:                        # the trainer closed the pipe, or died
+                return
+            if isinstance(msg, Stop):
+                return
+            idle = time.perf_counter() - answered
+            if msg.version != server.version or msg.check:
+                load_s = server.load(msg.entries, msg.version) if msg.version != server.version else 0.0
+                send(conn, ("loaded", msg.version, load_s, server.row_sums(msg.entries) if msg.check else None))
+            t = time.perf_counter()
+            rollout = server.engine.generate(msg.prompt_ids, msg.n, msg.temperature, msg.top_p,
+                                             msg.max_new_tokens, msg.seeds)
+            send(conn, ("rollout", msg.step, msg.version, rollout, time.perf_counter() - t, idle))
+            answered = time.perf_counter()
+    except EOFError:
+        return
+    except Exception as e:  # noqa: BLE001 - the trainer gets the line, the engine ends
+        try:
+            send(conn, ("error", error_line(e)))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+class _HFServer:
+    """kind "hf": a copy of the policy in this process, generating with engines/hf_engine.py."""
+
+    def __init__(self, spec: EngineSpec, buffer: mmap.mmap):
+        from pspo.engines.hf_engine import HFEngine
+        from pspo.training.model import build_policy, load_tokenizer
+        if spec.kind != "hf":
+            raise ValueError(f"engine kind: expected hf, got {spec.kind!r}")
+        policy = build_policy(spec.model_path, trust_remote_code=spec.trust_remote_code, chunk_tokens=2048,
+                              bf16=spec.bf16, trainable=spec.lora is not None, lora=spec.lora)   # adapters: so built
+        policy.requires_grad_(False)
+        policy.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # its GPU (CUDA_VISIBLE_DEVICES)
+        self.tied = bool(getattr(policy.lm.config, "tie_word_embeddings", False))
+        self.params = dict(policy.lm.named_parameters())
+        tokenizer = load_tokenizer(spec.model_path, spec.trust_remote_code)
+        self.engine = HFEngine(policy, tokenizer, spec.batch_size, compile=spec.compile, max_len=spec.max_len)
+        self.flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.version: int | None = None
+
+    @torch.no_grad()
+    def load(self, entries: Layout, version: int) -> float:
+        start = time.perf_counter()
+        for name, tensor in views(self.flat, entries):
+            if name in self.params:
+                self.params[name].copy_(tensor)
+            elif not (self.tied and name == "lm_head.weight"):      # tied: the embedding's, loaded
+                raise KeyError(f"the staged weight {name} is not a parameter of the engine's model")
+        self.version = version
+        return time.perf_counter() - start
+
+    def row_sums(self, entries: Layout) -> dict[str, Tensor]:
+        return {e.name: row_sums(self.params[e.name].to(e.dtype)) for e in entries if e.name in self.params}
+
+
+def stale_rows(expected: dict[str, Tensor], engine: dict[str, Tensor]) -> tuple[int, int]:
+    """(rows that differ, rows compared) between the row sums the trainer kept at staging and the engine's."""
+    differ = compared = 0
+    for name, ours in expected.items():
+        theirs = engine.get(name)
+        if theirs is None:                          # a tied head: held once, as the embedding
+            continue
+        differ += int((theirs != ours).sum()) if theirs.shape == ours.shape else len(ours)
+        compared += len(ours)
+    return differ, compared

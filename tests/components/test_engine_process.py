@@ -1,0 +1,169 @@
+"""An engine in its own process (engines/process.py): the weights staged and loaded bit for bit, the sync
+check passing and then failing when stale, the same request answered alike, and every way it can fail
+(raising, killed, hung, its trainer killed) ending in one EngineError line within seconds, with no
+process left. The engine is kind "hf" on the tiny model, 1 thread."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pspo.engines.hf_engine import HFEngine
+from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generate, stale_rows
+from pspo.engines.sampling import sequence_seeds
+from pspo.engines.staging import StagingBuffer, layout, policy_shapes, row_sums, stage, total_bytes
+from pspo.engines.vllm_engine import full_params
+from pspo.tasks.data import builtin_arithmetic, format_prompt
+from pspo.training.model import build_policy, load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def gone(pid: int) -> bool:
+    """No process `pid` (reaped, or a zombie), and none left in its session."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, session, ...
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and (int(entry) == pid or int(fields[3]) == pid):
+            return False
+    return True
+
+
+def spec(path: str) -> EngineSpec:
+    return EngineSpec(kind="hf", model_path=path, trust_remote_code=False, max_len=128, batch_size=512,
+                      compile=False, lora=None, bf16=False, threads=1)
+
+
+def prompts(tok) -> list[list[int]]:
+    return [tok(format_prompt(tok, ex.problem, ""), add_special_tokens=False)["input_ids"]
+            for ex in builtin_arithmetic("test")[:4]]
+
+
+@pytest.mark.slow
+def test_engine_lifecycle(tiny_model_path):
+    torch.manual_seed(0)
+    policy = build_policy(tiny_model_path, chunk_tokens=2048)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)                  # θ_0: not the weights the engine loads from disk
+    entries = layout(policy_shapes(policy.lm, lora=False), torch.float32)
+    buffer = StagingBuffer(total_bytes(entries))
+    engine = EngineProcess(spec(tiny_model_path), 0, buffer.fd)
+    try:
+        tok = load_tokenizer(tiny_model_path)
+        ids, seeds = prompts(tok), sequence_seeds(0, 3, torch.arange(4), 2)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)                                # the engine's: matmuls blocked alike
+        mine = HFEngine(policy, tok, 512, max_len=128).generate(ids, 2, 0.7, 1.0, 16, seeds)
+        torch.set_num_threads(threads)
+        _, expected = stage(buffer.flat, full_params(policy.lm), entries, sums=True)
+        request = Generate(step=0, version=0, entries=entries, prompt_ids=ids, n=2, temperature=0.7, top_p=1.0,
+                           max_new_tokens=16, seeds=seeds, check=True)
+        kind, pid, _ = engine.wait_for("starting", 120)
+        assert (kind, pid) == ("ready", engine.pid)
+        engine.send(request, "generating step 0")
+        kind, version, load_s, sums = engine.wait_for("loading", 60)
+        assert (kind, version) == ("loaded", 0) and load_s > 0
+        assert stale_rows(expected, sums) == (0, sum(len(s) for n, s in expected.items() if n in sums))
+        assert stale_rows(expected, sums)[1] > 0
+        kind, step, version, theirs, gen_s, idle_s = engine.wait_for("generating step 0", 60)
+        assert (kind, step, version) == ("rollout", 0, 0) and gen_s > 0 and idle_s >= 0
+        # the engine's copy generates exactly what the trainer's policy does: the weights arrived bit for bit
+        for a, b in ((mine.completion_ids, theirs.completion_ids), (mine.mask, theirs.mask),
+                     (mine.logprobs, theirs.logprobs)):
+            assert torch.equal(a, b)
+        assert mine.texts == theirs.texts
+        # the same request again: no load (the version is held), the same rollout
+        engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again")
+        again = engine.wait_for("generating step 0 again", 60)
+        assert again[0] == "rollout" and torch.equal(again[3].logprobs, theirs.logprobs)
+        # stale: the trainer moves to θ_1, the request says version 1, but the buffer was not written
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(1e-3)
+        stage(None, full_params(policy.lm), entries)            # rank 0 skipped: nothing reaches the buffer
+        fresh = {n: row_sums(t) for n, t in full_params(policy.lm)}
+        engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1")
+        kind, version, _, sums = engine.wait_for("loading", 60)
+        differ, compared = stale_rows(fresh, sums)
+        assert kind == "loaded" and version == 1 and differ == compared > 0
+        engine.wait_for("generating step 1", 60)
+        # raising: a token id past the vocabulary -> the engine's own line, then it is gone
+        bad = Generate(**{**request.__dict__, "version": 1, "check": False, "prompt_ids": [[10**6]]})
+        engine.send(bad, "generating step 2")
+        start = time.monotonic()
+        with pytest.raises(EngineError) as e:
+            engine.wait_for("generating step 2", 60)
+        line = str(e.value)
+        assert line.startswith(f"rollout.engines: engine 0 (pid {engine.pid}) failed while generating step 2: ")
+        assert "\n" not in line and "Error" in line
+        assert time.monotonic() - start < 5 and gone(engine.pid)
+    finally:
+        engine.kill()
+        buffer.close()
+    assert gone(engine.pid)
+
+
+@pytest.mark.slow
+def test_engine_killed_or_hung_is_one_line_within_seconds(tiny_model_path):
+    buffer = StagingBuffer(64)
+    try:
+        killed = EngineProcess(spec(tiny_model_path), 0, buffer.fd)
+        hung = EngineProcess(spec(tiny_model_path), 1, buffer.fd)
+        time.sleep(0.5)
+        os.kill(killed.pid, signal.SIGKILL)
+        os.kill(hung.pid, signal.SIGSTOP)                       # alive and silent
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=rf"^rollout.engines: engine 0 \(pid {killed.pid}\) was killed by "
+                                              r"SIGKILL while starting$"):
+            killed.wait_for("starting", 60)
+        assert time.monotonic() - start < 2 and gone(killed.pid)
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=r"engine 1 .* did not answer within 1.5 s while starting "
+                                              r"\(rollout.engine_timeout_s\); it was killed$"):
+            hung.wait_for("starting", 1.5)
+        assert time.monotonic() - start < 3 and gone(hung.pid)
+    finally:
+        killed.kill()
+        hung.kill()
+        buffer.close()
+
+
+TRAINER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from pspo.engines.process import EngineProcess, EngineSpec
+from pspo.engines.staging import StagingBuffer
+buffer = StagingBuffer(64)
+e = EngineProcess(EngineSpec(kind="hf", model_path={path!r}, trust_remote_code=False, max_len=128, batch_size=8,
+                             compile=False, lora=None, bf16=False, threads=1), 0, buffer.fd)
+print(e.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_trainer_killed_leaves_no_engine(tiny_model_path):
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(root=ROOT, path=tiny_model_path)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(trainer.stdout.readline())
+        time.sleep(0.5)                                         # the engine is importing torch
+        assert not gone(pid)
+        trainer.kill()
+        trainer.wait()
+        start = time.monotonic()
+        while not gone(pid) and time.monotonic() - start < 5:
+            time.sleep(0.01)
+        assert gone(pid) and time.monotonic() - start < 1       # PR_SET_PDEATHSIG, not the parent check later
+    finally:
+        trainer.kill()
+        trainer.wait()

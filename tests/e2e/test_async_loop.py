@@ -1,0 +1,169 @@
+"""End to end, rollout.mode=async (docs/methods.md §7b): the real loop with an hf engine process on the tiny
+model. Lag 0 reproduces the synchronous run exactly; at lag 1 a run resumed from a checkpoint (what a kill -9
+leaves; its step in flight stored with it) logs exactly the metrics of an uninterrupted run, 2 gloo ranks
+reproduce 1, the engine's log-probs are those of the previous step's weights, and a killed engine ends the
+run with one line and exit code 2."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pspo.training.model import build_policy
+from pspo.training.tokens import batch_inputs
+
+pytestmark = pytest.mark.slow        # end to end: real runs of the loop and its engine process
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
+         "--data.max_eval_examples=8", "--train.progress=false", "--optim.lr=1e-3"]
+LAG1 = ["--rollout.mode=async", "--rollout.is_correction=token", "--train.max_steps=3", "--train.save_steps=1",
+        "--train.keep_checkpoints=0"]
+TIMING = re.compile(r"(_s|_per_s)$")
+
+
+def args(model: str, out: str, *more: str) -> list[str]:
+    return ["--config", "configs/grpo.yaml", f"--train.output_dir={out}", f"--model.name_or_path={model}",
+            *SMALL, *more]
+
+
+def metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_same(a: list[dict], b: list[dict], rel: float = 0.0, aside: tuple[str, ...] = ()) -> None:
+    """The same steps with the same values (timings, the per-process sync check's count and `aside` aside)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    skip = {"sync_stale_rows", *aside}
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not TIMING.search(k) and k not in skip}
+        assert keys == {k for k in rb if not TIMING.search(k) and k not in skip}, ra["step"]
+        close = lambda x, y: x == pytest.approx(y, rel=rel, abs=1e-6 if rel else 0)   # noqa: E731
+        differ = [(k, ra[k], rb[k]) for k in sorted(keys) if not close(ra[k], rb[k])]
+        assert not differ, (ra["step"], differ)
+
+
+def gone(pid: int) -> bool:
+    """No live process `pid`, and none in its session."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, session, ...
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and (int(entry) == pid or int(fields[3]) == pid):
+            return False
+    return True
+
+
+def start(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def read_until(proc: subprocess.Popen, pattern: str) -> re.Match:
+    for line in proc.stdout:
+        found = re.search(pattern, line)
+        if found:
+            return found
+    raise AssertionError(f"the run ended before printing {pattern!r}: {proc.stderr.read()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_path, run_main):
+    """Async at lag 1, 1 rank, 3 steps, a checkpoint after each: the reference run."""
+    out = str(tmp_path_factory.mktemp("async") / "full")
+    run_main("train", *args(tiny_model_path, out, *LAG1))
+    return out
+
+
+def test_lag0_equals_sync(tmp_path, tiny_model_path, run_main):
+    # lag 0 runs the synchronous schedule through the engine process: with the trainer's thread count the
+    # completions are the sync run's bit for bit, so every metric is
+    sync, lag0 = str(tmp_path / "sync"), str(tmp_path / "lag0")
+    run_main("train", *args(tiny_model_path, sync, "--train.max_steps=2"))
+    ran = run_main("train", *args(tiny_model_path, lag0, "--train.max_steps=2", "--rollout.mode=async",
+                                  "--rollout.lag=0"))
+    assert "engines: 1 × hf (pid " in ran.out
+    a, b = metrics(sync), metrics(lag0)
+    assert all(r["rollout_lag"] == 0 for r in b[1:]) and all(r["sync_stale_rows"] == 0 for r in b[1:2])
+    for r in b:                                             # the async metrics, beside the sync run's
+        for k in ("engine_gen_s", "engine_idle_s", "engine_load_s", "weight_sync_s", "weight_sync_bytes",
+                  "rollout_lag"):
+            r.pop(k, None)
+    assert_same(a, b)
+
+
+def test_resume_matches_uninterrupted(tmp_path, tiny_model_path, run_main, uninterrupted):
+    # What a kill -9 after the first step leaves: checkpoint-1 (θ_1) with step 1 in flight (inflight.pt: launched
+    # before the update that made θ_1, so generated by θ_0, which the checkpoint does not hold), and the metrics
+    # so far. Resumed, the run must log exactly what the uninterrupted run logged. (A trainer killed with
+    # SIGKILL takes its engine with it: test_engine_process.py::test_trainer_killed_leaves_no_engine.)
+    out = str(tmp_path / "resumed")
+    os.makedirs(out)
+    shutil.copytree(os.path.join(uninterrupted, "checkpoint-1"), os.path.join(out, "checkpoint-1"))
+    shutil.copy(os.path.join(uninterrupted, "metrics.jsonl"), out)          # truncated back to step 1 on resume
+    state = torch.load(os.path.join(out, "checkpoint-1", "inflight.pt"), weights_only=True)
+    assert (state["step"], state["version"]) == (1, 0)
+    run_main("train", *args(tiny_model_path, out, *LAG1, "--train.resume=auto"))
+    assert_same(metrics(uninterrupted), metrics(out))
+
+
+def test_engine_logprobs_are_the_previous_weights(tiny_model_path, uninterrupted):
+    # checkpoint-2's step in flight (step 2) was generated by θ_1: scored with checkpoint-1's weights it gives
+    # the engine's log-probs (up to the kernels); with checkpoint-2's (θ_2, an lr 1e-3 step later) it does not
+    state = torch.load(os.path.join(uninterrupted, "checkpoint-2", "inflight.pt"), weights_only=True)
+    assert (state["step"], state["version"]) == (2, 1)
+    from pspo.training.model import load_tokenizer
+    from pspo.tasks.data import prompt_sets, data_rows
+    from pspo.training.config import load_config
+    cfg = load_config(None, args(tiny_model_path, "unused", *LAG1)[2:])
+    tok = load_tokenizer(tiny_model_path)
+    train, _ = prompt_sets(cfg, tok, data_rows(cfg))
+    prompts = [train.ids[i] for i in state["indices"].tolist() for _ in range(4)]
+    gaps = []
+    for ckpt in ("checkpoint-1", "checkpoint-2"):
+        policy = build_policy(os.path.join(uninterrupted, ckpt), chunk_tokens=2048)
+        ids, attention = batch_inputs(prompts, state["completion_ids"], state["mask"], tok.pad_token_id)
+        with torch.no_grad():
+            logp, _ = policy(ids, attention, state["mask"].shape[1], cfg.rollout.temperature)
+        gaps.append(float(((logp - state["logprobs"]).abs() * state["mask"]).max()))
+    # θ_1: the decoding loop's kernels against one forward over the whole completion, ~1e-5 nats here
+    assert gaps[0] < 1e-4 and gaps[1] > 1e-2, gaps
+
+
+def test_two_ranks_match_one(tmp_path, tiny_model_path, uninterrupted):
+    # FSDP2 over 2 gloo ranks, one engine: rank 0 stages and hands each rank its rows; the update is
+    # rank-invariant up to the order of the gradient sums (as in sync mode, test_loop.test_two_processes_match_one)
+    out = str(tmp_path / "two")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *args(tiny_model_path, out, *LAG1)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_same(metrics(uninterrupted), metrics(out), rel=1e-4, aside=("rollout_calls", "padding_frac"))
+    # (a call per rank; each rank pads its own micro-batches)
+
+
+def test_engine_killed_is_one_line_exit_2(tmp_path, tiny_model_path):
+    proc = start(args(tiny_model_path, str(tmp_path / "run"), *LAG1))
+    try:
+        engine = int(read_until(proc, r"engines: 1 × hf \(pid (\d+)\)").group(1))
+        os.kill(engine, signal.SIGKILL)
+        start_s = time.monotonic()
+        code = proc.wait(timeout=30)
+        elapsed = time.monotonic() - start_s
+    finally:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read()
+    assert code == 2 and elapsed < 5, (code, elapsed, err[-2000:])
+    assert err.strip().splitlines()[-1] == (f"error: rollout.engines: engine 0 (pid {engine}) was killed by SIGKILL "
+                                            "while starting") and "Traceback" not in err
+    assert gone(engine) and not os.path.exists(tmp_path / "run" / "config.yaml")   # refused before its folder
