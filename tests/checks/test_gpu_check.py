@@ -297,6 +297,7 @@ def killed_child(tmp_path, script: str, patch: str, argv: list[str]) -> list[str
     return [sys.executable, str(child)]
 
 
+@pytest.mark.slow
 def test_a_decode_child_killed_after_its_first_engine_leaves_that_engines_figures(tmp_path, monkeypatch):
     # bench/rollout.py at a tiny size (a random 2 x 64 Qwen2, 2 prompts x 2, budgets 10-16 in a 64-position
     # cache): static-full's warm-up and timed call, then the child dies as static's warm-up starts. Its
@@ -324,6 +325,7 @@ def test_a_decode_child_killed_after_its_first_engine_leaves_that_engines_figure
     assert "| decode | 1 | killed_rollout.py: exit -9 |" in (tmp_path / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_an_update_child_killed_at_the_eager_comparison_leaves_the_defaults_figures(tmp_path, monkeypatch):
     # bench/micro_batches.py at the check's small shape (6 sequences on a random 8 x 512 Qwen2, one packed
     # micro-batch): an untimed update, the timed one with the defaults, then the child dies as the eager

@@ -206,6 +206,7 @@ def test_the_first_iteration_ratio_is_one_with_lora(tiny_model_path):
     assert float((with_dropout - 1).abs().max()) > 1e-2
 
 
+@pytest.mark.slow
 def test_lora_dropout_is_refused_in_one_line_exit_2():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/pspo_lora.yaml",

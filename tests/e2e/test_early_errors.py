@@ -254,6 +254,7 @@ def commands(tmp_path_factory):
     return json.loads((tmp / "results.json").read_text()), f, runs, cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{s}:{' '.join(o)}" for s, o, _ in CASES])
 def test_the_command_prints_one_line_and_exits_2(commands, case):
     # `python train.py|eval.py --config configs/grpo.yaml <the mistake>`: exit code 2, nothing on stdout, one
