@@ -69,6 +69,25 @@ def knights_standin_path() -> str:
     return _knights_standin()
 
 
+def _session_gone(pid: int) -> bool:
+    """No live process `pid` (reaped, or a zombie), and none left in its session."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, session, ...
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and (int(entry) == pid or int(fields[3]) == pid):
+            return False
+    return True
+
+
+@pytest.fixture
+def gone():
+    """gone(pid): no live process pid, and none in its session (an engine process and what it started)."""
+    return _session_gone
+
+
 @pytest.fixture(scope="module")
 def six_prompts(tmp_path_factory) -> str:
     """A 6-prompt train file (the first six built-in additions): with B = 4, prompts revisit within a few

@@ -22,19 +22,6 @@ from pspo.training.model import build_policy, load_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def gone(pid: int) -> bool:
-    """No process `pid` (reaped, or a zombie), and none left in its session."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, session, ...
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and (int(entry) == pid or int(fields[3]) == pid):
-            return False
-    return True
 
 
 def spec(path: str) -> EngineSpec:
@@ -48,7 +35,7 @@ def prompts(tok) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_engine_lifecycle(tiny_model_path):
+def test_engine_lifecycle(tiny_model_path, gone):
     torch.manual_seed(0)
     policy = build_policy(tiny_model_path, chunk_tokens=2048)
     with torch.no_grad():
@@ -113,7 +100,7 @@ def test_engine_lifecycle(tiny_model_path):
 
 
 @pytest.mark.slow
-def test_engine_killed_or_hung_is_one_line_within_seconds(tiny_model_path):
+def test_engine_killed_or_hung_is_one_line_within_seconds(tiny_model_path, gone):
     buffer = StagingBuffer(64)
     try:
         killed = EngineProcess(spec(tiny_model_path), 0, buffer.fd)
@@ -151,7 +138,7 @@ time.sleep(60)
 
 
 @pytest.mark.slow
-def test_trainer_killed_leaves_no_engine(tiny_model_path):
+def test_trainer_killed_leaves_no_engine(tiny_model_path, gone):
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(root=ROOT, path=tiny_model_path)],
                                stdout=subprocess.PIPE, text=True)
     try:

@@ -50,17 +50,6 @@ def assert_same(a: list[dict], b: list[dict], rel: float = 0.0, aside: tuple[str
         assert not differ, (ra["step"], differ)
 
 
-def gone(pid: int) -> bool:
-    """No live process `pid`, and none in its session."""
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, session, ...
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and (int(entry) == pid or int(fields[3]) == pid):
-            return False
-    return True
 
 
 def start(argv: list[str]) -> subprocess.Popen:
@@ -151,7 +140,7 @@ def test_two_ranks_match_one(tmp_path, tiny_model_path, uninterrupted):
     # (a call per rank; each rank pads its own micro-batches)
 
 
-def test_engine_killed_is_one_line_exit_2(tmp_path, tiny_model_path):
+def test_engine_killed_is_one_line_exit_2(tmp_path, tiny_model_path, gone):
     proc = start(args(tiny_model_path, str(tmp_path / "run"), *LAG1))
     try:
         engine = int(read_until(proc, r"engines: 1 × hf \(pid (\d+)\)").group(1))
