@@ -162,9 +162,9 @@ _LOCK = threading.Lock()
 def run_child(argv: list[str], log, limit: float, *, cwd: str | None = None, env: dict | None = None,
               done: Callable[[], bool] | None = None, cancel: threading.Event | None = None,
               echo: bool = True) -> str:
-    """Run argv in its own session, its output appended to `log` (and echoed to standard output), for at
-    most `limit` seconds: "ok", "exit N", "timed out", or "cancelled" (`cancel` set). `done()` true
-    (checked about every POLL_S) ends it early as "ok": its figures are in. Every process it started
+    """Run argv in a new process group of its own (setsid), its output appended to `log` (and echoed to
+    standard output), for at most `limit` seconds: "ok", "exit N", "timed out", or "cancelled" (`cancel`
+    set). `done()` true (checked about every POLL_S) ends it early as "ok": its figures are in. Every process it started
     is stopped when it ends, whichever way."""
     log.write("$ " + " ".join(argv) + "\n")
     log.flush()

@@ -134,7 +134,8 @@ SECTIONS = (
             f"(< 1 s), then ~6 s; step 2 ~7 s ({STEP_GEN} steps at <= 6 ms, an update ~4 s): ~109 s cold, less "
             "with inductor's on-disk caches (FX graph, AOTAutograd; on by default) warm from update and decode, "
             "which leave dynamo's tracing (not measured: step 1's step_time_s says); stopped once step 2 is "
-            "logged (no final checkpoint)", (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", STEP + ("--rollout.engine=hf",)),), TRAIN),
+            "logged (no final checkpoint)", (QWEN15,),
+            (PlanCase(f"{R15}/grpo.yaml", STEP + ("--rollout.engine=hf",)),), TRAIN),
     Section("trl", "TRL's GRPOTrainer on the recipe step's workload (the same config, prompts, rewards, 48 "
             f"completions of {STEP_GEN} tokens, beta 0.04 with its reference model) with transformers' generate, "
             "2 steps: its step time beside train.py's (recipe)", 55, True,

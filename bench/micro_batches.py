@@ -12,7 +12,8 @@ A random-weight Qwen2 of 8 layers x 512 (built from a config, nothing downloaded
 (log-uniform; prompts 20-120 tokens), as a reasoning model's do. Fixed micro-batches of
 `--micro` rows are padded to the step's longest prompt + completion; the token budget is set to
 the same padded size (micro x the longest sequence), so the peak memory of a micro-batch is the
-same and only the padding differs; --budget sets another budget (the 1.5B GRPO recipe's is 5120, its train.micro_batch_tokens).
+same and only the padding differs; --budget sets another budget (the 1.5B GRPO recipe's is 5120, its
+train.micro_batch_tokens).
 `packed` fills the same budget first-fit-decreasing with sequences back to back in one row
 (train.packing, no padding). The modes alternate, `--reps` times each; the table has the median
 update time, real tokens per second and the padded share of positions, then the ratios.
@@ -22,7 +23,8 @@ With --arch the model is that config.json's architecture at its real widths, ran
 of the update (allocated and reserved, AdamW state included) and the model FLOPs utilisation: the
 update's FLOPs (6 x the matrix-multiply parameters x real tokens, the input embedding being a
 lookup, plus causal attention, 6 x layers x query width x L^2 per sequence) / time / the GPU's
-dense bf16 peak (from its name: H100 SXM, H200 and GH200 989, H100 NVL and H200 NVL 835, H100 PCIe 756, A100 312; or --peak-tflops); the forward that
+dense bf16 peak (from its name: H100 SXM, H200 and GH200 989, H100 NVL and H200 NVL 835, H100 PCIe 756,
+A100 312; or --peak-tflops); the forward that
 checkpointing recomputes is not counted. --checkpointing none | selective | full | auto (model.gradient_checkpointing;
 the flag alone: full): auto takes the least recompute whose memory plan for this batch fits the GPU (pspo/training/
 plan.py: update_peak, the largest of the modes timed; on CPU none). Each mode's row adds the plan's peak for the

@@ -81,9 +81,9 @@ def dynamic_sampling(first: Draw, draw: Callable[[int, int], Draw], *, world: in
     W·m prompts. Each round's importance weights are its draw's raw ones (the sampler's observe with
     normalized=False); the trained groups' are normalized together, as one batch, by `normalize` (the
     sampler's: PPS's is_norm over the B' prompts, docs/methods.md §3b). Returns them as one Draw (B' = W·k
-    groups, B' <= B; this rank's completions padded to the longest, with pad_id) with its metrics: ds_rounds, ds_scored_groups, ds_set_aside_groups (all
-    rewards equal), ds_trained_groups (B'), ds_unused_groups (with a spread, not trained) and ds_short
-    (1 when B' < B)."""
+    groups, B' <= B; this rank's completions padded to the longest, with pad_id) with its metrics: ds_rounds,
+    ds_scored_groups, ds_set_aside_groups (all rewards equal), ds_trained_groups (B'), ds_unused_groups
+    (with a spread, not trained) and ds_short (1 when B' < B)."""
     rounds, share = [first], first.groups // world
     need = [share] * world                                   # each rank's shortfall
     taken: list[list[tuple[int, int]]] = [[] for _ in range(world)]   # each rank's (round, position)

@@ -3,11 +3,11 @@ and the protocol it speaks with the trainer's rank 0.
 
 Start. Like reward_pool.py's workers: a fresh interpreter (`python -c`, the trainer's sys.path; never a
 fork of a process holding CUDA, threads or vLLM, and not multiprocessing's "spawn", which re-imports
-train.py), its own session (a Ctrl-C to the terminal reaches the trainer only, which decides when the
-engine ends: it may still need the step in flight for its checkpoint), PR_SET_PDEATHSIG = SIGKILL (the
-trainer's death, kill -9 included, kills it; it fires when the *thread* that started the child exits, so
-engines start from the main thread only), and EOF on its pipe as the second way out. The staging buffer's
-fd (engines/staging.py) is passed to it.
+train.py), a process group of its own via setsid (a Ctrl-C to the terminal reaches the trainer only,
+which decides when the engine ends: it may still need the step in flight for its checkpoint),
+PR_SET_PDEATHSIG = SIGKILL (the trainer's death, kill -9 included, kills it; it fires when the *thread*
+that started the child exits, so engines start from the main thread only), and EOF on its pipe as the
+second way out. The staging buffer's fd (engines/staging.py) is passed to it.
 
 Protocol: `send` / `recv` are plain pickle over the pipe's bytes. `Connection.send` would hand torch
 tensors over as fds through multiprocessing's resource sharer, which a `python -c` child cannot reach
@@ -24,7 +24,7 @@ tensors over as fds through multiprocessing's resource sharer, which a `python -
 
 Every wait of the trainer (`EngineProcess.wait_for`) has a deadline and checks, every WAIT_TICK_S, that
 the engine is alive: an exit or EOF, an ("error", ...) answer or a deadline passed becomes EngineError, one
-line naming the engine, its pid and what it was doing; the engine is then killed (its whole session).
+line naming the engine, its pid and what it was doing; the engine is then killed (its whole process group).
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ class EngineProcess:
         return EngineError(f"{self.name()} {how} while {doing}")
 
     def kill(self) -> None:
-        """SIGKILL to the engine's session (its children too), then reap it; idempotent. Only while it is not
+        """SIGKILL to the engine's process group (its children too), then reap it; idempotent. Only while it is not
         reaped: its pid (its group's id) is then still its own, never another process's."""
         if self.proc.returncode is None:
             try:

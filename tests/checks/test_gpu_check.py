@@ -348,8 +348,10 @@ def test_figures_of_an_unexpected_shape_are_said_and_the_next_section_runs(tmp_p
     # update.json holds a list; trl.json a step time of null (what the table formats as a number): each
     # section's figures say "figures unreadable: ...", the summary is still written and the next section runs
     ctx = small_context(tmp_path, monkeypatch, {
-        "update": [sys.executable, "-c", f"import json; json.dump([1, 2], open({str(tmp_path)!r} + '/update.json', 'w'))"],
-        "trl": [sys.executable, "-c", f"import json; json.dump({{'times': [None]}}, open({str(tmp_path)!r} + '/trl.json', 'w'))"],
+        "update": [sys.executable, "-c",
+                   f"import json; json.dump([1, 2], open({str(tmp_path)!r} + '/update.json', 'w'))"],
+        "trl": [sys.executable, "-c",
+                f"import json; json.dump({{'times': [None]}}, open({str(tmp_path)!r} + '/trl.json', 'w'))"],
         "fine": [sys.executable, "-c", "print('fine ran')"]})
     for section in (gpu_check.BY_NAME["update"], gpu_check.BY_NAME["trl"], gpu_check.Section("fine", "runs", 30, True)):
         section = gpu_check.dataclasses.replace(section, needs=(), models=())      # TRL need not be installed
@@ -357,11 +359,13 @@ def test_figures_of_an_unexpected_shape_are_said_and_the_next_section_runs(tmp_p
     summary = json.loads((tmp_path / "summary.json").read_text())
     sections = summary["sections"]
     assert [sections[n]["status"] for n in ("update", "trl", "fine")] == ["ok", "ok", "ok"]
-    assert sections["update"]["figures_error"] == "figures unreadable: ValueError: update.json holds a list, not an object"
+    assert sections["update"]["figures_error"] == ("figures unreadable: ValueError: update.json holds a list, "
+                                                   "not an object")
     assert "fine ran" in (tmp_path / "fine.log").read_text()
     md = (tmp_path / "summary.md").read_text()
     assert "| update | 1 | ok | " in md and "figures unreadable: ValueError: update.json holds a list" in md
-    assert "| trl | 1 | ok | " in md and "figures unreadable: TypeError: unsupported format string passed to NoneType" in md
+    assert "| trl | 1 | ok | " in md
+    assert "figures unreadable: TypeError: unsupported format string passed to NoneType" in md
     assert "update: figures unreadable: ValueError: update.json holds a list, not an object" in summary["not_measured"]
 
 
