@@ -310,7 +310,9 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     check_writable(out, "train.output_dir", folder=True)
     cores = pin_cores(r.engine_cores)                                       # async on CPU: the trainer's cores
     resume_from = checkpoint.resolve_resume(cfg, sampler_mode(cfg))        # its trainer state read, checked
-    engine = "hf" if r.mode == "async" else engine_name(r.engine)           # async: hf in process, for eval
+    engine = engine_name(r.engine)                                          # vLLM not installed: refused here
+    if r.mode == "async":                     # the engine processes run it; evaluation generates in process (hf)
+        engine = "hf"
     rows = data_rows(cfg)                                                   # read, their golds checked
     check_prompts_per_step(cfg, len(rows[0].usable), cfg.data.train)
     check_prm_path(cfg)

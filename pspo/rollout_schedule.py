@@ -34,7 +34,7 @@ from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generat
 from pspo.engines.sampling import sequence_seeds
 from pspo.engines.staging import Layout, StagingBuffer, check_room, layout, policy_shapes, stage, total_bytes
 from pspo.engines.vllm_engine import SyncError, adapter_params, full_params
-from pspo.rollout import CountingEngine
+from pspo.rollout import CountingEngine, engine_name
 from pspo.training.checkpoint import read_extra
 from pspo.training.config import Config, ConfigError, parse_ints
 from pspo.training import distributed
@@ -358,19 +358,23 @@ def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_
         W = dist_.world_size
         raise ConfigError(f"rollout.engine_gpus: expected indices >= {W} (GPUs 0..{W - 1} hold the trainer ranks), "
                           f"got {r.engine_gpus!r}")
-    lora = m.lora.rank > 0
-    entries = layout(policy_shapes(policy.lm, lora=lora), torch.float32)     # the hf engine's dtype
+    lora, kind = m.lora.rank > 0, engine_name(r.engine)
+    # staged in the engine's dtype, as its loader rounds: vLLM holds bf16 with model.bf16 on a GPU; the hf engine
+    # and every adapter are float32
+    half = kind == "vllm" and m.bf16 and torch.cuda.is_available() and not lora
+    entries = layout(policy_shapes(policy.lm, lora=lora), torch.bfloat16 if half else torch.float32)
     if dist_.is_main:
         check_room(total_bytes(entries))
     threads = min(torch.get_num_threads(), len(cores)) if cores else torch.get_num_threads()
-    specs = [EngineSpec(kind="hf", model_path=model_path, trust_remote_code=m.trust_remote_code, max_len=max_len,
+    specs = [EngineSpec(kind=kind, model_path=model_path, trust_remote_code=m.trust_remote_code, max_len=max_len,
                         batch_size=r.batch_size, compile=compile, lora=m.lora if lora else None, bf16=m.bf16,
-                        threads=threads, cores=cores) for _ in range(r.engines)]
+                        seed=cfg.train.seed, gpu_memory_utilization=r.gpu_memory_utilization, threads=threads,
+                        cores=cores) for _ in range(r.engines)]
     rollouts = EngineRollouts(specs=specs, entries=entries, policy=policy, lora=lora, train_ids=train_ids,
                               sampling=sampling, counter=counter, rank=dist_.rank, world=dist_.world_size, lag=r.lag,
                               timeout_s=r.engine_timeout_s, check_every=r.sync_check_steps,
                               gpus=gpus)
-    print0(startup_line(rollouts, "hf", cores))
+    print0(startup_line(rollouts, kind, cores))
     rollouts.wait_ready()
     print0(f"engines ready after {rollouts.startup_s:.1f} s")
     inflight = read_extra(resumed, INFLIGHT) if resumed else None

@@ -49,6 +49,9 @@ from pspo.training.config import LoraConfig, error_line
 PR_SET_PDEATHSIG = 1           # prctl option, <linux/prctl.h>
 WAIT_TICK_S = 0.5              # seconds between two liveness checks of a waited-for engine
 STOP_GRACE_S = 5.0             # seconds a stopped engine may take to exit before it is killed
+# torchrun's variables: an engine is no rank of the trainer's process group (vLLM would read them as its own)
+LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                           "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
 
 
 class EngineError(RuntimeError):
@@ -58,14 +61,16 @@ class EngineError(RuntimeError):
 @dataclass(frozen=True)
 class EngineSpec:
     """What an engine process builds (sent once, first)."""
-    kind: str                       # "hf" (transformers, engines/hf_engine.py)
+    kind: str                       # "hf" (transformers, engines/hf_engine.py) | "vllm" (engines/vllm_engine.py)
     model_path: str                 # the base model: the weights come through the staging buffer
     trust_remote_code: bool
     max_len: int                    # longest prompt + rollout.max_new_tokens
     batch_size: int                 # rollout.batch_size
     compile: bool                   # the decoding step compiled (rollout.compile resolved)
     lora: LoraConfig | None         # the adapters it carries (model.lora), None without LoRA
-    bf16: bool                      # model.bf16: autocast on GPU, as the trainer's policy
+    bf16: bool                      # model.bf16: on GPU, hf autocasts as the trainer's policy, vLLM holds bf16
+    seed: int                       # train.seed (vLLM's engine seed; every request carries its own seeds)
+    gpu_memory_utilization: float   # vLLM: its share of the GPU (rollout.gpu_memory_utilization)
     threads: int                    # torch threads: the trainer's, so that the matmuls block alike
     cores: tuple[int, ...] = ()     # cores to pin to (rollout.engine_cores); () = inherited
 
@@ -110,7 +115,8 @@ class EngineProcess:
         code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
                 f"os.getppid() == {os.getpid()} or os._exit(1); import sys; sys.path[:] = {sys.path!r}; "
                 f"from pspo.engines.process import engine_main; engine_main({child.fileno()}, {staging_fd})")
-        child_env = {**os.environ, "OMP_NUM_THREADS": str(spec.threads), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        env_ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}     # not a rank of the trainer's group
+        child_env = {**env_, "OMP_NUM_THREADS": str(spec.threads), "TORCHINDUCTOR_COMPILE_THREADS": "1",
                      "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(), staging_fd),
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=child_env)
@@ -195,7 +201,7 @@ def engine_main(fd: int, staging_fd: int) -> None:
         if spec.cores:
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.threads)
-        server = _HFServer(spec, mmap.mmap(staging_fd, 0))
+        server = (_VLLMServer if spec.kind == "vllm" else _HFServer)(spec, mmap.mmap(staging_fd, 0))
         send(conn, ("ready", os.getpid(), time.perf_counter() - start))
         answered = time.perf_counter()
         while True:
@@ -258,13 +264,51 @@ class _HFServer:
         return {e.name: row_sums(self.params[e.name].to(e.dtype)) for e in entries if e.name in self.params}
 
 
+class _VLLMServer:
+    """kind "vllm": a vLLM engine in this process (engines/vllm_engine.py), built from the base model; full weights
+    are reloaded in place from the buffer's views, an adapter is written from them as a new version and served."""
+
+    def __init__(self, spec: EngineSpec, buffer: mmap.mmap):
+        from pspo.engines.vllm_engine import VLLMEngine
+        from pspo.training.model import load_tokenizer
+        self.lora = spec.lora
+        self.engine = VLLMEngine(spec.model_path, load_tokenizer(spec.model_path, spec.trust_remote_code),
+                                 max_model_len=spec.max_len, seed=spec.seed, bf16=spec.bf16,
+                                 gpu_memory_utilization=spec.gpu_memory_utilization,
+                                 lora_rank=spec.lora.rank if spec.lora else 0)
+        self.flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        self.version: int | None = None
+
+    def load(self, entries: Layout, version: int) -> float:
+        from pspo.training.lora import write_adapter
+        start = time.perf_counter()
+        if self.lora is not None:
+            self.engine.serve_adapter(lambda folder: write_adapter(folder, self.lora, views(self.flat, entries)))
+        else:
+            self.engine.load_weights(views(self.flat, entries))
+        self.version = version
+        return time.perf_counter() - start
+
+    def row_sums(self, entries: Layout) -> dict[str, Tensor]:
+        """Of what it computes with, under the trainer's names: the weights vLLM holds (the sync check's
+        _engine_row_sums), or the adapter version it serves (its file, as the in-process check reads it)."""
+        from pspo.engines.vllm_engine import _engine_row_sums, engine_rows
+        if self.lora is not None:
+            served = self.engine.served_adapter() or {}
+            keys = {e.name: "base_model.model." + e.name.replace(".default.", ".") for e in entries}
+            return {name: row_sums(served[key]) if key in served else torch.zeros(0, dtype=torch.long)
+                    for name, key in keys.items()}                 # one not served: all its rows differ
+        packed, sums = self.engine.llm.collective_rpc(_engine_row_sums)[0]
+        return engine_rows(packed, sums, [(e.name, e.shape) for e in entries])
+
+
 def stale_rows(expected: dict[str, Tensor], engine: dict[str, Tensor]) -> tuple[int, int]:
     """(rows that differ, rows compared) between the row sums the trainer kept at staging and the engine's."""
     differ = compared = 0
     for name, ours in expected.items():
         theirs = engine.get(name)
-        if theirs is None:                          # a tied head: held once, as the embedding
-            continue
+        if theirs is None:                          # not held: a tied head (once, as the embedding), vLLM's CPU
+            continue                                # backend's packed weights (engine_rows)
         differ += int((theirs != ours).sum()) if theirs.shape == ours.shape else len(ours)
         compared += len(ours)
     return differ, compared

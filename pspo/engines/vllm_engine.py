@@ -31,7 +31,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -211,22 +211,37 @@ class VLLMEngine:
         """
         start = time.perf_counter()
         if self.lora_rank:
-            self._sync_adapter(policy)
+            self.serve_adapter(lambda folder: save_adapter(
+                policy.peft, {name: tensor.cpu() for name, tensor in adapter_params(policy.lm)}, folder))
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_params(policy.lm)})
-        self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
+            self.load_weights(full_params(policy.lm))
         return time.perf_counter() - start
 
-    def _sync_adapter(self, policy: torch.nn.Module) -> None:
+    def load_weights(self, weights: Iterator[tuple[str, Tensor]]) -> None:
+        """Full weights ((name, full tensor) as full_params yields them) into the engine in place."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
+
+    def serve_adapter(self, write: Callable[[str], None]) -> None:
+        """LoRA: a new adapter version, whose peft files `write(folder)` writes, served from the next request on;
+        the previous version is dropped (vLLM's copy, then its files)."""
         from vllm.lora.request import LoRARequest
         self.lora_version += 1
         folder = os.path.join(self.lora_dir, f"v{self.lora_version}")
-        save_adapter(policy.peft, {name: tensor.cpu() for name, tensor in adapter_params(policy.lm)}, folder)
+        write(folder)
         old, self.lora_request = self.lora_request, LoRARequest(f"policy-v{self.lora_version}",
                                                                  self.lora_version, folder)
         if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)    # vLLM's copy; then the files
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old adapter
+
+    def served_adapter(self) -> dict[str, Tensor] | None:
+        """The state of the adapter version served (its adapter_model.safetensors, the file vLLM was told to load);
+        None before the first version (the base is served)."""
+        if self.lora_request is None:
+            return None
+        return load_file(os.path.join(self.lora_request.lora_path, ADAPTER_WEIGHTS))
 
     def stale_rows(self, policy: torch.nn.Module) -> tuple[int, int]:
         """(rows that differ, rows compared) between what this engine computes with and the policy: its
@@ -235,10 +250,7 @@ class VLLMEngine:
         packed, sums = self.llm.collective_rpc(_engine_row_sums)[0]       # one worker: no tensor parallelism
         differ, compared = weight_rows(packed, sums, full_params(policy.lm))
         if self.lora_rank:
-            served = None
-            if self.lora_request is not None:
-                served = load_file(os.path.join(self.lora_request.lora_path, ADAPTER_WEIGHTS))
-            more, also = adapter_rows(served, adapter_params(policy.lm))
+            more, also = adapter_rows(self.served_adapter(), adapter_params(policy.lm))
             differ, compared = differ + more, compared + also
         return differ, compared
 
@@ -307,29 +319,63 @@ def weight_rows(packed: dict[str, list[str]], engine: dict[str, tuple[torch.dtyp
     with its parts' sums concatenated in order, up to the trainer's rows (vLLM pads the vocabulary). A
     trainer tensor the engine does not hold is skipped (a tied head, held once; the CPU backend's packed
     weights); an engine weight the trainer has no parts for raises SyncError: it cannot be checked."""
-    fused_of = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
     ours: dict[str, dict[int, Tensor]] = {}
     for name, tensor in params:
         if "lora_" in name:
             continue
-        module, _, param = name.replace(".base_layer.", ".").rpartition(".")
-        parent, _, leaf = module.rpartition(".")
-        fused, i = fused_of.get(leaf, (leaf, 0))
-        key = ".".join(p for p in (parent, fused, param) if p)
+        key, i = engine_key(packed, name)
         if key in engine:
             ours.setdefault(key, {})[i] = row_sums(tensor.to(engine[key][0]))
     differ = compared = 0
     for key, (_, theirs) in engine.items():
-        parts = ours.get(key, {})
-        count = len(packed.get(key.rsplit(".", 2)[-2], [None]))       # the parts a fused weight is made of
-        mine = torch.cat([parts[i] for i in range(count)]) if sorted(parts) == list(range(count)) else None
-        if mine is None or len(mine) > len(theirs):
-            raise SyncError(f"rollout.sync_check_steps: the engine's weight {key} has no counterpart of its shape "
-                            "among the trainer's parameters, so the sync cannot be checked on this model; "
-                            "rollout.sync_check_steps=0 trains without the check")
+        mine = torch.cat(parts_of(packed, key, ours.get(key, {}), len(theirs)))
         differ += int((theirs[:len(mine)] != mine).sum())
         compared += len(mine)
     return differ, compared
+
+
+def engine_key(packed: dict[str, list[str]], name: str) -> tuple[str, int]:
+    """The engine's name of the weight that holds the trainer's parameter `name`, and the part it is of a fused
+    weight (0 when not fused): "model.layers.0.self_attn.k_proj.weight" -> ("model.layers.0.self_attn.qkv_proj
+    .weight", 1) with packed {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
+    fused_of = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    module, _, param = name.replace(".base_layer.", ".").rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    fused, i = fused_of.get(leaf, (leaf, 0))
+    return ".".join(p for p in (parent, fused, param) if p), i
+
+
+def parts_of(packed: dict[str, list[str]], key: str, parts: dict[int, object], rows: int) -> list:
+    """The trainer's parts of the engine weight `key` (`parts`: {part index: value}), in order; SyncError when one
+    is missing or they have more than the engine's `rows` (vLLM pads the vocabulary, never the parts' rows)."""
+    count = len(packed.get(key.rsplit(".", 2)[-2], [None]))           # the parts a fused weight is made of
+    ordered = [parts[i] for i in range(count)] if sorted(parts) == list(range(count)) else None
+    if ordered is None or sum(len(p) for p in ordered) > rows:
+        raise SyncError(f"rollout.sync_check_steps: the engine's weight {key} has no counterpart of its shape "
+                        "among the trainer's parameters, so the sync cannot be checked on this model; "
+                        "rollout.sync_check_steps=0 trains without the check")
+    return ordered
+
+
+def engine_rows(packed: dict[str, list[str]], engine: dict[str, tuple[torch.dtype, Tensor]],
+                shapes: list[tuple[str, tuple[int, ...]]]) -> dict[str, Tensor]:
+    """The engine's row sums (`engine`, `packed`: what _engine_row_sums returns) under the trainer's names
+    (`shapes`: (name, shape) of the trainer's parameters, staging.policy_shapes): a fused weight's sums cut
+    into its parts' rows (row_sums of a concatenation are the parts' concatenated). What the engine holds in no
+    trainer tensor raises SyncError; a trainer tensor the engine does not hold is left out (a tied head, held
+    once; the CPU backend's packed weights), as in weight_rows."""
+    ours: dict[str, dict[int, range]] = {}                  # key -> {part: its rows}
+    names: dict[tuple[str, int], str] = {}
+    for name, shape in shapes:
+        key, i = engine_key(packed, name)
+        if key in engine and "lora_" not in name:
+            ours.setdefault(key, {})[i], names[key, i] = range(shape[0] if shape else 1), name
+    rows: dict[str, Tensor] = {}
+    for key, (_, theirs) in engine.items():
+        start = 0
+        for i, part in enumerate(parts_of(packed, key, ours.get(key, {}), len(theirs))):
+            rows[names[key, i]], start = theirs[start:start + len(part)], start + len(part)
+    return rows
 
 
 def adapter_rows(served: dict[str, Tensor] | None, params: Iterator[tuple[str, Tensor]]) -> tuple[int, int]:

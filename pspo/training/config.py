@@ -706,8 +706,6 @@ def validate_async(cfg: Config) -> None:
           r.dynamic_sampling)
     check(not r.sleep, "rollout.sleep", "false with rollout.mode=async (a sleeping engine cannot generate "
           "during the update)", r.sleep)
-    check(r.engine in ("auto", "hf"), "rollout.engine", "hf or auto with rollout.mode=async (the engine "
-          "processes run the transformers engine; vLLM in an engine process is not built yet)", r.engine)
     gpus = parse_ints(r.engine_gpus) if r.engine_gpus else ()
     check(not gpus or len(gpus) == r.engines, "rollout.engine_gpus", f"one CUDA index per engine "
           f"(rollout.engines={r.engines})", r.engine_gpus)

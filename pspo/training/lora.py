@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -40,18 +41,22 @@ def is_adapter(path: str) -> bool:
 def add_adapters(lm: torch.nn.Module, lora: LoraConfig):
     """Inject LoRA adapters into `lm` in place (peft); returns the PeftModel wrapping it. Only the
     adapters require grad; they are float32 whatever the base's dtype."""
-    from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=lora.targets, bias="none", task_type="CAUSAL_LM")
     try:
-        peft_model = get_peft_model(lm, config, autocast_adapter_dtype=True)
+        peft_model = get_peft_model(lm, peft_config(lora), autocast_adapter_dtype=True)
     except ValueError as e:                      # no module matches target_modules
         raise LoraError(f"model.lora.target_modules: {first_line(e, 200)}") from None
     for name, p in lm.named_parameters():        # float32 adapters also on a bf16 base
         if "lora_" in name and p.dtype != torch.float32:
             p.data = p.data.float()
     return peft_model
+
+
+def peft_config(lora: LoraConfig):
+    """model.lora as peft's LoraConfig (what add_adapters injects, what adapter_config.json holds)."""
+    from peft import LoraConfig as PeftLoraConfig
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=lora.targets, bias="none", task_type="CAUSAL_LM")
 
 
 def check_adapter_config(path: str, lora: LoraConfig) -> None:
@@ -99,6 +104,17 @@ def save_adapter(peft_model, state: dict[str, torch.Tensor], folder: str) -> Non
     # (huggingface_hub.file_exists) at every save: on every rank at every adapter sync, a network timeout
     # each time on an offline cluster.
     peft_model.save_pretrained(folder, state_dict=prefixed, save_embedding_layers=False)
+
+
+def write_adapter(folder: str, lora: LoraConfig, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """peft's adapter files without a peft model (an engine process holds none): model.lora's
+    adapter_config.json, and `tensors` ((name, tensor) as adapter_params yields them, e.g.
+    "model.layers.0.self_attn.q_proj.lora_A.default.weight") under the keys peft's save writes, which drop
+    the adapter's name ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
+    from safetensors.torch import save_file
+    peft_config(lora).save_pretrained(folder)
+    save_file({"base_model.model." + name.replace(".default.", "."): t.detach().cpu().contiguous()
+               for name, t in tensors}, os.path.join(folder, ADAPTER_WEIGHTS))
 
 
 @torch.no_grad()

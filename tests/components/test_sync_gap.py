@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from pspo.training.tokens import Rollout
-from pspo.engines.vllm_engine import SyncError, adapter_rows, row_sums, stale_engine, sync_gap, weight_rows
+from pspo.engines.process import stale_rows
+from pspo.engines.vllm_engine import (SyncError, adapter_rows, engine_rows, row_sums, stale_engine, sync_gap,
+                                      weight_rows)
 
 
 class FakeEngine:
@@ -92,6 +94,28 @@ def test_weight_rows_compare_fused_padded_and_rounded_weights():
     for delta, differ in ((2**-9, 0), (2**-7, 1)):
         stepped = dict(trainer, **{"model.layers.0.self_attn.k_proj.weight": torch.tensor([[1.0 + delta, -2.0]])})
         assert weight_rows(packed, engine, iter(stepped.items())) == (differ, 7)
+
+
+def test_engine_rows_cut_fused_weights_into_the_trainers_parts():
+    # an engine process answers its sums under the trainer's names: qkv_proj's 4 row sums are q's 2, then k's 1,
+    # then v's 1; the embedding's first 3 (the 4th is vLLM's padding); no tied head, no packed-away down_proj.
+    # Compared with the trainer's own sums (process.stale_rows) they give weight_rows's count: 0 of 7 rows
+    trainer = trainer_weights()
+    packed, engine = fake_engine(trainer)
+    qkv = engine["model.layers.0.self_attn.qkv_proj.weight"][1]
+    rows = engine_rows(packed, engine, [(n, tuple(t.shape)) for n, t in trainer.items()])
+    assert sorted(rows) == sorted(n for n in trainer if "down_proj" not in n and n != "lm_head.weight")
+    assert rows["model.layers.0.self_attn.q_proj.weight"].tolist() == qkv[:2].tolist()
+    assert rows["model.layers.0.self_attn.k_proj.weight"].tolist() == qkv[2:3].tolist()
+    assert rows["model.layers.0.self_attn.v_proj.weight"].tolist() == qkv[3:].tolist()
+    expected = {n: row_sums(t) for n, t in trainer.items()}
+    assert stale_rows(expected, rows) == (0, 7)
+    expected["model.layers.0.self_attn.k_proj.weight"] = row_sums(trainer["model.layers.0.self_attn.k_proj.weight"]
+                                                                  + torch.tensor([[0.0, 1e-6]]))
+    assert stale_rows(expected, rows) == (1, 7)                                # k's one row
+    del trainer["model.layers.0.self_attn.v_proj.weight"]                      # a fused weight missing a part
+    with pytest.raises(SyncError, match="qkv_proj.weight has no counterpart"):
+        engine_rows(packed, engine, [(n, tuple(t.shape)) for n, t in trainer.items()])
 
 
 def test_an_engine_weight_without_counterpart_cannot_be_checked():
