@@ -99,6 +99,9 @@ SAMPLES = "data/samples/open-rs.jsonl"
 RECIPE = ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens={GEN}", "--rollout.engine=hf")
 STEP = (f"--data.train={SAMPLES}", f"--rollout.max_new_tokens={STEP_GEN}")   # + step_time.TIMED on both sides
 
+ASYNC_VLLM = ("--rollout.engine=vllm", "--rollout.gpu_memory_utilization=0.3", "--rollout.is_correction=token")
+BASELINE = "-baseline"             # the async section's synchronous run: its folder's and metrics file's suffix
+
 SECTIONS = (
     Section("smoke", "a torch.compile'd function (inductor, Triton, the host compiler), the bf16 matmul rate on "
             "8192^3, the attention kernel sdpa picks", 40, True,
@@ -160,6 +163,13 @@ SECTIONS = (
             "at the default tolerance: weight sync s, engine gap, sync gap", 480, False, "", (QWEN15,),
             (PlanCase(f"{R15}/grpo.yaml", ("--data.train=data/samples/open-rs.jsonl", f"--rollout.max_new_tokens={GEN}",
                                            "--rollout.engine=vllm", "--rollout.sleep=true")),), ("vllm",) + TRAIN),
+    Section("async", "one step off on one GPU (docs/gpu.md \"One step off\"): the recipe step's workload (48 "
+            f"completions of {STEP_GEN} new tokens, token TIS) on vLLM at 0.3 of the GPU, 3 steps synchronous "
+            "(vLLM in process), then 3 steps with rollout.mode=async (a vLLM engine process sharing the GPU, lag 1, "
+            "a sync check at each version): step times side by side, the wait for generation, the engine's "
+            "generation and idle seconds, the weight transfer's seconds and bytes", 480, False,
+            "per run: start and the 1.5B's loads ~20 s, vLLM's start with its CUDA graphs ~60-90 s, 3 steps of "
+            "~10-20 s", (QWEN15,), (PlanCase(f"{R15}/grpo.yaml", STEP + ASYNC_VLLM),), ("vllm",) + TRAIN),
 )
 BY_NAME = {s.name: s for s in SECTIONS}
 DEFAULT = [s.name for s in SECTIONS if s.default]
@@ -204,10 +214,10 @@ def logged_steps(path: str) -> int:
 
 
 def train_child(ctx: Context, section: Section, config: str, model: Model, steps: int, *overrides: str,
-                gen: int = GEN) -> Child:
+                gen: int = GEN, tag: str = "") -> Child:
     """train.py on one process (no torchrun), ended once its last step is logged (the final checkpoint,
-    up to ~18 GB for the 1.5B, is not needed)."""
-    run = os.path.join(ctx.runs, section.name)
+    up to ~18 GB for the 1.5B, is not needed); its folder is the section's name + `tag`."""
+    run = os.path.join(ctx.runs, section.name + tag)
     gen = "16" if ctx.small else str(gen)
     argv = [ctx.python, "train.py", "--config", config, f"--model.name_or_path={ctx.model(model)}",
             f"--train.output_dir={run}", f"--rollout.max_new_tokens={gen}", "--train.save_steps=0",
@@ -266,6 +276,11 @@ def commands(section: Section, ctx: Context) -> list[Child]:
                 train_child(ctx, section, f"{R15}/grpo.yaml", QWEN15, 3, f"--data.train={SAMPLES}",
                             "--rollout.engine=vllm", "--rollout.sleep=true", "--rollout.is_correction=token",
                             "--rollout.sync_check_steps=1", "--optim.lr=1e-5")]
+    if section.name == "async":
+        both = (f"{R15}/grpo.yaml", QWEN15, 3, f"--data.train={SAMPLES}", *ASYNC_VLLM)
+        return [train_child(ctx, section, *both, gen=STEP_GEN, tag=BASELINE),
+                train_child(ctx, section, *both, "--rollout.mode=async", "--rollout.sync_check_steps=1",
+                            gen=STEP_GEN)]
     raise ValueError(section.name)
 
 
@@ -462,7 +477,8 @@ def read_metrics(path: str) -> list[dict]:
 
 STEP_KEYS = ("step_time_s", "gen_s", "reward_s", "advantages_s", "update_s", "sync_s", "peak_mem_gib",
              "peak_reserved_gib", "update_tokens_per_s", "gen_tokens_per_s", "mc_gen_s", "weight_sync_s",
-             "sync_gap_mean", "sync_gap_max", "engine_gap_mean", "engine_gap_max", "tis_weight_mean")
+             "sync_gap_mean", "sync_gap_max", "engine_gap_mean", "engine_gap_max", "tis_weight_mean",
+             "rollout_lag", "engine_gen_s", "engine_idle_s", "engine_load_s", "weight_sync_bytes", "sync_stale_rows")
 
 
 def figures(section: Section, ctx: Context) -> dict:
@@ -474,10 +490,17 @@ def figures(section: Section, ctx: Context) -> dict:
             raise ValueError(f"{section.name}.json holds a {type(found).__name__}, not an object")
         return found
     sync = read_json(os.path.join(ctx.out, f"{section.name}-sync.json"))
-    kept = os.path.join(ctx.out, f"{section.name}.metrics.jsonl")
-    rows = read_metrics(kept if os.path.isfile(kept) else os.path.join(ctx.runs, section.name, "metrics.jsonl"))
-    return {"steps": [{k: r[k] for k in STEP_KEYS if k in r} for r in rows if "step_time_s" in r],
-            "eval": [r for r in rows if "eval_accuracy" in r], **({"sync_check": sync} if sync else {})}
+
+    def rows(tag: str = "") -> list[dict]:
+        kept = os.path.join(ctx.out, f"{section.name}{tag}.metrics.jsonl")
+        return read_metrics(kept if os.path.isfile(kept) else os.path.join(ctx.runs, section.name + tag,
+                                                                            "metrics.jsonl"))
+
+    steps = lambda found: [{k: r[k] for k in STEP_KEYS if k in r} for r in found if "step_time_s" in r]  # noqa: E731
+    found = rows()
+    return {"steps": steps(found), "eval": [r for r in found if "eval_accuracy" in r],
+            **({"sync_check": sync} if sync else {}),
+            **({"baseline_steps": steps(rows(BASELINE))} if section.name == "async" else {})}
 
 
 def unreadable(e: Exception) -> str:
@@ -592,6 +615,19 @@ def key_figures(name: str, f: dict, summary: dict):
         if times and ours:
             yield ("train.py / TRL, last step each (goal <= 0.5)", f"{ours[-1]:.1f} / {times[-1]:.1f} = "
                    f"{ours[-1] / times[-1]:.2f}")
+    elif name == "async" and f:
+        ours, base = f.get("steps", []), f.get("baseline_steps", [])
+        for i in range(max(len(ours), len(base))):
+            a, b = (ours[i] if i < len(ours) else {}), (base[i] if i < len(base) else {})
+            yield (f"step {i + 1}: sync / async step s; async: wait for generation / engine generation / engine "
+                   "idle / weight staging / engine load s, MB staged, stale rows",
+                   f"{number(b.get('step_time_s'), '.1f')} / {number(a.get('step_time_s'), '.1f')}; "
+                   + " / ".join(number(a.get(k)) for k in ("gen_s", "engine_gen_s", "engine_idle_s", "weight_sync_s",
+                                                            "engine_load_s"))
+                   + f", {number((a.get('weight_sync_bytes') or 0) / 1e6, '.0f')}, {number(a.get('sync_stale_rows'), '.0f')}")
+        if ours and base and ours[-1].get("step_time_s") and base[-1].get("step_time_s"):
+            yield ("async / sync step s, last step each", f"{ours[-1]['step_time_s']:.1f} / "
+                   f"{base[-1]['step_time_s']:.1f} = {ours[-1]['step_time_s'] / base[-1]['step_time_s']:.2f}")
     elif f.get("steps") or f.get("sync_check"):
         if f.get("sync_check"):
             c = f["sync_check"]
@@ -707,10 +743,12 @@ def run_section(section: Section, ctx: Context, gpu_gib: float, limit: float, bu
         record["status"] = "interrupted (the check was stopped)"
         raise
     finally:
-        run = os.path.join(ctx.runs, section.name)
-        if os.path.isfile(os.path.join(run, "metrics.jsonl")):
-            shutil.copy(os.path.join(run, "metrics.jsonl"), os.path.join(ctx.out, f"{section.name}.metrics.jsonl"))
-        shutil.rmtree(run, ignore_errors=True)             # checkpoints of a 1.5B or 7B model fill a disk
+        for tag in ("", BASELINE):
+            run = os.path.join(ctx.runs, section.name + tag)
+            if os.path.isfile(os.path.join(run, "metrics.jsonl")):
+                shutil.copy(os.path.join(run, "metrics.jsonl"),
+                            os.path.join(ctx.out, f"{section.name}{tag}.metrics.jsonl"))
+            shutil.rmtree(run, ignore_errors=True)         # checkpoints of a 1.5B or 7B model fill a disk
         record["seconds"] = time.monotonic() - start
         try:
             record["figures"] = figures(section, ctx)

@@ -447,6 +447,28 @@ def test_the_summary_reads_what_the_sections_wrote(tmp_path):
     assert "- vLLM's ms per step: vLLM is not installed" in md
 
 
+def test_the_async_section_runs_sync_then_async_on_one_workload_and_sets_them_side_by_side(tmp_path):
+    ctx = gpu_check.Context(out=str(tmp_path), models="M", runs="R", small=False)
+    sync, one_off = (c.argv for c in gpu_check.commands(gpu_check.BY_NAME["async"], ctx))
+    assert "--train.output_dir=R/async-baseline" in sync and "--train.output_dir=R/async" in one_off
+    assert one_off[-3:-1] == ["--rollout.mode=async", "--rollout.sync_check_steps=1"]
+    assert [a for a in one_off if "output_dir" not in a and a not in one_off[-3:-1]] == \
+        [a for a in sync if "output_dir" not in a]                               # the same workload otherwise
+    assert "--rollout.engine=vllm" in sync and "--rollout.is_correction=token" in sync
+    (tmp_path / "async-baseline.metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "step_time_s": t, "gen_s": 5.0, "update_s": 4.0}) + "\n" for i, t in ((1, 60.0),
+                                                                                                    (2, 10.0))))
+    (tmp_path / "async.metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "step_time_s": t, "gen_s": 1.0, "engine_gen_s": 5.5, "engine_idle_s": 0.5,
+                    "weight_sync_s": 0.8, "engine_load_s": 0.4, "weight_sync_bytes": 3.09e9, "sync_stale_rows": 0.0,
+                    "rollout_lag": 1.0}) + "\n" for i, t in ((1, 70.0), (2, 7.0))))
+    ctx.summary = {"calls": [], "sections": {"async": {"status": "ok", "seconds": 200.0, "call": 0,
+                   "figures": gpu_check.figures(gpu_check.BY_NAME["async"], ctx)}}}
+    md = gpu_check.markdown(ctx.summary)
+    assert "| 10.0 / 7.0; 1.00 / 5.50 / 0.50 / 0.80 / 0.40, 3090, 0 |" in md
+    assert "| async / sync step s, last step each | 7.0 / 10.0 = 0.70 |" in md
+
+
 def test_calls_into_one_out_add_up_each_with_its_environment(tmp_path, monkeypatch):
     # a check split over two calls (two machines): the second call's summary keeps the first call's
     # sections and the environment they ran in; a section run again is replaced
