@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
@@ -49,9 +50,10 @@ from pspo.training.config import LoraConfig, error_line
 PR_SET_PDEATHSIG = 1           # prctl option, <linux/prctl.h>
 WAIT_TICK_S = 0.5              # seconds between two liveness checks of a waited-for engine
 STOP_GRACE_S = 5.0             # seconds a stopped engine may take to exit before it is killed
-# torchrun's variables: an engine is no rank of the trainer's process group (vLLM would read them as its own)
-LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                           "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"})
+# torchrun's variables (and every TORCHELASTIC_*): an engine is no rank of the trainer's process group (vLLM would
+# read them as its own)
+LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                           "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
 
 
 class EngineError(RuntimeError):
@@ -103,6 +105,15 @@ def recv(conn: Connection) -> object:
     return pickle.loads(conn.recv_bytes())
 
 
+def engine_env(environ: Mapping[str, str], *, threads: int, extra: dict[str, str] | None) -> dict[str, str]:
+    """An engine's environment: the trainer's less torchrun's variables, its thread count, no inductor compile
+    workers (no grandchild to outlive it), vLLM's engine in its own process, unbuffered output, and `extra`
+    (its CUDA_VISIBLE_DEVICES)."""
+    kept = {k: v for k, v in environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    return {**kept, "OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
 class EngineProcess:
     """The trainer's handle on one engine process (rank 0 holds them)."""
 
@@ -115,11 +126,9 @@ class EngineProcess:
         code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
                 f"os.getppid() == {os.getpid()} or os._exit(1); import sys; sys.path[:] = {sys.path!r}; "
                 f"from pspo.engines.process import engine_main; engine_main({child.fileno()}, {staging_fd})")
-        env_ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}     # not a rank of the trainer's group
-        child_env = {**env_, "OMP_NUM_THREADS": str(spec.threads), "TORCHINDUCTOR_COMPILE_THREADS": "1",
-                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(), staging_fd),
-                                     stdin=subprocess.DEVNULL, start_new_session=True, env=child_env)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env=engine_env(os.environ, threads=spec.threads, extra=env))
         child.close()
         self.pid, self.started = self.proc.pid, time.monotonic()
         send(self.conn, spec)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pspo.engines.hf_engine import HFEngine
-from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generate, stale_rows
+from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generate, engine_env, stale_rows
 from pspo.engines.sampling import sequence_seeds
 from pspo.engines.staging import StagingBuffer, layout, policy_shapes, row_sums, stage, total_bytes
 from pspo.engines.vllm_engine import full_params
@@ -32,6 +32,16 @@ def spec(path: str, kind: str = "hf") -> EngineSpec:
 def prompts(tok) -> list[list[int]]:
     return [tok(format_prompt(tok, ex.problem, ""), add_special_tokens=False)["input_ids"]
             for ex in builtin_arithmetic("test")[:4]]
+
+
+def test_an_engine_is_no_rank_of_the_trainers_group():
+    # under torchrun the trainer's environment names its rank and rendezvous: an engine (vLLM reads them as its
+    # own) gets none of them, its thread count, and its device
+    torchrun = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                "MASTER_PORT": "29500", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin"}
+    env = engine_env(torchrun, threads=3, extra={"CUDA_VISIBLE_DEVICES": "4"})
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "3", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "4"}
 
 
 @pytest.mark.slow
