@@ -15,7 +15,7 @@ AdamW step) -> engine sync -> log -> periodic eval -> periodic save. PSPO (§4) 
 With rollout.mode=async (§7b) engine processes generate one step off: once the sampler has observed step
 s, step s+1 is drawn and launched with θ_s (`Run.launch_next`), and the engines generate it while the
 trainer computes step s's advantages and update; the IS correction turns the lag into the decoupled
-objective. Sync and async run the same lines (rollout_schedule.py: LocalRollouts, EngineRollouts).
+objective. Sync and async run the same lines (engines/schedule.py: LocalRollouts, EngineRollouts).
 
 How this departs from TRL's GRPOTrainer, on purpose:
 - The loss is normalized over the whole optimizer step (every micro-batch and rank), so the
@@ -43,8 +43,8 @@ from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, check_prm_path, load_prm, prm_metrics
 from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty
 from pspo.engines.process import EngineError
+from pspo.engines.schedule import INFLIGHT, EngineRollouts, LocalRollouts, Sampling, engine_rollouts, pin_cores
 from pspo.rollout import CountingEngine, build_engine, compile_enabled, engine_name
-from pspo.rollout_schedule import INFLIGHT, EngineRollouts, LocalRollouts, Sampling, engine_rollouts, pin_cores
 from pspo.sampler import UniformSampler, build_sampler, check_prompts_per_step, sampler_metrics, sampler_mode
 from pspo.tasks.data import DataError, PromptSet, data_rows, prompt_sets
 from pspo.tasks.reward_pool import RewardPool, resolve_workers
@@ -310,10 +310,9 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     check_writable(out, "train.output_dir", folder=True)
     cores = pin_cores(r.engine_cores)                                       # async on CPU: the trainer's cores
     resume_from = checkpoint.resolve_resume(cfg, sampler_mode(cfg))        # its trainer state read, checked
-    engine = engine_name(r.engine)                                          # vLLM not installed: refused here
-    shares_gpu = engine if r.mode == "sync" or not r.engine_gpus else "hf"  # the plan: a shared GPU holds it
-    if r.mode == "async":                     # the engine processes run it; evaluation generates in process (hf)
-        engine = "hf"
+    kind = engine_name(r.engine)                                            # vLLM not installed: refused here
+    shares_gpu = kind if r.mode == "sync" or not r.engine_gpus else "hf"    # the plan: a shared GPU holds it
+    engine = "hf" if r.mode == "async" else kind    # async: the engine processes run kind; evaluation runs hf here
     rows = data_rows(cfg)                                                   # read, their golds checked
     check_prompts_per_step(cfg, len(rows[0].usable), cfg.data.train)
     check_prm_path(cfg)
@@ -355,10 +354,11 @@ def setup(cfg: Config, dist_: Dist) -> Run:
                         temperature=r.temperature, top_p=r.top_p, max_new_tokens=method.max_new_tokens)
     if r.mode == "async":                       # engine processes, one step off: started and ready, or refused
         rollouts = engine_rollouts(cfg, dist_, policy=policy, model_path=base_path, train_ids=train.ids,
-                                   sampling=sampling, counter=counter, max_len=max_prompt_len + r.max_new_tokens,
+                                   sampling=sampling, count=lambda rollout: counter.count(rollout, prefix=False),
+                                   kind=kind, max_len=max_prompt_len + r.max_new_tokens,
                                    cores=cores, compile=compile_enabled(r.compile, dist_.device), resumed=resume_from)
     else:
-        rollouts = LocalRollouts(counter, train.ids, sampling, dist_.rank, dist_.world_size)
+        rollouts = LocalRollouts(counter.generate, train.ids, sampling, dist_.rank, dist_.world_size)
     score = reward_scorer(cfg.reward, train, reward_pool, prm)
     B_local = cfg.train.prompts_per_step // dist_.world_size
     problems = [ex.problem for ex in train.examples]

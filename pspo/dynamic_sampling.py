@@ -60,13 +60,6 @@ class Draw:
         return slice(rank * share, (rank + 1) * share)
 
 
-def prompt_keys(round_: int, prompts: int, step_prompts: int, mine: slice) -> Tensor:
-    """This rank's prompt keys of a round (engines/sampling.py: sequence_seeds hashes them with the run's
-    seed and the step): round·B + position, for the round's `prompts` = P <= B = step_prompts positions,
-    so round 0's are the positions 0..B-1 as without dynamic sampling, and no two rounds share a key. (P/W,)"""
-    return round_ * step_prompts + torch.arange(prompts)[mine]
-
-
 def keep(informative: Tensor, need: list[int]) -> list[list[int]]:
     """One round's choice: the positions (in the round's (W·m,) groups, rank-major) each rank r keeps,
     its own share's groups with a spread, the first need[r] of them. informative (W·m,) bool."""

@@ -51,7 +51,7 @@ class CountingEngine:
         return out
 
     def count(self, out: Rollout, *, prefix: bool) -> None:
-        """Count a rollout: its own `generate`'s, or one that engine processes generated (rollout_schedule.py)."""
+        """Count a rollout: its own `generate`'s, or one that engine processes generated (engines/schedule.py)."""
         tokens, c = float(out.mask.sum()), self.counts
         if not prefix:
             c.rollout_tokens += tokens

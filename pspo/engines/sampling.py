@@ -44,6 +44,13 @@ def mix(x: Tensor) -> Tensor:
     return x ^ shr(x, 31)
 
 
+def prompt_keys(round_: int, prompts: int, step_prompts: int, mine: slice) -> Tensor:
+    """This rank's prompt keys of a round of a step (sequence_seeds hashes them with the run's seed and the
+    step): round·B + position, for the round's `prompts` = P <= B = step_prompts positions, so round 0's are
+    the positions 0..B-1, and no two rounds of DAPO's dynamic sampling (docs/methods.md §9) share a key. (P/W,)"""
+    return round_ * step_prompts + torch.arange(prompts)[mine]
+
+
 def sequence_seeds(seed: int, step: int, prompt_keys: Tensor, n: int) -> Tensor:
     """One int64 seed per completion: hash(seed, step, prompt key, sample index). (P,) -> (P*n,)"""
     base = mix(torch.tensor(seed, dtype=torch.int64) * GOLDEN + step)

@@ -684,7 +684,7 @@ ROLLOUT_MODES = ("sync", "async")
 
 def validate_async(cfg: Config) -> None:
     """rollout.mode=async (docs/methods.md §7b): its keys, and the settings it refuses, each saying why. The
-    devices (engine_gpus, engine_cores) are checked against the machine at start-up (rollout_schedule.py)."""
+    devices (engine_gpus, engine_cores) are checked against the machine at start-up (engines/schedule.py)."""
     r, a = cfg.rollout, cfg.algo.advantage
     check(r.mode in ROLLOUT_MODES, "rollout.mode", " | ".join(ROLLOUT_MODES), r.mode)
     check(r.lag in (0, 1), "rollout.lag", "0 or 1 (a fixed lag of one step; 0 runs the synchronous schedule "

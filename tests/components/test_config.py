@@ -240,9 +240,9 @@ def test_async_accepts_lag_0_without_a_correction():
 
 
 def test_async_devices_are_checked_against_the_machine_in_one_line():
-    # checked at start-up, before any engine starts or the model is read (rollout_schedule.py)
+    # checked at start-up, before any engine starts or the model is read (engines/schedule.py)
     import torch
-    from pspo.rollout_schedule import engine_rollouts, pin_cores
+    from pspo.engines.schedule import engine_rollouts, pin_cores
     from pspo.training.distributed import Dist
     allowed = sorted(os.sched_getaffinity(0))
     with pytest.raises(ConfigError, match=r"^rollout.engine_cores: expected cores among .* that leave the trainer "
@@ -256,6 +256,6 @@ def test_async_devices_are_checked_against_the_machine_in_one_line():
     message = ("rollout.engine_gpus: expected empty on a machine without CUDA, got '1'" if not torch.cuda.is_available()
                else "rollout.engine_gpus: expected indices >= 2 (GPUs 0..1 hold the trainer ranks), got '1'")
     with pytest.raises(ConfigError) as e:
-        engine_rollouts(cfg, dist_, policy=None, model_path="", train_ids=[], sampling=None, counter=None,
+        engine_rollouts(cfg, dist_, policy=None, model_path="", train_ids=[], sampling=None, count=None, kind="hf",
                         max_len=0, cores=(), compile=False, resumed=None)
     assert str(e.value) == message

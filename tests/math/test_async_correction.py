@@ -7,7 +7,7 @@ import torch
 from pspo.is_correction import correction_weights, mismatch_sums
 from pspo.loss import policy_loss, sequence_weights
 from pspo.methods import weigh
-from pspo.rollout_schedule import generating_version, rank_rows, split
+from pspo.engines.schedule import generating_version, rank_rows, split
 from pspo.training.config import RolloutConfig
 
 # One completion of 3 tokens, Â = +1, one iteration (ρ ≡ 1), aggregation grpo, C = 2, C_low = 0:

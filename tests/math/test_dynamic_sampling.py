@@ -5,7 +5,8 @@ the sampler observes every scored group. Hand-worked: each prompt's G = 2 reward
 import pytest
 import torch
 
-from pspo.dynamic_sampling import Draw, dynamic_sampling, keep, prompt_keys
+from pspo.dynamic_sampling import Draw, dynamic_sampling, keep
+from pspo.engines.sampling import prompt_keys
 from pspo.estimators import zero_variance
 from pspo.priority_sampler import PrioritySampler
 from pspo.rewards import RewardResult

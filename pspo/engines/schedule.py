@@ -24,17 +24,16 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pspo.dynamic_sampling import prompt_keys
 from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generate, stale_rows
-from pspo.engines.sampling import sequence_seeds
+from pspo.engines.sampling import prompt_keys, sequence_seeds
 from pspo.engines.staging import Layout, StagingBuffer, check_room, layout, policy_shapes, stage, total_bytes
 from pspo.engines.vllm_engine import SyncError, adapter_params, full_params
-from pspo.rollout import CountingEngine, engine_name
 from pspo.training.checkpoint import read_extra
 from pspo.training.config import Config, ConfigError, parse_ints
 from pspo.training import distributed
@@ -80,9 +79,10 @@ class LocalRollouts:
     """rollout.mode=sync: the in-process engine generates step s with θ_s when the loop takes it."""
     lag = 0
 
-    def __init__(self, engine: CountingEngine, train_ids: list[list[int]], sampling: Sampling, rank: int,
+    def __init__(self, generate: Callable[..., Rollout], train_ids: list[list[int]], sampling: Sampling, rank: int,
                  world: int):
-        self.engine, self.train_ids, self.s, self.rank, self.world = engine, train_ids, sampling, rank, world
+        """generate: the in-process engine's (the run's counted one, rollout.py: CountingEngine.generate)."""
+        self.generate, self.train_ids, self.s, self.rank, self.world = generate, train_ids, sampling, rank, world
         self.pending: tuple[int, int, Tensor] | None = None          # (step, round, indices) launched
 
     def launched(self, step: int) -> bool:
@@ -102,7 +102,7 @@ class LocalRollouts:
         mine, rows = rank_rows(indices, self.rank, self.world, s.G)
         keys = prompt_keys(round_, len(indices), s.step_prompts, mine)         # (P/W,) distinct in each round
         seeds = sequence_seeds(s.seed, step, keys, s.G)                        # (N,)
-        rollout = self.engine.generate([self.train_ids[i] for i in indices[mine].tolist()], s.G,
+        rollout = self.generate([self.train_ids[i] for i in indices[mine].tolist()], s.G,
                                        temperature=s.temperature, top_p=s.top_p,
                                        max_new_tokens=s.max_new_tokens, seeds=seeds)
         return Drawn(indices=indices, rows=rows, seeds=seeds, rollout=rollout)
@@ -130,10 +130,10 @@ class EngineRollouts:
     engines and the staging buffer; staging and `take` are collective."""
 
     def __init__(self, *, specs: list[EngineSpec], entries: Layout, policy: torch.nn.Module, lora: bool,
-                 train_ids: list[list[int]], sampling: Sampling, counter: CountingEngine, rank: int, world: int,
-                 lag: int, timeout_s: float, check_every: int, gpus: tuple[int, ...] = ()):
+                 train_ids: list[list[int]], sampling: Sampling, count: Callable[[Rollout], None], rank: int,
+                 world: int, lag: int, timeout_s: float, check_every: int, gpus: tuple[int, ...] = ()):
         self.entries, self.policy, self.lora, self.train_ids, self.s = entries, policy, lora, train_ids, sampling
-        self.counter, self.rank, self.world, self.lag, self.timeout_s = counter, rank, world, lag, timeout_s
+        self.count, self.rank, self.world, self.lag, self.timeout_s = count, rank, world, lag, timeout_s
         self.check_every = check_every
         self.engines: list[EngineProcess] = []
         self.buffer = StagingBuffer(total_bytes(entries)) if rank == 0 else None
@@ -263,7 +263,7 @@ class EngineRollouts:
         mine, rows = rank_rows(indices, self.rank, self.world, s.G)
         seeds = sequence_seeds(s.seed, step, torch.arange(len(indices))[mine], s.G)   # (N,) as in sync mode
         rollout, metrics = share
-        self.counter.count(rollout, prefix=False)
+        self.count(rollout)
         self._metrics.update(metrics, rollout_lag=float(step - generating_version(step, self.lag)))
         return Drawn(indices=indices, rows=rows, seeds=seeds, rollout=rollout)
 
@@ -345,11 +345,12 @@ def pin_cores(engine_cores: str) -> tuple[int, ...]:
 
 
 def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_path: str, train_ids: list[list[int]],
-                    sampling: Sampling, counter: CountingEngine, max_len: int, cores: tuple[int, ...],
-                    compile: bool, resumed: str | None) -> EngineRollouts:
+                    sampling: Sampling, count: Callable[[Rollout], None], kind: str, max_len: int,
+                    cores: tuple[int, ...], compile: bool, resumed: str | None) -> EngineRollouts:
     """rollout.mode=async: the staging buffer checked against /dev/shm (one line when too small), the engines
     started and waited for (EngineError: one line, before the run's folder is written), and a resumed
-    checkpoint's step in flight restored."""
+    checkpoint's step in flight restored. kind: the engines' ("hf" | "vllm", rollout.engine resolved); count:
+    counts a step's rollout as generated for training (rollout.py: CountingEngine.count)."""
     r, m = cfg.rollout, cfg.model
     gpus = parse_ints(r.engine_gpus) if r.engine_gpus else ()
     if gpus and not torch.cuda.is_available():
@@ -358,7 +359,7 @@ def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_
         W = dist_.world_size
         raise ConfigError(f"rollout.engine_gpus: expected indices >= {W} (GPUs 0..{W - 1} hold the trainer ranks), "
                           f"got {r.engine_gpus!r}")
-    lora, kind = m.lora.rank > 0, engine_name(r.engine)
+    lora = m.lora.rank > 0
     # staged in the engine's dtype, as its loader rounds: vLLM holds bf16 with model.bf16 on a GPU; the hf engine
     # and every adapter are float32
     half = kind == "vllm" and m.bf16 and torch.cuda.is_available() and not lora
@@ -371,7 +372,7 @@ def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_
                         seed=cfg.train.seed, gpu_memory_utilization=r.gpu_memory_utilization, threads=threads,
                         cores=cores) for _ in range(r.engines)]
     rollouts = EngineRollouts(specs=specs, entries=entries, policy=policy, lora=lora, train_ids=train_ids,
-                              sampling=sampling, counter=counter, rank=dist_.rank, world=dist_.world_size, lag=r.lag,
+                              sampling=sampling, count=count, rank=dist_.rank, world=dist_.world_size, lag=r.lag,
                               timeout_s=r.engine_timeout_s, check_every=r.sync_check_steps,
                               gpus=gpus)
     print0(startup_line(rollouts, kind, cores))
