@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow        # end to end: real runs of the loop and its
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.micro_batch_size=12",
-         "--data.eval=", "--train.progress=false", "--optim.lr=1e-3"]
+         "--data.eval=", "--train.progress=false", "--optim.lr=1e-3",
+         "--reward.workers=0"]                  # 32 completions scored in the trainer, no worker process to start
 LAG1 = ["--rollout.mode=async", "--rollout.is_correction=token", "--train.max_steps=3", "--train.save_steps=1",
         "--train.keep_checkpoints=0"]
 TIMING = re.compile(r"(_s|_per_s)$")
