@@ -1,10 +1,12 @@
 """End to end, rollout.mode=async (docs/methods.md §7b): the real loop with an hf engine process on the tiny
-model. Lag 0 reproduces the synchronous run exactly; at lag 1 a run stopped by SIGTERM exits 0 with its step in
-flight saved and no engine left, a run resumed from a checkpoint (its step in flight stored with it) logs exactly
-the metrics of an uninterrupted run and ends with its weights, 2 gloo ranks reproduce 1, the engine's log-probs
-are those of the previous step's weights, and a killed engine ends the run with one line and exit code 2. The
-runs do not evaluate: evaluation generates in the trainer's process in both modes (test_loop.py), and the
-weights themselves are compared."""
+model. Lag 0 reproduces the synchronous run exactly. At lag 1: a run stopped by SIGTERM exits 0 with no engine
+left, having logged the metrics and saved the checkpoint of an uninterrupted run of the same seed bit for bit,
+its step in flight included; a run resumed from a checkpoint logs exactly the metrics of the uninterrupted run
+and ends with its weights; 2 gloo ranks reproduce 1; the engine's log-probs are those of the previous step's
+weights; and a killed engine ends the run with one line and exit code 2. Every run in a process of its own is
+killed after a time limit, so a hang fails its test. The runs do not evaluate: evaluation generates in the
+trainer's process in both modes (test_loop.py), and the weights themselves are compared."""
+import contextlib
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -56,11 +59,20 @@ def assert_same(a: list[dict], b: list[dict], rel: float = 0.0, aside: tuple[str
         assert not differ, (ra["step"], differ)
 
 
-
-
-def start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+@contextlib.contextmanager
+def training(argv: list[str], limit_s: float = 300.0):
+    """train.py in a process of its own, its output piped; killed after limit_s (a hang fails the test instead
+    of stalling it) and on the way out."""
+    proc = subprocess.Popen([sys.executable, "train.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(limit_s, proc.kill)
+    watchdog.start()
+    try:
+        yield proc
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
 
 
 def read_until(proc: subprocess.Popen, pattern: str) -> re.Match:
@@ -120,15 +132,11 @@ def test_sigterm_saves_in_flight_then_resume_matches(tmp_path, tiny_model_path, 
     # step 1 when the signal comes before its check), saves it with the step launched after it (inflight.pt),
     # stops its engine and exits 0.
     out = str(tmp_path / "stopped")
-    proc = start(args(tiny_model_path, out, *LAG1))
-    try:
+    with training(args(tiny_model_path, out, *LAG1)) as proc:
         engine = int(read_until(proc, r"engines: 1 × hf \(pid (\d+)\)").group(1))
         read_until(proc, r"^saved .*checkpoint-1$")
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)                  # a hang fails here
-    finally:
-        proc.kill()
-        proc.wait()
+        stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
     stopped = re.search(r"SIGTERM received: stopped after step (\d+) with a checkpoint", stdout)
     assert stopped and int(stopped.group(1)) < 3, stdout[-2000:]         # 3: the signal came after the last step
@@ -191,16 +199,12 @@ def test_two_ranks_match_one(tmp_path, tiny_model_path, uninterrupted):
 
 
 def test_engine_killed_is_one_line_exit_2(tmp_path, tiny_model_path, gone):
-    proc = start(args(tiny_model_path, str(tmp_path / "run"), *LAG1))
-    try:
+    with training(args(tiny_model_path, str(tmp_path / "run"), *LAG1)) as proc:
         engine = int(read_until(proc, r"engines: 1 × hf \(pid (\d+)\)").group(1))
         os.kill(engine, signal.SIGKILL)
         start_s = time.monotonic()
         code = proc.wait(timeout=30)
         elapsed = time.monotonic() - start_s
-    finally:
-        proc.kill()
-        proc.wait()
     err = proc.stderr.read()
     assert code == 2 and elapsed < 5, (code, elapsed, err[-2000:])
     assert err.strip().splitlines()[-1] == (f"error: rollout.engines: engine 0 (pid {engine}) was killed by SIGKILL "
