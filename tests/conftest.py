@@ -255,6 +255,16 @@ def hub_offline(monkeypatch):
 SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted")
 
 
+def pytest_collection_finish(session):
+    """Under pytest-xdist a test's group must reach the scheduler in its node id ("...@vllm"); a pytest whose
+    node ids drop it would run every shared run and engine once per worker: refused, saying why."""
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost and os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
+        raise pytest.UsageError(f"pytest {pytest.__version__} drops pytest-xdist's groups from the node ids "
+                                f"({lost[0]}): install the pytest requirements.txt pins")
+
+
+@pytest.hookimpl(tryfirst=True)             # before pytest-xdist writes the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
     end; the tests sharing one vLLM engine or one run (a module fixture) on one worker (--dist

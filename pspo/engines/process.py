@@ -125,7 +125,8 @@ class EngineProcess:
         # PR_SET_PDEATHSIG first, before the seconds of imports; then the trainer must still be its parent
         code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
                 f"os.getppid() == {os.getpid()} or os._exit(1); import sys; sys.path[:] = {sys.path!r}; "
-                f"from pspo.engines.process import engine_main; engine_main({child.fileno()}, {staging_fd})")
+                f"from pspo.engines.process import engine_main; engine_main({child.fileno()}, {staging_fd}); "
+                "os._exit(0)")                  # no interpreter teardown (~1 s): nothing is left to flush
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(), staging_fd),
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      env=engine_env(os.environ, threads=spec.threads, extra=env))

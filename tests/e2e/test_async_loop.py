@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pspo.rollout_schedule import INFLIGHT
+from pspo.engines.schedule import INFLIGHT
 from pspo.training.checkpoint import state_digest
 from pspo.training.model import build_policy
 from pspo.training.tokens import batch_inputs
