@@ -237,6 +237,34 @@ def launch_train():
     return _launch_train
 
 
+def _one_thread(rank: int, fn, *args) -> None:
+    """A forked rank: one PyTorch thread, as torchrun gives each rank (OMP_NUM_THREADS=1), before anything
+    runs; a fork does not copy this process's OpenMP threads, and a parallel region over more than one
+    would wait on them forever."""
+    import torch
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def _forked_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """fn(rank, *args) on nprocs ranks as torch.multiprocessing.spawn runs them (a rank's error is raised here),
+    in processes forked from this one: a rank starts with this process's imports instead of a fresh
+    interpreter's (torch, transformers, the test module: ~5 s a rank). Spawned where this process holds a
+    process group (vLLM's world of one, from an earlier test), which a forked rank would inherit."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if dist.is_available() and dist.is_initialized():
+        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+    else:
+        mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, start_method="fork")
+
+
+@pytest.fixture(scope="session")
+def forked_ranks():
+    """`forked_ranks(fn, args, nprocs=2)`: fn(rank, *args) on nprocs forked ranks (see _forked_ranks)."""
+    return _forked_ranks
+
+
 @pytest.fixture
 def hub_offline(monkeypatch):
     """The Hugging Face hub in offline mode for an in-process run, as HF_HUB_OFFLINE=1 makes it for a
