@@ -280,13 +280,15 @@ def hub_offline(monkeypatch):
 
 
 # module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
-SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted")
+SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "commands")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
     end; the tests sharing one vLLM engine or one run (a module fixture) on one worker (--dist
-    loadgroup)."""
+    loadgroup). First of the plugins' hooks: xdist's (in each worker) turns the group marks into the
+    test ids its scheduler groups by, and sees only the marks made before it."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
@@ -295,3 +297,15 @@ def pytest_collection_modifyitems(config, items):
             for name in SHARED_RUNS:
                 if name in getattr(item, "fixturenames", ()):
                     item.add_marker(pytest.mark.xdist_group(name))
+    if getattr(config.option, "loadgroup", False):          # an xdist worker under --dist loadgroup
+        for item in items:
+            _group_in_the_id(item)
+
+
+def _group_in_the_id(item) -> None:
+    """"id@group" for a test marked xdist_group, the id xdist's scheduler groups by. xdist (3.8) writes it
+    into item._nodeid, which pytest 9 no longer reads (a test's id is its item._id): without this the
+    marks are ignored, and each worker that draws a test of a group builds what the group shares."""
+    groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+        item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
