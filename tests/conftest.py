@@ -16,6 +16,7 @@ import functools
 import gc
 import importlib
 import io
+import json
 import os
 import random
 import signal
@@ -220,6 +221,95 @@ def run_main():
     return _run_main
 
 
+# ---- commands forked from one interpreter ----
+
+def folder_digest(path: str) -> str:
+    """sha256 of every file (relative path and bytes) and every folder under `path`: what a refused run
+    must leave as it was."""
+    import hashlib
+    digest = hashlib.sha256()
+    for root, subdirs, names in sorted(os.walk(path)):
+        for name in sorted(subdirs) + sorted(names):
+            full = os.path.join(root, name)
+            digest.update(os.path.relpath(full, path).encode() + b"\0")
+            if os.path.isfile(full):
+                with open(full, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
+def run_commands(commands_file: str, results_file: str, watch: str = "") -> None:
+    """Each command of `commands_file` (JSON: [program, argv] pairs) in a process of its own, from the
+    repository root, as `python train.py argv` (program "train"), `python eval.py argv` ("eval") or
+    `python -c program argv` (any other program: Python code) would run it: forked from this process,
+    which imported the scripts (and datasets) once, with its stdout and stderr in files. `results_file`
+    gets each one's exit code, stdout and stderr, and, with `watch`, folder_digest(watch) after it. Run
+    in an interpreter of its own (forked_commands)."""
+    import runpy
+    import tempfile
+    import datasets  # noqa: F401 - what reading a data file imports, once
+    for script in ("train", "eval"):
+        importlib.import_module(script)
+    with open(commands_file) as f:
+        commands = json.load(f)
+    results = []
+    for program, argv in commands:
+        out, err = (tempfile.TemporaryFile() for _ in range(2))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:                                               # the command, as python would run it
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            script = program in ("train", "eval")
+            sys.argv = [f"{program}.py" if script else "-c", *argv]
+            code = 0
+            try:
+                if script:
+                    runpy.run_path(f"{program}.py", run_name="__main__")
+                else:
+                    exec(compile(program, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:                                  # noqa: BLE001 - a traceback, as python shows it
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        streams = []
+        for stream in (out, err):
+            stream.seek(0)
+            streams.append(stream.read().decode(errors="replace"))
+        results.append({"exit": os.waitstatus_to_exitcode(status), "stdout": streams[0], "stderr": streams[1],
+                        **({"watched": folder_digest(watch)} if watch else {})})
+    with open(results_file, "w") as f:
+        json.dump(results, f)
+
+
+def _forked_commands(commands: list, folder: str, env: dict | None = None, watch: str = "") -> list[dict]:
+    """run_commands on these [program, argv] pairs in a fresh interpreter (its files in `folder`), which
+    must exit 0: [{"exit", "stdout", "stderr"(, "watched")}], one per command. A command pays its own
+    work, not the ~7 s of importing torch and transformers a `python train.py` pays."""
+    commands_file, results_file = os.path.join(folder, "commands.json"), os.path.join(folder, "results.json")
+    with open(commands_file, "w") as f:
+        json.dump(commands, f)
+    driver = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+              "import conftest; conftest.run_commands(*sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", driver, commands_file, results_file, watch], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(results_file) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def forked_commands():
+    """`forked_commands(commands, folder, env=None, watch="")`: see _forked_commands."""
+    return _forked_commands
+
+
 def _launch_train(args: list[str], nproc: int = 1):
     """train.py with these arguments: in this process (`_run_main`; a user mistake raises its error)
     or, nproc > 1, under torchrun, which must exit 0."""
@@ -280,7 +370,7 @@ def hub_offline(monkeypatch):
 
 
 # module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
-SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "commands")
+SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "commands", "refused")
 
 
 @pytest.hookimpl(tryfirst=True)
