@@ -370,7 +370,7 @@ def hub_offline(monkeypatch):
 
 
 # module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
-SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "commands", "refused")
+SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "commands", "refused", "plan_commands")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -3,8 +3,6 @@ against what PyTorch really saves / allocates on CPU, the `--plan` command and t
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -243,14 +241,24 @@ def test_vllm_share_too_small_to_start():
     assert p.blocker and not p.fits
 
 
-def run_plan(*args: str, home: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": home, "HF_HUB_OFFLINE": "1"}      # empty cache: nothing to find or download
-    return subprocess.run([sys.executable, "train.py", "--config", RECIPE, "--plan", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def plan_commands(tmp_path_factory, forked_commands) -> tuple[dict[str, dict], str]:
+    """`python train.py --config RECIPE --plan ...` as a user types it, for each case below (conftest's
+    run_commands: processes forked from one interpreter), with an empty Hugging Face cache (nothing to
+    find or download): ({case: its exit code, stdout and stderr}, the output folder the recipe's plan names)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    out = str(tmp / "run")
+    cases = {"recipe": ["--gpu_gib=1", f"--train.output_dir={out}"],
+             "bad path": ["--model.name_or_path=/no/such/model"],
+             "70B": ["--model.name_or_path=meta-llama/Llama-3.1-70B"]}
+    env = {**os.environ, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1"}
+    results = forked_commands([["train", ["--config", RECIPE, "--plan", *args]] for args in cases.values()],
+                              str(tmp), env=env)
+    return dict(zip(cases, results)), out
 
 
 @pytest.mark.slow
-def test_plan_cli_on_the_recipe(tmp_path):
+def test_plan_cli_on_the_recipe(tmp_path, plan_commands):
     out = tmp_path / "run"
     text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"],
                          resolve=resolve_model_path)
@@ -258,27 +266,29 @@ def test_plan_cli_on_the_recipe(tmp_path):
                 "model.gradient_checkpointing auto -> ", "largest token budget that fits"):
         assert row in text
     assert "verdict: peak" in text and "fits" in text and "does not fit" not in text
-    proc = run_plan("--gpu_gib=1", f"--train.output_dir={out}", home=str(tmp_path / "hf"))
-    assert proc.returncode == 0, proc.stderr
-    assert "verdict:" in proc.stdout and "does not fit" in proc.stdout
     assert not out.exists()                                             # a plan writes nothing
+    results, out = plan_commands
+    proc = results["recipe"]
+    assert proc["exit"] == 0, proc["stderr"]
+    assert "verdict:" in proc["stdout"] and "does not fit" in proc["stdout"]
+    assert not os.path.exists(out)
 
 
 @pytest.mark.slow
-def test_plan_cli_bad_model_path(tmp_path):
-    proc = run_plan("--model.name_or_path=/no/such/model", home=str(tmp_path))
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
+def test_plan_cli_bad_model_path(plan_commands):
+    proc = plan_commands[0]["bad path"]
+    lines = [line for line in (proc["stdout"] + proc["stderr"]).splitlines() if line.strip()]
+    assert proc["exit"] == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
 
 
 @pytest.mark.slow
-def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(tmp_path):
+def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(plan_commands):
     # The recipe folder's model_config.json describes Qwen2.5-Math-1.5B only: a 70B model that is
     # not in the local cache must not be planned (and declared to fit) with the 1.5B architecture.
-    proc = run_plan("--model.name_or_path=meta-llama/Llama-3.1-70B", home=str(tmp_path))
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "meta-llama/Llama-3.1-70B" in lines[0], lines
-    assert "fits" not in proc.stdout
+    proc = plan_commands[0]["70B"]
+    lines = [line for line in proc["stderr"].splitlines() if line.strip()]
+    assert proc["exit"] == 2 and len(lines) == 1 and "meta-llama/Llama-3.1-70B" in lines[0], lines
+    assert "fits" not in proc["stdout"]
 
 
 def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
