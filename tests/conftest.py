@@ -9,7 +9,10 @@ End-to-end tests run train.py and eval.py in the test's own process through `run
 about 5 s less per run than a fresh interpreter, which re-imports torch and transformers. What
 needs a process of its own stays a subprocess: torchrun and other multi-process runs, a signal
 sent to a run, a hard kill, a fresh interpreter's imports, vLLM (its state is per process), and
-the exit code and stderr line of a user mistake (one test per way out of a script)."""
+the exit code and stderr line of a user mistake (one test per way out of a script). Where many
+commands need only their exit code and output, they fork from one interpreter that imported the
+scripts once (`forked_commands`); two-rank checks of a function fork their ranks from the test's
+process (`forked_ranks`)."""
 import contextlib
 import dataclasses
 import functools
