@@ -202,7 +202,7 @@ def step_workload(ctx: Context) -> Workload:
     """The recipe step's workload, which train.py (`recipe`) and TRL (`trl`) both run."""
     overrides = [f"--model.name_or_path={ctx.model(QWEN15)}", *STEP]
     if ctx.small:
-        overrides += ["--train.prompts_per_step=2", "--rollout.max_new_tokens=16"]
+        overrides += ["--train.prompts_per_step=2", "--rollout.num_generations=2", "--rollout.max_new_tokens=16"]
     if not ctx.packing:
         overrides.append("--train.packing=false")
     return Workload(config=f"{R15}/grpo.yaml", overrides=tuple(overrides), steps=2)
@@ -237,7 +237,7 @@ def commands(section: Section, ctx: Context) -> list[Child]:
         return [Child([py, "bench/attention_numerics.py", "--model", ctx.model(QWEN15), "--bf16", *shape,
                        "--json", j()])]
     if section.name == "update":
-        shape = (["--sequences", "6", "--max-completion", "64", "--max-prompt", "32", "--budget", "512"] if small
+        shape = (["--sequences", "3", "--max-completion", "32", "--max-prompt", "16", "--budget", "256"] if small
                  else ["--sequences", "48", "--max-completion", "3584", "--max-prompt", "512",
                        "--budget", str(recipe_budget())])
         shape += ["--warmup", "1", "--reps", "1"]

@@ -9,13 +9,17 @@ End-to-end tests run train.py and eval.py in the test's own process through `run
 about 5 s less per run than a fresh interpreter, which re-imports torch and transformers. What
 needs a process of its own stays a subprocess: torchrun and other multi-process runs, a signal
 sent to a run, a hard kill, a fresh interpreter's imports, vLLM (its state is per process), and
-the exit code and stderr line of a user mistake (one test per way out of a script)."""
+the exit code and stderr line of a user mistake (one test per way out of a script). Where many
+commands need only their exit code and output, they fork from one interpreter that imported the
+scripts once (`forked_commands`); two-rank checks of a function fork their ranks from the test's
+process (`forked_ranks`)."""
 import contextlib
 import dataclasses
 import functools
 import gc
 import importlib
 import io
+import json
 import os
 import random
 import signal
@@ -220,6 +224,95 @@ def run_main():
     return _run_main
 
 
+# ---- commands forked from one interpreter ----
+
+def folder_digest(path: str) -> str:
+    """sha256 of every file (relative path and bytes) and every folder under `path`: what a refused run
+    must leave as it was."""
+    import hashlib
+    digest = hashlib.sha256()
+    for root, subdirs, names in sorted(os.walk(path)):
+        for name in sorted(subdirs) + sorted(names):
+            full = os.path.join(root, name)
+            digest.update(os.path.relpath(full, path).encode() + b"\0")
+            if os.path.isfile(full):
+                with open(full, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()
+
+
+def run_commands(commands_file: str, results_file: str, watch: str = "") -> None:
+    """Each command of `commands_file` (JSON: [program, argv] pairs) in a process of its own, from the
+    repository root, as `python train.py argv` (program "train"), `python eval.py argv` ("eval") or
+    `python -c program argv` (any other program: Python code) would run it: forked from this process,
+    which imported the scripts (and datasets) once, with its stdout and stderr in files. `results_file`
+    gets each one's exit code, stdout and stderr, and, with `watch`, folder_digest(watch) after it. Run
+    in an interpreter of its own (forked_commands)."""
+    import runpy
+    import tempfile
+    import datasets  # noqa: F401 - what reading a data file imports, once
+    for script in ("train", "eval"):
+        importlib.import_module(script)
+    with open(commands_file) as f:
+        commands = json.load(f)
+    results = []
+    for program, argv in commands:
+        out, err = (tempfile.TemporaryFile() for _ in range(2))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:                                               # the command, as python would run it
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            script = program in ("train", "eval")
+            sys.argv = [f"{program}.py" if script else "-c", *argv]
+            code = 0
+            try:
+                if script:
+                    runpy.run_path(f"{program}.py", run_name="__main__")
+                else:
+                    exec(compile(program, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except BaseException:                                  # noqa: BLE001 - a traceback, as python shows it
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        streams = []
+        for stream in (out, err):
+            stream.seek(0)
+            streams.append(stream.read().decode(errors="replace"))
+        results.append({"exit": os.waitstatus_to_exitcode(status), "stdout": streams[0], "stderr": streams[1],
+                        **({"watched": folder_digest(watch)} if watch else {})})
+    with open(results_file, "w") as f:
+        json.dump(results, f)
+
+
+def _forked_commands(commands: list, folder: str, env: dict | None = None, watch: str = "") -> list[dict]:
+    """run_commands on these [program, argv] pairs in a fresh interpreter (its files in `folder`), which
+    must exit 0: [{"exit", "stdout", "stderr"(, "watched")}], one per command. A command pays its own
+    work, not the ~7 s of importing torch and transformers a `python train.py` pays."""
+    commands_file, results_file = os.path.join(folder, "commands.json"), os.path.join(folder, "results.json")
+    with open(commands_file, "w") as f:
+        json.dump(commands, f)
+    driver = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+              "import conftest; conftest.run_commands(*sys.argv[1:])")
+    proc = subprocess.run([sys.executable, "-c", driver, commands_file, results_file, watch], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(results_file) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def forked_commands():
+    """`forked_commands(commands, folder, env=None, watch="")`: see _forked_commands."""
+    return _forked_commands
+
+
 def _launch_train(args: list[str], nproc: int = 1):
     """train.py with these arguments: in this process (`_run_main`; a user mistake raises its error)
     or, nproc > 1, under torchrun, which must exit 0."""
@@ -237,6 +330,34 @@ def launch_train():
     return _launch_train
 
 
+def _one_thread(rank: int, fn, *args) -> None:
+    """A forked rank: one PyTorch thread, as torchrun gives each rank (OMP_NUM_THREADS=1), before anything
+    runs; a fork does not copy this process's OpenMP threads, and a parallel region over more than one
+    would wait on them forever."""
+    import torch
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def _forked_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """fn(rank, *args) on nprocs ranks as torch.multiprocessing.spawn runs them (a rank's error is raised here),
+    in processes forked from this one: a rank starts with this process's imports instead of a fresh
+    interpreter's (torch, transformers, the test module: ~5 s a rank). Spawned where this process holds a
+    process group (vLLM's world of one, from an earlier test), which a forked rank would inherit."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if dist.is_available() and dist.is_initialized():
+        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+    else:
+        mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, start_method="fork")
+
+
+@pytest.fixture(scope="session")
+def forked_ranks():
+    """`forked_ranks(fn, args, nprocs=2)`: fn(rank, *args) on nprocs forked ranks (see _forked_ranks)."""
+    return _forked_ranks
+
+
 @pytest.fixture
 def hub_offline(monkeypatch):
     """The Hugging Face hub in offline mode for an in-process run, as HF_HUB_OFFLINE=1 makes it for a
@@ -252,7 +373,7 @@ def hub_offline(monkeypatch):
 
 
 # module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
-SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted")
+SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "commands", "refused", "plan_commands")
 
 
 def pytest_collection_finish(session):
@@ -268,7 +389,8 @@ def pytest_collection_finish(session):
 def pytest_collection_modifyitems(config, items):
     """The slow tests first, so that under pytest-xdist no worker is left with a long one at the
     end; the tests sharing one vLLM engine or one run (a module fixture) on one worker (--dist
-    loadgroup)."""
+    loadgroup). First of the plugins' hooks: xdist's (in each worker) turns the group marks into the
+    test ids its scheduler groups by, and sees only the marks made before it."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)      # stable: file order kept
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:

@@ -327,12 +327,12 @@ def test_a_decode_child_killed_after_its_first_engine_leaves_that_engines_figure
 
 @pytest.mark.slow
 def test_an_update_child_killed_at_the_eager_comparison_leaves_the_defaults_figures(tmp_path, monkeypatch):
-    # bench/micro_batches.py at the check's small shape (6 sequences on a random 8 x 512 Qwen2, one packed
+    # bench/micro_batches.py at the check's small shape (3 sequences on a random 8 x 512 Qwen2, one packed
     # micro-batch): an untimed update, the timed one with the defaults, then the child dies as the eager
     # layers go in for the comparison. The defaults' update is in the summary.
     patch = "bench.eager_layers = lambda policy: os.kill(os.getpid(), signal.SIGKILL)"
     out = str(tmp_path / "update.json")
-    argv = ["--sequences", "6", "--max-completion", "64", "--max-prompt", "32", "--budget", "512", "--warmup", "1",
+    argv = ["--sequences", "3", "--max-completion", "32", "--max-prompt", "16", "--budget", "256", "--warmup", "1",
             "--reps", "1", "--modes", "packed", "--against-eager", "--json", out]
     ctx = small_context(tmp_path, monkeypatch, {"update": killed_child(tmp_path, "micro_batches", patch, argv)})
     gpu_check.run_section(gpu_check.BY_NAME["update"], ctx, 79.2, 120, None)
@@ -341,7 +341,7 @@ def test_an_update_child_killed_at_the_eager_comparison_leaves_the_defaults_figu
     figures = section["figures"]
     assert figures["modes"]["packed"]["update_s"] > 0 and figures["modes"]["packed"]["micro_batches"] == 1
     assert figures["against_eager"] is None and figures["warmup"] == 1
-    assert "packed, budget 512, checkpointing none" in (tmp_path / "summary.md").read_text()
+    assert "packed, budget 256, checkpointing none" in (tmp_path / "summary.md").read_text()
 
 
 def test_figures_of_an_unexpected_shape_are_said_and_the_next_section_runs(tmp_path, monkeypatch):

@@ -133,12 +133,11 @@ def _update_on_rank(rank, init_file, path, batch, out_dir):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path, tmp_path):
-    import torch.multiprocessing as mp
+def test_two_ranks_with_unequal_micro_batch_counts_step_together(tiny_model_path, tmp_path, forked_ranks):
     batch = rollout_batch(tiny_model_path)
     for i in range(6):                                     # rank 0's rows: 1-token completions -> few micro-batches
         batch[2].mask[i, 1:] = 0
-    mp.spawn(_update_on_rank, args=(str(tmp_path / "init"), tiny_model_path, batch, str(tmp_path)), nprocs=2)
+    forked_ranks(_update_on_rank, (str(tmp_path / "init"), tiny_model_path, batch, str(tmp_path)))
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert r0["spares"][0] > 0 and r1["spares"][0] == 0    # rank 0 ran spare micro-batches to match rank 1
     # the same update as one process with fixed micro-batches over all 12 rows
@@ -221,12 +220,11 @@ def _bf16_forward_on_rank(rank, init_file, path, out_dir):
 
 
 @pytest.mark.slow
-def test_fsdp_mixed_precision_computes_in_bf16_over_float32_shards(tiny_model_path, tmp_path):
+def test_fsdp_mixed_precision_computes_in_bf16_over_float32_shards(tiny_model_path, tmp_path, forked_ranks):
     # model.bf16 on 2 ranks: FSDP2's MixedPrecisionPolicy all-gathers the float32 shards as bf16 for the
     # forward (a decoder layer's weights are bf16 while it runs), while the shards and their gradients
     # (reduce-scattered in float32) stay float32 for AdamW; the log-probs are float32.
-    import torch.multiprocessing as mp
-    mp.spawn(_bf16_forward_on_rank, args=(str(tmp_path / "init"), tiny_model_path, str(tmp_path)), nprocs=2)
+    forked_ranks(_bf16_forward_on_rank, (str(tmp_path / "init"), tiny_model_path, str(tmp_path)))
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["compute"] == ["torch.bfloat16"], got

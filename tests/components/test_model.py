@@ -286,12 +286,11 @@ def _compiled_fsdp_step_on_rank(rank, init_file, path, out_dir):
 
 
 @pytest.mark.slow
-def test_compiled_layers_under_fsdp2_step_like_one_eager_process(tiny_model_path, tmp_path):
+def test_compiled_layers_under_fsdp2_step_like_one_eager_process(tiny_model_path, tmp_path, forked_ranks):
     # compile each decoder layer, then fully_shard it (torchtitan's order): two gloo ranks, each with half
     # of 8 packed sequences, take the step one eager unsharded process takes on all 8 (gradients averaged)
-    import torch.multiprocessing as mp
     from pspo.training.model import build_policy
-    mp.spawn(_compiled_fsdp_step_on_rank, args=(str(tmp_path / "init"), tiny_model_path, str(tmp_path)), nprocs=2)
+    forked_ranks(_compiled_fsdp_step_on_rank, (str(tmp_path / "init"), tiny_model_path, str(tmp_path)))
     policy = build_policy(tiny_model_path, chunk_tokens=64).train()
     before = {k: v.clone() for k, v in policy.lm.state_dict().items()}
     _half_loss_gradient_step(policy, slice(None), seed=7)

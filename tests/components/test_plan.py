@@ -3,8 +3,6 @@ against what PyTorch really saves / allocates on CPU, the `--plan` command and t
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -243,14 +241,24 @@ def test_vllm_share_too_small_to_start():
     assert p.blocker and not p.fits
 
 
-def run_plan(*args: str, home: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": home, "HF_HUB_OFFLINE": "1"}      # empty cache: nothing to find or download
-    return subprocess.run([sys.executable, "train.py", "--config", RECIPE, "--plan", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def plan_commands(tmp_path_factory, forked_commands) -> tuple[dict[str, dict], str]:
+    """`python train.py --config RECIPE --plan ...` as a user types it, for each case below (conftest's
+    run_commands: processes forked from one interpreter), with an empty Hugging Face cache (nothing to
+    find or download): ({case: its exit code, stdout and stderr}, the output folder the recipe's plan names)."""
+    tmp = tmp_path_factory.mktemp("plan")
+    out = str(tmp / "run")
+    cases = {"recipe": ["--gpu_gib=1", f"--train.output_dir={out}"],
+             "bad path": ["--model.name_or_path=/no/such/model"],
+             "70B": ["--model.name_or_path=meta-llama/Llama-3.1-70B"]}
+    env = {**os.environ, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1"}
+    results = forked_commands([["train", ["--config", RECIPE, "--plan", *args]] for args in cases.values()],
+                              str(tmp), env=env)
+    return dict(zip(cases, results)), out
 
 
 @pytest.mark.slow
-def test_plan_cli_on_the_recipe(tmp_path):
+def test_plan_cli_on_the_recipe(tmp_path, plan_commands):
     out = tmp_path / "run"
     text = plan.plan_cli(["--config", RECIPE, "--plan", f"--train.output_dir={out}"],
                          resolve=resolve_model_path)
@@ -258,27 +266,29 @@ def test_plan_cli_on_the_recipe(tmp_path):
                 "model.gradient_checkpointing auto -> ", "largest token budget that fits"):
         assert row in text
     assert "verdict: peak" in text and "fits" in text and "does not fit" not in text
-    proc = run_plan("--gpu_gib=1", f"--train.output_dir={out}", home=str(tmp_path / "hf"))
-    assert proc.returncode == 0, proc.stderr
-    assert "verdict:" in proc.stdout and "does not fit" in proc.stdout
     assert not out.exists()                                             # a plan writes nothing
+    results, out = plan_commands
+    proc = results["recipe"]
+    assert proc["exit"] == 0, proc["stderr"]
+    assert "verdict:" in proc["stdout"] and "does not fit" in proc["stdout"]
+    assert not os.path.exists(out)
 
 
 @pytest.mark.slow
-def test_plan_cli_bad_model_path(tmp_path):
-    proc = run_plan("--model.name_or_path=/no/such/model", home=str(tmp_path))
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
+def test_plan_cli_bad_model_path(plan_commands):
+    proc = plan_commands[0]["bad path"]
+    lines = [line for line in (proc["stdout"] + proc["stderr"]).splitlines() if line.strip()]
+    assert proc["exit"] == 2 and len(lines) == 1 and "model.name_or_path" in lines[0], lines
 
 
 @pytest.mark.slow
-def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(tmp_path):
+def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(plan_commands):
     # The recipe folder's model_config.json describes Qwen2.5-Math-1.5B only: a 70B model that is
     # not in the local cache must not be planned (and declared to fit) with the 1.5B architecture.
-    proc = run_plan("--model.name_or_path=meta-llama/Llama-3.1-70B", home=str(tmp_path))
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "meta-llama/Llama-3.1-70B" in lines[0], lines
-    assert "fits" not in proc.stdout
+    proc = plan_commands[0]["70B"]
+    lines = [line for line in proc["stderr"].splitlines() if line.strip()]
+    assert proc["exit"] == 2 and len(lines) == 1 and "meta-llama/Llama-3.1-70B" in lines[0], lines
+    assert "fits" not in proc["stdout"]
 
 
 def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
@@ -522,7 +532,9 @@ def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equa
     # plus the tracker's peak. Vocab 1000: a layer's backward peaks; 65536 (tied): the embedding's backward
     # (3 x 384 MiB vocab x hidden gradients at once). Skewed lengths: one micro-batch of 951 tokens, which
     # starts without gradients. Measured on a 2-core x86 CPU: the plan 1.003-1.056 x what was alive, in every
-    # mode; two cases run here (each mode's per-layer bytes are checked against saved tensors above).
+    # mode; two cases run here (each mode's per-layer bytes are checked against saved tensors above). The AdamW
+    # state (and whatever a first update makes once) comes from an update of 4 x 8 tokens, which measured the
+    # same peak to the byte as a first update of the whole batch, for a fifth of its time.
     config = real_width_config(2, vocab)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
@@ -533,7 +545,10 @@ def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equa
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batch = UpdateBatch(ids, attention, mask, mask, torch.randn(4, 1).expand(4, 256).contiguous())
-    policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, torch.device("cpu")))     # AdamW state
+    short_attention, short_mask = torch.zeros_like(attention), torch.zeros_like(mask)
+    short_attention[:, 252:260], short_mask[:, :4] = 1, 1                  # 4 prompt + 4 completion tokens a row
+    short = UpdateBatch(ids, short_attention, short_mask, short_mask, batch.advantages)
+    policy_update(policy, optimizer, scheduler, short, cfg, Dist(0, 1, torch.device("cpu")))     # AdamW state
     with LiveBytes() as live:
         policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, torch.device("cpu")))
     a = plan.arch_from_config(config)

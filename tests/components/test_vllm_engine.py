@@ -142,7 +142,20 @@ def test_tied_embeddings_sync(tmp_path):
     assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
 
 
-def test_training_stops_when_the_sync_does_not_reach_the_engine(tmp_path, tiny_model_path):
+@pytest.fixture(scope="module")
+def synced_run(tiny_model_path, tmp_path_factory) -> list[dict]:
+    """The metrics of one train.py run with the vLLM engine, 2 steps, read by two tests (a vLLM process's
+    start costs ~20 s): the weight sync checked after step 1 and every 2 steps, under weight decay from the
+    first step (the no-sync run's settings), and token-level TIS with rollout.sleep (skipped on CPU)."""
+    out = tmp_path_factory.mktemp("vllm") / "synced"
+    proc = train_with_vllm(out, tiny_model_path, "--train.max_steps=2", "--rollout.sync_check_steps=2",
+                           "--optim.warmup_steps=0", "--optim.weight_decay=0.1", "--rollout.is_correction=token",
+                           "--rollout.sleep=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_training_stops_when_the_sync_does_not_reach_the_engine(tmp_path, tiny_model_path, synced_run):
     # train.py with a weight sync that reaches nothing (VLLMEngine.sync_weights replaced by a no-op): the check
     # after the first step finds the engine's weights differing from the stepped trainer's (weight decay moves
     # every weight but the padding token's embedding, 0: 2,985 of the 2,986 rows the CPU engine holds), so the run
@@ -163,11 +176,8 @@ def test_training_stops_when_the_sync_does_not_reach_the_engine(tmp_path, tiny_m
     assert lines[-1].startswith("error: rollout.sync_check_steps: at step 1 the engine's weights differ from the "
                                 "trainer's in 2985 rows")
     assert os.path.isdir(out / "checkpoint-1")
-    # the same run with the sync: the check (after step 1, then every 2 steps) finds nothing
-    proc = train_with_vllm(tmp_path / "synced", tiny_model_path, "--train.max_steps=2", "--rollout.sync_check_steps=2",
-                           "--optim.warmup_steps=0", "--optim.weight_decay=0.1")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [json.loads(line) for line in open(tmp_path / "synced" / "metrics.jsonl")]
+    # the same run with the sync (synced_run): the check (after step 1, then every 2 steps) finds nothing
+    rows = synced_run
     assert [r["sync_stale_rows"] for r in rows] == [0, 0] and all(r["sync_gap_mean"] < 1e-4 for r in rows)
 
 
@@ -255,16 +265,11 @@ def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path):
     assert differ == compared > 0
 
 
-def test_run_with_the_correction_logs_the_mismatch(tmp_path, tiny_model_path):
-    # train.py with the vLLM engine, token-level TIS and rollout.sleep (skipped on CPU): every step logs
-    # the engine/trainer gap and the weights. In float32 on CPU the engine matches the trainer to
+def test_run_with_the_correction_logs_the_mismatch(synced_run):
+    # train.py with the vLLM engine, token-level TIS and rollout.sleep (skipped on CPU), synced_run: every step
+    # logs the engine/trainer gap and the weights. In float32 on CPU the engine matches the trainer to
     # ~1e-6 nats, so the weights are 1 to that precision and none is capped.
-    import json
-    out = tmp_path / "run"
-    proc = train_with_vllm(out, tiny_model_path, "--train.max_steps=2", "--rollout.is_correction=token",
-                           "--rollout.sleep=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = synced_run
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 0 <= r["engine_gap_mean"] <= r["engine_gap_max"] < 1e-4, r

@@ -4,10 +4,10 @@ batch, the PRM's folder, the settings) stops the run before a model is built or 
 naming the file or key and nothing printed before it.
 
 Each case runs twice. As `python train.py ...` / `python eval.py ...` (`test_the_command_prints_one_line_
-and_exits_2`): the scripts' own `__main__`, in a process of their own (forked, after one interpreter
-imported them once: seconds for every case, not an import of torch each), with model.name_or_path a
-folder that does not exist, so that a check made after the model is loaded fails with the model's line
-instead. And in this process (conftest's run_main) with the default `builtin:tiny` and an empty model
+and_exits_2`): the scripts' own `__main__`, in a process of their own (conftest's run_commands: forked,
+after one interpreter imported them once: seconds for every case, not an import of torch each), with
+model.name_or_path a folder that does not exist, so that a check made after the model is loaded fails
+with the model's line instead. And in this process (conftest's run_main) with the default `builtin:tiny` and an empty model
 cache ($PSPO_CACHE), where its builder is replaced by one that fails the test: a check that came after
 the build fails at once.
 """
@@ -184,59 +184,14 @@ def test_a_mistake_is_found_before_a_model_is_built(files, no_build, tmp_path, r
     assert not out.exists() and os.listdir(no_build) == []
 
 
-def run_commands(commands_file: str, results_file: str) -> None:
-    """Each command of `commands_file` (JSON: [script, argv] pairs) as `python script.py argv` would run
-    it, from the repository root: the script's `__main__` in a process forked from this one, which
-    imported the scripts (and datasets) once, with its stdout and stderr in files. `results_file` gets
-    each one's exit code, stdout and stderr. Run in an interpreter of its own (the CLI fixture)."""
-    import importlib
-    import runpy
-    import tempfile
-    import datasets  # noqa: F401 - what reading a data file imports, once
-    for script in ("train", "eval"):
-        importlib.import_module(script)
-    with open(commands_file) as f:
-        commands = json.load(f)
-    results = []
-    for script, argv in commands:
-        out, err = (tempfile.TemporaryFile() for _ in range(2))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:                                               # the command, as `python script.py argv`
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            sys.argv = [f"{script}.py", *argv]
-            code = 0
-            try:
-                runpy.run_path(f"{script}.py", run_name="__main__")
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            except BaseException:                                  # noqa: BLE001 - a traceback, as python shows it
-                import traceback
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        streams = []
-        for stream in (out, err):
-            stream.seek(0)
-            streams.append(stream.read().decode(errors="replace"))
-        results.append({"exit": os.waitstatus_to_exitcode(status), "stdout": streams[0], "stderr": streams[1]})
-    with open(results_file, "w") as f:
-        json.dump(results, f)
-
-
 CASES = [("train", *case) for case in TRAIN] + [("eval", *case) for case in EVAL]
 NO_MODEL = "no-model-here"           # model.name_or_path of the commands: loading it is refused with its own line
 
 
 @pytest.fixture(scope="module")
-def commands(tmp_path_factory):
-    """Every case's command run once (run_commands, in a fresh interpreter): (results, files' folder, runs'
-    folder, model cache)."""
+def commands(tmp_path_factory, forked_commands):
+    """Every case's command run once (conftest's run_commands, forked from a fresh interpreter): (results,
+    files' folder, runs' folder, model cache)."""
     tmp = tmp_path_factory.mktemp("commands")
     f, runs, cache = tmp / "in", tmp / "runs", tmp / "cache"
     for folder in (f, runs, cache):
@@ -244,14 +199,9 @@ def commands(tmp_path_factory):
     bad_inputs(f)
     argvs = [[*arguments(script, runs / str(i), [o.format(f=f) for o in overrides]),
               f"--model.name_or_path={tmp / NO_MODEL}"] for i, (script, overrides, _) in enumerate(CASES)]
-    (tmp / "commands.json").write_text(json.dumps([[script, argv] for (script, _, _), argv in zip(CASES, argvs)]))
-    driver = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-              "import test_early_errors; test_early_errors.run_commands(*sys.argv[1:])")
-    proc = subprocess.run([sys.executable, "-c", driver, str(tmp / "commands.json"), str(tmp / "results.json")],
-                          cwd=ROOT, env={**os.environ, "PSPO_CACHE": str(cache)}, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "results.json").read_text()), f, runs, cache
+    results = forked_commands([[script, argv] for (script, _, _), argv in zip(CASES, argvs)], str(tmp),
+                              env={**os.environ, "PSPO_CACHE": str(cache)})
+    return results, f, runs, cache
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 `--train.resume=auto` continues; non-finite updates are skipped and, three in a row, stop the run
 with the weights untouched; a context the model cannot hold stops before any work, in one line; a
 refused run writes nothing to its folder; the ranks of a finished run leave the process group
-together. The preempted run is a subprocess (a signal to it); the others run in this process
-(conftest's run_main)."""
+together. The preempted run is a subprocess (a signal to it); the refused commands are processes forked
+from one interpreter (conftest's run_commands: their exit code and stderr); the others run in this
+process (conftest's run_main)."""
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from pspo.training.config import load_config
 from pspo.training.model import ModelError
 from pspo.training.optim import lr_lambda
+from conftest import folder_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16",
@@ -128,33 +130,8 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_path):
-    """A finished one-step GRPO run on 8 train prompts: config.yaml, metrics.jsonl, tb/, checkpoint-1."""
-    out = str(tmp_path_factory.mktemp("refused") / "run")
-    proc = subprocess.run(command(out, tiny_model_path, "--train.max_steps=1", "--data.eval=",
-                                  "--data.max_train_examples=8"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
-def folder(path):
-    """Every file under `path` (relative path -> bytes) and every folder: what a refused run leaves alone."""
-    files, dirs = {}, set()
-    for root, subdirs, names in os.walk(path):
-        dirs |= {os.path.relpath(os.path.join(root, d), path) for d in subdirs}
-        for name in names:
-            with open(os.path.join(root, name), "rb") as f:
-                files[os.path.relpath(os.path.join(root, name), path)] = f.read()
-    return files, dirs
-
-
 SAME = "; resume with the same setting"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides, message", [
+REFUSED = [
     # resumed under another method, another sampler, ERS the other way, another train set
     (["--train.resume=auto", "--algo.advantage=reinforce_pp", "--algo.beta=0"],
      "error: algo.advantage: the checkpoint was trained with algo.advantage=grpo, this run has "
@@ -182,30 +159,47 @@ SAME = "; resume with the same setting"
     (["SMALL_GPU"], "error: memory plan per GPU (1 x 0.0 GiB, checkpointing auto -> full): "),
     # adapters on a module the model does not have (resumes under other LoRA settings: test_lora_loop.py)
     (["--model.lora.rank=4", "--model.lora.target_modules=foo_proj"], "error: model.lora.target_modules: "),
-])
-def test_a_refused_run_writes_nothing(finished_run, tiny_model_path, overrides, message):
-    # Every check that can refuse a run comes before its first write: the folder's files stay byte for
-    # byte as the finished run left them (config.yaml included), with the refusal's one line and exit 2.
-    before = folder(finished_run)
-    cmd = command(finished_run, tiny_model_path, "--data.eval=", "--data.max_train_examples=8",
-                  *[o for o in overrides if o != "SMALL_GPU"])
-    if overrides == ["SMALL_GPU"]:
-        cmd = [sys.executable, "-c", SMALL_GPU, *cmd[2:]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and lines[-1].startswith(message), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert folder(finished_run) == before
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, tiny_model_path, run_main, forked_commands):
+    """A finished one-step GRPO run on 8 train prompts (config.yaml, metrics.jsonl, tb/, checkpoint-1), then
+    each REFUSED command into its folder as `python train.py ...` (conftest's run_commands: a process of its
+    own, forked from one interpreter that imported train.py), the folder's digest taken after each, and a
+    fresh run refused into a new folder: (the folder's digest before, the results, the fresh run's folder)."""
+    tmp = tmp_path_factory.mktemp("refused")
+    out, fresh = str(tmp / "run"), str(tmp / "fresh")
+    run_main("train", *arguments(out, tiny_model_path, "--train.max_steps=1", "--data.eval=",
+                                 "--data.max_train_examples=8"))
+    before = folder_digest(out)
+    commands = [[SMALL_GPU if overrides == ["SMALL_GPU"] else "train",
+                 arguments(out, tiny_model_path, "--data.eval=", "--data.max_train_examples=8",
+                           *[o for o in overrides if o != "SMALL_GPU"])] for overrides, _ in REFUSED]
+    results = forked_commands([*commands, ["train", arguments(fresh, "/nonexistent/model")]], str(tmp), watch=out)
+    return before, results, fresh
 
 
 @pytest.mark.slow
-def test_a_refused_fresh_run_creates_no_folder(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run(command(str(out), "/nonexistent/model"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+@pytest.mark.parametrize("case", range(len(REFUSED)), ids=[" ".join(o) for o, _ in REFUSED])
+def test_a_refused_run_writes_nothing(refused, case):
+    # Every check that can refuse a run comes before its first write: the folder's files stay byte for
+    # byte as the finished run left them (config.yaml included), with the refusal's one line and exit 2.
+    before, results, _ = refused
+    r = results[case]
+    lines = r["stderr"].strip().splitlines()
+    assert r["exit"] == 2 and lines[-1].startswith(REFUSED[case][1]), r["stderr"][-3000:]
+    assert "Traceback" not in r["stderr"]
+    assert r["watched"] == before
+
+
+@pytest.mark.slow
+def test_a_refused_fresh_run_creates_no_folder(refused):
+    _, results, fresh = refused
+    r = results[-1]
+    assert r["exit"] == 2 and r["stderr"].strip().splitlines()[-1].startswith(
         "error: model.name_or_path: cannot load a tokenizer from '/nonexistent/model'")
-    assert not out.exists()
+    assert not os.path.exists(fresh)
 
 
 @pytest.mark.parametrize("clean, calls", [(True, ["barrier", "destroy"]), (False, ["destroy"])])

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pspo.training import distributed
 from pspo.estimators import reinforce_pp_advantages, reinforce_pp_returns, whiten
@@ -177,11 +176,11 @@ def _whiten_on_rank(rank, init_file, values, mask, out_dir):
     os._exit(0)           # as train.py ends a rank (distributed.finish): no interpreter finalization
 
 
-def test_whitening_over_two_ranks_equals_one_process(tmp_path):
-    # in the fast command with the rest of tests/math/, although it starts two processes (a few seconds)
+def test_whitening_over_two_ranks_equals_one_process(tmp_path, forked_ranks):
+    # in the fast command with the rest of tests/math/, although it starts two processes (forked: a second)
     rewards, mask, old, ref = random_batch(11)
     returns = reinforce_pp_returns(rewards, mask, old_logp=old, ref_logp=ref, kl_coef=0.05, clip_score=10.0)  # (12, 7)
-    mp.spawn(_whiten_on_rank, args=(str(tmp_path / "init"), returns, mask, str(tmp_path)), nprocs=2)
+    forked_ranks(_whiten_on_rank, (str(tmp_path / "init"), returns, mask, str(tmp_path)))
     got = torch.cat([torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)])
     want = whiten(returns, mask, "bessel", reduce_sum=LOCAL)               # one process, the whole batch
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
