@@ -624,7 +624,8 @@ def key_figures(name: str, f: dict, summary: dict):
                    f"{number(b.get('step_time_s'), '.1f')} / {number(a.get('step_time_s'), '.1f')}; "
                    + " / ".join(number(a.get(k)) for k in ("gen_s", "engine_gen_s", "engine_idle_s", "weight_sync_s",
                                                             "engine_load_s"))
-                   + f", {number((a.get('weight_sync_bytes') or 0) / 1e6, '.0f')}, {number(a.get('sync_stale_rows'), '.0f')}")
+                   + f", {number((a.get('weight_sync_bytes') or 0) / 1e6, '.0f')}, "
+                   f"{number(a.get('sync_stale_rows'), '.0f')}")
         if ours and base and ours[-1].get("step_time_s") and base[-1].get("step_time_s"):
             yield ("async / sync step s, last step each", f"{ours[-1]['step_time_s']:.1f} / "
                    f"{base[-1]['step_time_s']:.1f} = {ours[-1]['step_time_s'] / base[-1]['step_time_s']:.2f}")

@@ -37,7 +37,8 @@ def test_base_inheritance_and_presets():
     # the PSPO presets and ablations switch ERS / PPS on top of the same GRPO settings, here and on GPU
     for folder in ("configs", "configs/qwen2.5-math-1.5b"):
         base = load_config(os.path.join(ROOT, folder, "grpo.yaml"))
-        for name, ers, pps in (("grpo", False, False), ("ers", True, False), ("pps", False, True), ("pspo", True, True)):
+        for name, ers, pps in (("grpo", False, False), ("ers", True, False), ("pps", False, True),
+                               ("pspo", True, True)):
             c = load_config(os.path.join(ROOT, folder, f"{name}.yaml"))
             assert (c.ers.enabled, c.pps.enabled) == (ers, pps), (folder, name)
             assert (c.algo, c.optim, c.rollout, c.data) == (base.algo, base.optim, base.rollout, base.data)

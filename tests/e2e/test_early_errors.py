@@ -7,8 +7,8 @@ Each case runs twice. As `python train.py ...` / `python eval.py ...` (`test_the
 and_exits_2`): the scripts' own `__main__`, in a process of their own (conftest's run_commands: forked,
 after one interpreter imported them once: seconds for every case, not an import of torch each), with
 model.name_or_path a folder that does not exist, so that a check made after the model is loaded fails
-with the model's line instead. And in this process (conftest's run_main) with the default `builtin:tiny` and an empty model
-cache ($PSPO_CACHE), where its builder is replaced by one that fails the test: a check that came after
+with the model's line instead. And in this process (conftest's run_main) with the default `builtin:tiny` and an
+empty model cache ($PSPO_CACHE), where its builder is replaced by one that fails the test: a check that came after
 the build fails at once.
 """
 import json

@@ -198,7 +198,8 @@ def test_config_requires_no_kl_loss_and_no_ers():
     with pytest.raises(ConfigError, match=r"^algo.beta: expected 0 with algo.advantage=reinforce_pp .*KL is in the"):
         load_config("configs/grpo.yaml", base + ["--algo.beta=0.04"])
     # ERS smooths a group baseline: the baseline variant has one (R_i - m_q), plain REINFORCE++ none
-    assert load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp_baseline", "--ers.enabled=true"]).ers.enabled
+    assert load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp_baseline",
+                                             "--ers.enabled=true"]).ers.enabled
     with pytest.raises(ConfigError, match=r"^ers.enabled: expected false with algo.advantage=reinforce_pp "):
         load_config("configs/grpo.yaml", ["--algo.advantage=reinforce_pp", "--ers.enabled=true"])
     with pytest.raises(ConfigError, match=r"^algo.kl_coef: expected 0 with algo.advantage=grpo"):
