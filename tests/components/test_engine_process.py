@@ -34,6 +34,20 @@ def prompts(tok) -> list[list[int]]:
             for ex in builtin_arithmetic("test")[:4]]
 
 
+def check_stale(engine: EngineProcess, request: Generate, policy) -> None:
+    """The trainer moves to θ_1 (every weight + 1e-3) without writing the buffer; the request says version 1:
+    the engine loads the buffer's θ_0, and every row it answers differs from the trainer's."""
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1e-3)
+    fresh = {n: row_sums(t) for n, t in full_params(policy.lm)}
+    engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1")
+    kind, version, _, sums = engine.wait_for("loading", 60)
+    differ, compared = stale_rows(fresh, sums)
+    assert kind == "loaded" and version == 1 and differ == compared > 0
+    engine.wait_for("generating step 1", 60)
+
+
 def test_an_engine_is_no_rank_of_the_trainers_group():
     # under torchrun the trainer's environment names its rank and rendezvous: an engine (vLLM reads them as its
     # own) gets none of them, its thread count, and its device
@@ -83,16 +97,8 @@ def test_engine_lifecycle(tiny_model_path, gone):
         again = engine.wait_for("generating step 0 again", 60)
         assert again[0] == "rollout" and torch.equal(again[3].logprobs, theirs.logprobs)
         # stale: the trainer moves to θ_1, the request says version 1, but the buffer was not written
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(1e-3)
         stage(None, full_params(policy.lm), entries)            # rank 0 skipped: nothing reaches the buffer
-        fresh = {n: row_sums(t) for n, t in full_params(policy.lm)}
-        engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1")
-        kind, version, _, sums = engine.wait_for("loading", 60)
-        differ, compared = stale_rows(fresh, sums)
-        assert kind == "loaded" and version == 1 and differ == compared > 0
-        engine.wait_for("generating step 1", 60)
+        check_stale(engine, request, policy)
         # raising: a token id past the vocabulary -> the engine's own line, then it is gone
         bad = Generate(**{**request.__dict__, "version": 1, "check": False, "prompt_ids": [[10**6]]})
         engine.send(bad, "generating step 2")
@@ -213,15 +219,7 @@ def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_s
         assert torch.equal(again[3].completion_ids, theirs.completion_ids)
         assert torch.equal(again[3].logprobs, theirs.logprobs)
         # stale: the trainer moves to θ_1, the request says version 1, but the buffer was not written
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(1e-3)
-        fresh = {n: row_sums(t) for n, t in full_params(policy.lm)}
-        engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1")
-        kind, version, _, sums = engine.wait_for("loading", 60)
-        differ, compared = stale_rows(fresh, sums)
-        assert kind == "loaded" and version == 1 and differ == compared > 0
-        engine.wait_for("generating step 1", 60)
+        check_stale(engine, request, policy)
         engine.stop()
     finally:
         engine.kill()
