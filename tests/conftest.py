@@ -73,12 +73,12 @@ def knights_standin_path() -> str:
     return _knights_standin()
 
 
-def _session_gone(pid: int) -> bool:
-    """No live process `pid` (reaped, or a zombie), and none left in its session."""
+def _group_gone(pid: int) -> bool:
+    """No live process `pid` (reaped, or a zombie), and none left that setsid put under it (sid = pid)."""
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, session, ...
+                fields = f.read().rsplit(")", 1)[1].split()         # state, ppid, pgrp, sid, ...
         except (OSError, IndexError):
             continue
         if fields[0] != "Z" and (int(entry) == pid or int(fields[3]) == pid):
@@ -88,8 +88,8 @@ def _session_gone(pid: int) -> bool:
 
 @pytest.fixture
 def gone():
-    """gone(pid): no live process pid, and none in its session (an engine process and what it started)."""
-    return _session_gone
+    """gone(pid): no live process pid, and none with sid pid (an engine process and what it started)."""
+    return _group_gone
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from pspo.engines.staging import Layout, row_sums, views
 from pspo.training.config import LoraConfig, error_line
+from pspo.training.lora import peft_key
 
 PR_SET_PDEATHSIG = 1           # prctl option, <linux/prctl.h>
 WAIT_TICK_S = 0.5              # seconds between two liveness checks of a waited-for engine
@@ -305,7 +306,7 @@ class _VLLMServer:
         from pspo.engines.vllm_engine import _engine_row_sums, engine_rows
         if self.lora is not None:
             served = self.engine.served_adapter() or {}
-            keys = {e.name: "base_model.model." + e.name.replace(".default.", ".") for e in entries}
+            keys = {e.name: peft_key(e.name) for e in entries}
             return {name: row_sums(served[key]) if key in served else torch.zeros(0, dtype=torch.long)
                     for name, key in keys.items()}                 # one not served: all its rows differ
         packed, sums = self.engine.llm.collective_rpc(_engine_row_sums)[0]

@@ -40,7 +40,7 @@ from torch import Tensor
 from pspo.training import distributed
 from pspo.training.config import error_line
 from pspo.training.model import ModelError
-from pspo.training.lora import ADAPTER_WEIGHTS, save_adapter
+from pspo.training.lora import ADAPTER_WEIGHTS, peft_key, save_adapter
 from pspo.engines.sampling import sequence_seeds
 from pspo.engines.staging import row_sums
 from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, stop_token_ids
@@ -392,7 +392,7 @@ def adapter_rows(served: dict[str, Tensor] | None, params: Iterator[tuple[str, T
                 differ += int(ours.ne(0).any(dim=1).sum())
                 compared += ours.shape[0]
             continue
-        key = "base_model.model." + name.replace(".default.", ".")     # peft's file drops the adapter's name
+        key = peft_key(name)
         theirs = served.get(key)
         if theirs is None or theirs.shape != ours.shape:
             differ += ours.shape[0]

@@ -106,6 +106,13 @@ def save_adapter(peft_model, state: dict[str, torch.Tensor], folder: str) -> Non
     peft_model.save_pretrained(folder, state_dict=prefixed, save_embedding_layers=False)
 
 
+def peft_key(name: str) -> str:
+    """The key peft's adapter file holds a parameter under: prefixed, the adapter's name dropped
+    ("model.layers.0.self_attn.q_proj.lora_A.default.weight" -> "base_model.model.model.layers.0.self_attn.q_proj
+    .lora_A.weight")."""
+    return "base_model.model." + name.replace(".default.", ".")
+
+
 def write_adapter(folder: str, lora: LoraConfig, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     """peft's adapter files without a peft model (an engine process holds none): model.lora's
     adapter_config.json, and `tensors` ((name, tensor) as adapter_params yields them, e.g.
@@ -113,7 +120,7 @@ def write_adapter(folder: str, lora: LoraConfig, tensors: Iterator[tuple[str, to
     the adapter's name ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
     from safetensors.torch import save_file
     peft_config(lora).save_pretrained(folder)
-    save_file({"base_model.model." + name.replace(".default.", "."): t.detach().cpu().contiguous()
+    save_file({peft_key(name): t.detach().cpu().contiguous()
                for name, t in tensors}, os.path.join(folder, ADAPTER_WEIGHTS))
 
 

@@ -170,7 +170,7 @@ def test_the_mfu_peak_by_card_name():
 
 SPAWNER = textwrap.dedent("""
     import subprocess, sys, time
-    # a grandchild in a session of its own (as torchrun starts its workers), then a line without its end
+    # a grandchild under setsid, out of its parent's group (as torchrun starts its workers), then a line without its end
     g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     print(f"grandchild {g.pid}", flush=True)
     sys.stdout.write("a partial line"); sys.stdout.flush()
@@ -183,7 +183,7 @@ def grandchild(log: str) -> int:
 
 
 def test_a_timed_out_child_takes_every_process_it_started_down(tmp_path):
-    """Past its limit, the child and its grandchild in a new session (which the child's process group does
+    """Past its limit, the child and its grandchild under setsid (which the child's process group does
     not reach) are stopped; the partial line (no newline, never finished) neither blocks the reader past
     the limit nor is lost."""
     log = tmp_path / "child.log"
@@ -202,8 +202,8 @@ def test_a_timed_out_child_takes_every_process_it_started_down(tmp_path):
             os.kill(pid, 9)
 
 
-def test_an_orphan_in_a_new_session_is_stopped_with_its_child(tmp_path):
-    """A child that starts a process in a new session and exits at once leaves an orphan no parent link
+def test_an_orphan_under_setsid_is_stopped_with_its_child(tmp_path):
+    """A child that starts a process under setsid and exits at once leaves an orphan no parent link
     reaches: the check process, a subreaper (as `python bench/gpu_check.py` makes itself), gets it back
     and stops it. Run in a process of its own, so that this test process does not become a subreaper."""
     script = textwrap.dedent(f"""
