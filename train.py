@@ -168,7 +168,7 @@ class Run:
             is_weights = self.sampler.observe(indices, rewards, accuracy,       # PPS: priorities; (P, G) w
                                               normalized=not r.dynamic_sampling)   # (raw: §9's rounds)
         return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout, scored=scored, rewards=rewards,
-                    is_weights=is_weights)
+                    is_weights=is_weights, metrics=sampler_metrics(self.sampler, cfg))   # of this draw
 
     def launch_next(self, clock: StepClock) -> None:
         """rollout.mode=async at lag 1: step s+1's prompts drawn from the sampler, which has just observed
@@ -219,11 +219,12 @@ class Run:
         return sync_engine(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
                            seed=self.cfg.train.seed, device=self.dist.device)
 
-    def save(self) -> None:
+    def save(self, *, stopping: bool = False) -> None:
+        """A checkpoint of the run. stopping (a stop signal): the step in flight is not waited for."""
         state = checkpoint.trainer_state(self.step, scheduler=self.scheduler, sampler=self.sampler,
                                          method_state=self.method.state, generated_tokens=self.generated_tokens,
                                          cfg=self.cfg, sampler_mode=sampler_mode(self.cfg))
-        inflight = self.rollouts.in_flight()               # async, lag 1: the next step, answered (waits)
+        inflight = self.rollouts.in_flight(abandon=stopping)   # async, lag 1: the next step, answered or abandoned
         path = checkpoint.save_checkpoint(self.cfg.train.output_dir, self.step, policy=self.policy,
                                           tokenizer=self.tokenizer, optimizer=self.optimizer, trainer_state=state,
                                           dist_=self.dist, keep=self.cfg.train.keep_checkpoints,
@@ -264,8 +265,7 @@ class Run:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if update.skipped_steps else 0
         counts, summed, metrics = step_metrics(output.stats, update, self.engine.take(), cfg, device)
         self.generated_tokens += counts.rollout_tokens + counts.mc_tokens
-        metrics.update(output.metrics, **(baseline.metrics if baseline else {}), **engine_gap, **sampling,
-                       **sampler_metrics(self.sampler, cfg), **sync,
+        metrics.update(output.metrics, **(baseline.metrics if baseline else {}), **engine_gap, **sampling, **sync,
                        **gpu_memory(device), **prm_metrics(self.prm, device, clock.elapsed()))
         metrics.update(timings(clock, summed.update_tokens), generated_tokens=self.generated_tokens,
                        lr=self.scheduler.get_last_lr()[0])
@@ -278,15 +278,14 @@ class Run:
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",
                              step_s=f"{metrics['step_time_s']:.2f}")
-        saved = last or every(self.step, cfg.train.save_steps)
-        if saved or self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-            self.save()
-        if self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
+        stopping = self.preemption.requested(device)                            # the scheduler's warning
+        failing = self.skipped_in_a_row == MAX_SKIPPED_IN_A_ROW
+        if last or every(self.step, cfg.train.save_steps) or stopping or failing:
+            self.save(stopping=stopping)
+        if failing:
             raise non_finite_error(self.step)
-        if not self.preemption.requested(device):                               # the scheduler's warning
+        if not stopping:
             return False
-        if not saved:
-            self.save()
         print0(f"{self.preemption.name or 'a stop signal'} received: stopped after step {self.step} "
                "with a checkpoint; continue with --train.resume=auto")
         return True

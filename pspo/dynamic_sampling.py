@@ -47,7 +47,7 @@ class Draw:
     scored: RewardResult      # their rewards and reward components, (N,) each
     rewards: Tensor           # (P, G) every rank's rewards
     is_weights: Tensor        # (P, G) importance weights: a round's raw ones (observe), the step's normalized
-    metrics: dict[str, float] = field(default_factory=dict)   # dynamic sampling's counts, logged as they are
+    metrics: dict[str, float] = field(default_factory=dict)   # the sampler's of its draw (+ dynamic sampling's)
 
     @property
     def groups(self) -> int:
@@ -74,7 +74,8 @@ def dynamic_sampling(first: Draw, draw: Callable[[int, int], Draw], *, world: in
     W·m prompts. Each round's importance weights are its draw's raw ones (the sampler's observe with
     normalized=False); the trained groups' are normalized together, as one batch, by `normalize` (the
     sampler's: PPS's is_norm over the B' prompts, docs/methods.md §3b). Returns them as one Draw (B' = W·k
-    groups, B' <= B; this rank's completions padded to the longest, with pad_id) with its metrics: ds_rounds,
+    groups, B' <= B; this rank's completions padded to the longest, with pad_id) with its metrics: the last
+    round's (the sampler's diagnostics of its draw), ds_rounds,
     ds_scored_groups, ds_set_aside_groups (all rewards equal), ds_trained_groups (B'), ds_unused_groups
     (with a spread, not trained) and ds_short (1 when B' < B)."""
     rounds, share = [first], first.groups // world
@@ -95,7 +96,8 @@ def dynamic_sampling(first: Draw, draw: Callable[[int, int], Draw], *, world: in
     out = _gather(rounds, [t[:trained] for t in taken], rank, world, pad_id)
     out.is_weights = normalize(out.is_weights)                          # (B', G) one batch's weights
     scored = sum(d.groups for d in rounds)
-    out.metrics = {"ds_rounds": float(len(rounds)), "ds_scored_groups": float(scored),
+    out.metrics = {**rounds[-1].metrics,                                # the sampler's, of the last round's draw
+                   "ds_rounds": float(len(rounds)), "ds_scored_groups": float(scored),
                    "ds_set_aside_groups": float(set_aside), "ds_trained_groups": float(out.groups),
                    "ds_unused_groups": float(scored - set_aside - out.groups),
                    "ds_short": float(out.groups < first.groups)}

@@ -106,7 +106,9 @@ class PrioritySampler:
         # posterior: every prompt starts at the prior's learnability .25, the largest possible
         self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
         self.steps = 0                                                          # steps drawn so far
-        self.weights: Tensor | None = None                                      # (B,) the last draw's w
+        # the last draw (`sample`): its raw weights (N·P')^-β (B,) float64, the one source of its w, and its
+        # statistics; part of the state, since at one step off the draw is observed after the checkpoint
+        self.draw: dict | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.tree[self.size:self.size + num_prompts] = self.max_priority
         self.count[self.size:self.size + num_prompts] = 1.0
@@ -185,7 +187,7 @@ class PrioritySampler:
 
     def sample(self, batch_size: int, *, same_step: bool = False) -> Tensor:
         """B prompt indices (B,): distinct ones (`_distinct`), or with pps.replacement B independent
-        draws from P'. The draw fixes their IS weights, `self.weights` (B,) float32,
+        draws from P'. The draw fixes their raw IS weights (`self.draw`; normalised: `weights`),
         which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
         batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
         (the reference code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
@@ -204,10 +206,14 @@ class PrioritySampler:
             self.steps += 1
         beta = self.current_beta(self.steps - 1)
         weights = (self.num_prompts * probs) ** (-beta)                         # (B,) (N·P')^-β
-        self._last = {"draws": draws, "raw_weights": weights, "distinct": len(set(taken)),
-                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
-        self.weights = self.normalize(weights[:, None])[:, 0]                   # (B,)
+        self.draw = {"raw_weights": weights, "draws": draws, "distinct": len(set(taken)),
+                     "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         return indices
+
+    @property
+    def weights(self) -> Tensor | None:
+        """The last draw's IS weights w (B,) float32, normalised by is_norm; None before any draw."""
+        return None if self.draw is None else self.normalize(self.draw["raw_weights"][:, None])[:, 0]
 
     def _distinct(self, batch_size: int, c: float) -> tuple[list[int], list[int], int]:
         """B distinct prompts drawn with P' ∝ p_q + c: the batch, the skipped prompts, the raw draws.
@@ -254,7 +260,8 @@ class PrioritySampler:
         return taken, skipped, draws
 
     def batch_stats(self) -> dict[str, float]:
-        """Diagnostics of the last `sample` and of the current priorities (logged each step).
+        """Diagnostics of the last `sample` and of the current priorities, logged with the step that trains
+        the draw (read right after `observe`, so a draw made one step ahead is logged with its own step).
 
         entropy: H(P') / ln N, 1 for uniform priorities, lower as sampling concentrates.
         is_max / is_min: the unnormalized (N·P')^-β of the batch (the loss uses w = these / is_max).
@@ -264,16 +271,16 @@ class PrioritySampler:
         revisit_frac: fraction of the batch's prompts that were scored in an earlier step.
         skipped: prompts drawn and skipped before generation (pps.skip; 0 without it).
         """
-        raw = self._last["raw_weights"]
+        last = self.draw
+        raw = last["raw_weights"]
         probs = self.probabilities()
         probs = probs[probs > 0]
         entropy = (float(-(probs * probs.log()).sum()) / math.log(self.num_prompts)
                    if self.num_prompts > 1 else 1.0)
         ess = float(raw.sum() ** 2 / (raw ** 2).sum())
-        repeat = 1.0 - (self._last["distinct"] + self._last["skipped"]) / self._last["draws"]
+        repeat = 1.0 - (last["distinct"] + last["skipped"]) / last["draws"]
         return {"entropy": entropy, "is_max": float(raw.max()), "is_min": float(raw.min()), "ess": ess,
-                "repeat_frac": repeat, "revisit_frac": self._last["revisit"],
-                "skipped": float(self._last["skipped"])}
+                "repeat_frac": repeat, "revisit_frac": last["revisit"], "skipped": float(last["skipped"])}
 
     def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor, *, normalized: bool = True) -> Tensor:
         """The step's scores -> the scored prompts' priorities, and the batch's IS weights per completion.
@@ -289,7 +296,7 @@ class PrioritySampler:
         weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority == "posterior" else None)
         if normalized:
             return weights
-        raw = self._last["raw_weights"] if self.weights is not None else torch.ones(len(indices), dtype=torch.float64)
+        raw = self.draw["raw_weights"] if self.draw is not None else torch.ones(len(indices), dtype=torch.float64)
         return raw[:, None].expand(-1, rewards.shape[1]).clone()                # (B, G) (N·P')^-β
 
     def normalize(self, raw: Tensor) -> Tensor:
@@ -316,7 +323,7 @@ class PrioritySampler:
         weights = self._weights_for(len(indices), a.shape[1])                  # (B, G)
         if self.priority == "posterior" and successes is None:
             raise ValueError("pps.priority=posterior: set_priorities needs the completions' successes")
-        earlier = torch.tril(indices[:, None] == indices[None, :], -1).sum(1)  # (B,) rows of the same prompt before
+        earlier = occurrence(indices)                                          # (B,) rows of the same prompt before
         for k in range(int(earlier.max()) + 1 if len(indices) else 0):         # one pass when all are distinct
             rows = earlier == k
             self._score(indices[rows], a[rows], None if successes is None else successes[rows])
@@ -364,7 +371,7 @@ class PrioritySampler:
         return {"priorities": self.priorities(), "seen": self.seen.clone(), "max_priority": self.max_priority,
                 "steps": self.steps, "rng": self.generator.get_state(),
                 "posterior_a": self.posterior_a.clone(), "posterior_b": self.posterior_b.clone(),
-                "zero_streak": self.zero_streak.clone()}
+                "zero_streak": self.zero_streak.clone(), "draw": self.draw}
 
     def load_state_dict(self, state: dict) -> None:
         if "priorities" not in state:
@@ -380,3 +387,20 @@ class PrioritySampler:
         for key in ("posterior_a", "posterior_b", "zero_streak"):              # absent in older checkpoints
             if key in state:
                 setattr(self, key, state[key].clone())
+        self.draw = state.get("draw")
+
+
+def occurrence(indices: Tensor) -> Tensor:
+    """For each position, how many earlier positions hold the same index: [5, 2, 5, 5, 2] -> [0, 0, 1, 2, 1].
+    A stable sort puts equal indices in runs, in batch order; a position's occurrence is its distance to its
+    run's start. O(B log B) time and O(B) memory (a (B, B) comparison would ask 34 GB at B = 65,536). (B,)"""
+    B = len(indices)
+    order = torch.sort(indices, stable=True).indices                             # (B,)
+    ranked = indices[order]
+    starts = torch.ones(B, dtype=torch.bool)
+    starts[1:] = ranked[1:] != ranked[:-1]                                       # a run begins
+    position = torch.arange(B)
+    run_start = torch.cummax(torch.where(starts, position, 0), 0).values        # (B,) its run's first position
+    earlier = torch.empty(B, dtype=torch.int64)
+    earlier[order] = position - run_start
+    return earlier

@@ -47,6 +47,7 @@ class ReferenceSampler:
         self.tree = torch.ones(num_prompts, dtype=torch.float64)     # p_q per row: 1 at the start
         self.order = torch.zeros(0, dtype=torch.int64)               # this epoch's N draws
         self.position, self.epoch = 0, 0
+        self.draw: dict[str, float] | None = None                   # the last draw's statistics (batch_stats)
         self.generator = torch.Generator().manual_seed(seed)
 
     def priorities(self) -> Tensor:
@@ -72,7 +73,7 @@ class ReferenceSampler:
             self.position = 0
         indices = self.order[self.position:self.position + batch_size].clone()
         self.position += batch_size
-        self._last = {"indices": indices}
+        self.draw = {"epoch": float(self.epoch), "repeat_frac": 1.0 - len(set(indices.tolist())) / len(indices)}
         return indices
 
     def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor, *, normalized: bool = True) -> Tensor:
@@ -106,14 +107,14 @@ class ReferenceSampler:
         return torch.tensor(weights, dtype=torch.float32).view(a.shape)
 
     def batch_stats(self) -> dict[str, float]:
-        """epoch: epochs begun so far (0-based); repeat_frac: the batch's rows that repeat an earlier
+        """Of the last draw, fixed when it was drawn (so a draw made one step ahead is logged with its own
+        step): epoch, epochs begun before it (0-based); repeat_frac, the batch's rows that repeat an earlier
         row of the same batch (draws with replacement)."""
-        idx = self._last["indices"]
-        return {"epoch": float(self.epoch), "repeat_frac": 1.0 - len(set(idx.tolist())) / len(idx)}
+        return dict(self.draw)
 
     def state_dict(self) -> dict:
         return {"reference_priorities": self.tree.clone(), "order": self.order.clone(),
-                "position": self.position, "epoch": self.epoch, "rng": self.generator.get_state()}
+                "position": self.position, "epoch": self.epoch, "rng": self.generator.get_state(), "draw": self.draw}
 
     def load_state_dict(self, state: dict) -> None:
         if "reference_priorities" not in state:
@@ -123,3 +124,4 @@ class ReferenceSampler:
         self.tree = state["reference_priorities"].clone()
         self.order, self.position, self.epoch = state["order"].clone(), state["position"], state["epoch"]
         self.generator.set_state(state["rng"])
+        self.draw = state.get("draw")

@@ -92,3 +92,27 @@ def test_a_checkpoint_of_another_rollout_mode_is_refused_in_one_line():
                             "rollout.mode=async-lag1; resume with the same setting")
     check_modes({**state, "rollout_mode": "async-lag1"}, cfg, "uniform")
     check_modes({k: v for k, v in state.items() if k != "rollout_mode"}, load_config(None, []), "uniform")   # older
+
+
+def test_an_async_resume_with_other_generation_settings_is_refused_in_one_line():
+    # One step off, the checkpoint's step in flight was generated already: 64 prompts of G = 8 at temperature 1.0
+    # (the defaults) cannot become G = 4 (the step would hold twice its completions) or temperature 0.7 (the
+    # engine's log-probs, the IS weights' denominator, are at 1.0); in sync mode nothing is in flight
+    import pytest
+    from pspo.training.checkpoint import check_modes, generation_settings
+    from pspo.training.config import ConfigError, load_config
+    lag1 = ["--rollout.mode=async", "--rollout.is_correction=token"]
+    was = load_config(None, lag1)
+    state = {"sampler": {}, "sampler_mode": "uniform", "advantage": "grpo", "rollout_mode": "async-lag1",
+             "generation": generation_settings(was)}
+    check_modes(state, was, "uniform")
+    for override, key, before, after in (("--rollout.num_generations=4", "rollout.num_generations", "8", "4"),
+                                         ("--rollout.temperature=0.7", "rollout.temperature", "1", "0.7"),
+                                         ("--rollout.max_new_tokens=24", "rollout.max_new_tokens", "16", "24"),
+                                         ("--train.prompts_per_step=16", "train.prompts_per_step", "64", "16")):
+        with pytest.raises(ConfigError) as e:
+            check_modes(state, load_config(None, [*lag1, override]), "uniform")
+        assert str(e.value) == (f"{key}: the checkpoint's step in flight was generated with {key}={before}, this "
+                                f"run has {key}={after}; resume with the same setting")
+    sync = load_config(None, ["--rollout.temperature=0.7"])
+    check_modes({**state, "rollout_mode": "sync"}, sync, "uniform")

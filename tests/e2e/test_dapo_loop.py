@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pspo.training.checkpoint import state_digest
+
 
 pytestmark = pytest.mark.slow        # end to end: real runs of the loop
 
@@ -73,20 +75,15 @@ def test_resume_with_dynamic_sampling_continues_exactly(train, full_run, tmp_pat
     train(resumed, "--train.max_steps=4", "--train.save_steps=2", "--train.resume=auto")
     a, b = metrics(full_run), metrics(resumed)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for ra, rb in zip(a[2:], b[2:]):                                         # steps 3 and 4
-        for key in ("reward_mean", "loss", "grad_norm", "lr", "ds_rounds", "ds_trained_groups", "generated_tokens",
-                    "ers_gap", "pps_is_min"):
-            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+    for ra, rb in zip(a, b):                                                 # every metric but the timings
+        timings = {k for k in ra if k.endswith(("_s", "_per_s"))}
+        assert {k: v for k, v in ra.items() if k not in timings} == {k: v for k, v in rb.items() if k not in timings}
+    # bit for bit: the trainer state (PPS, its last draw, ERS, the schedule) and the weights
     sa, sb = state(os.path.join(full_run, "checkpoint-4")), state(os.path.join(resumed, "checkpoint-4"))
-    for key, value in sa["sampler"].items():
-        same = torch.allclose(value, sb["sampler"][key], atol=1e-9) if isinstance(value, torch.Tensor) and \
-            value.is_floating_point() else (torch.equal(value, sb["sampler"][key]) if isinstance(value, torch.Tensor)
-                                            else value == sb["sampler"][key])
-        assert same, key
+    assert state_digest(sa) == state_digest(sb)
     wa = load_file(os.path.join(full_run, "checkpoint-4", "model.safetensors"))
     wb = load_file(os.path.join(resumed, "checkpoint-4", "model.safetensors"))
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0)
+    assert state_digest(wa) == state_digest(wb)
 
 
 def test_two_ranks_with_dynamic_sampling(train, tmp_path):

@@ -190,3 +190,7 @@ def test_state_round_trip_mid_epoch(tmp_path):
         assert torch.equal(s.set_priorities(i1, adv), t.set_priorities(i2, adv))
         assert torch.equal(s.priorities(), t.priorities())
     assert s.epoch == 2
+    # the last draw's statistics are the state's too (one step off, it is logged after the resume)
+    torch.save(s.state_dict(), tmp_path / "ref.pt")
+    t.load_state_dict(torch.load(tmp_path / "ref.pt", weights_only=True))
+    assert t.batch_stats() == s.batch_stats()
