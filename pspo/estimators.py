@@ -135,7 +135,7 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | No
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | None, ref_logp: Tensor | None,
                             kl_coef: float, clip_score: float, baseline: Tensor | None = None,
                             variance: str = "bessel", reduce_sum: ReduceSum) -> Tensor:
-    """REINFORCE++(-baseline) token-level advantages, docs/methods.md §6 / docs/related.md §A. (N, T)
+    """REINFORCE++(-baseline) token-level advantages, docs/related.md §A. (N, T)
 
     The returns of `reinforce_pp_returns` (same arguments), whitened over every valid token of
     every rank's batch (`whiten`, "bessel" as PaddleNLP or "population" as OpenRLHF): every rank

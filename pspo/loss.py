@@ -4,7 +4,7 @@
     pg_it = -min(ρ_it·Â_i, clip(ρ_it, 1-ε_low, 1+ε_high)·Â_i)
     kl_it = exp(logπ_ref - logπ_θ) - (logπ_ref - logπ_θ) - 1      (k3)
     ℓ_it  = pg_it + β·kl_it
-Â_i is one value per completion (GRPO, ERS); REINFORCE++ (§6) gives one per token, Â_it.
+Â_i is one value per completion (GRPO, ERS); REINFORCE++ (docs/related.md §A) gives one per token, Â_it.
 
 Aggregation is a per-sequence weight w_i computed from GLOBAL counts (every micro-batch and rank
 of the optimizer step), so the step loss Σ_i w_i Σ_t mask_it ℓ_it is a plain sum over sequences
@@ -36,7 +36,7 @@ def clipped_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_lo
     """pg_it = -min(ρ·Â, clip(ρ, 1-ε_low, 1+ε_high)·Â), docs/methods.md §1.
 
     logp, old_logp (N, T); advantages (N,) one per completion (GRPO: broadcast over its tokens)
-    or (N, T) one per token (REINFORCE++, §6). Returns pg (N, T) and is_clipped (N, T) bool:
+    or (N, T) one per token (REINFORCE++, docs/related.md §A). Returns pg (N, T) and is_clipped (N, T) bool:
     where the clipped term is the strict minimum, i.e. ρ > 1+ε_high with Â > 0 or ρ < 1-ε_low
     with Â < 0, the tokens whose gradient the clip zeroes.
     """

@@ -4,8 +4,8 @@
 # pull a different build. Re-installs only when requirements.txt (or the vLLM package) changes.
 #
 # vLLM is installed where it is used: always on a machine with an NVIDIA GPU (rollout.engine auto
-# picks it there), and on CPU only when the caller sets PSPO_WITH_VLLM=1 (test.sh does, to run the
-# vLLM tests for real). The CPU demo uses transformers generate and needs no vLLM.
+# picks it there), and on CPU only when the caller sets PSPO_WITH_VLLM=1 (test.sh does for the full
+# suite, to run the vLLM tests for real). The CPU demo uses transformers generate and needs no vLLM.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"

