@@ -379,6 +379,9 @@ if __name__ == "__main__":
             SyncError, NonFiniteError, EngineError) as e:
         print0(f"error: {e}", file=sys.stderr)
         distributed.finish(2, clean=False)
+    except distributed.PeerError as e:          # rank 0's bug, seen from another rank: rank 0 shows the traceback
+        print(f"error: rank 0 failed: {e}", file=sys.stderr)
+        distributed.finish(1, clean=False)
     except BaseException:                       # a bug or Ctrl-C: leave the group, show the traceback
         distributed.shutdown(clean=False)
         raise

@@ -9,9 +9,10 @@ PR_SET_PDEATHSIG = SIGKILL (the trainer's death, kill -9 included, kills it; it 
 that started the child exits, so engines start from the main thread only), and EOF on its pipe as the
 second way out. The staging buffer's fd (engines/staging.py) is passed to it.
 
-Protocol: `send` / `recv` are plain pickle over the pipe's bytes. `Connection.send` would hand torch
-tensors over as fds through multiprocessing's resource sharer, which a `python -c` child cannot reach
-(it lacks the parent's authkey); plain pickle sends them by value.
+Protocol: over a socket pair (the pipe), a message is its pickle's length (8 bytes, big-endian), then the
+pickle. Plain pickle rather than `Connection.send`, which would hand torch tensors over as fds through
+multiprocessing's resource sharer, which a `python -c` child cannot reach (it lacks the parent's authkey);
+plain pickle sends them by value.
 
     trainer -> engine                       engine -> trainer
     EngineSpec (once, first)                ("ready", pid, start-up seconds)
@@ -22,24 +23,31 @@ tensors over as fds through multiprocessing's resource sharer, which a `python -
     Stop()                                  (exits 0)
     (any request)                           ("error", one line), then exits 1: an engine error is fatal
 
-Every wait of the trainer (`EngineProcess.wait_for`) has a deadline and checks, every WAIT_TICK_S, that
-the engine is alive: an exit or EOF, an ("error", ...) answer or a deadline passed becomes EngineError, one
-line naming the engine, its pid and what it was doing; the engine is then killed (its whole process group).
+Deadlines. The engine's side blocks; the trainer's never does: its end of the pipe is non-blocking, and every
+byte it reads or writes waits under a `Deadline` (`EngineProcess.wait_for`, `send`), checking every
+WAIT_TICK_S that the engine is alive. A message counts when it is whole: an engine that stalls after part of
+one (half-read), or stops reading a request that fills the pipe (a hung send), is met by the deadline like a
+silent one. An exit or EOF, an ("error", ...) answer or a deadline passed becomes EngineError, one line
+naming the engine, its pid and what it was doing; the engine is then killed (its whole process group).
+One deadline covers one wait of rank 0, for every engine and every message in it (engines/schedule.py says
+which waits): a deadline is not restarted by an answer, so E engines slow by 0.6 of it each end the wait at
+the deadline, not at 0.6·E. `stop_all` gives the engines STOP_GRACE_S in all.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import pickle
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
 
 import torch
 from torch import Tensor
@@ -50,7 +58,8 @@ from pspo.training.lora import peft_key
 
 PR_SET_PDEATHSIG = 1           # prctl option, <linux/prctl.h>
 WAIT_TICK_S = 0.5              # seconds between two liveness checks of a waited-for engine
-STOP_GRACE_S = 5.0             # seconds a stopped engine may take to exit before it is killed
+STOP_GRACE_S = 5.0             # seconds the stopped engines may take to exit, all together, before they are killed
+LENGTH = struct.Struct("!Q")   # a message's first 8 bytes: its pickle's length
 # torchrun's variables (and every TORCHELASTIC_*): an engine is no rank of the trainer's process group (vLLM would
 # read them as its own)
 LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -59,6 +68,19 @@ LAUNCHER_VARS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE
 
 class EngineError(RuntimeError):
     """An engine process died, failed, or did not answer in time: the run stops (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When one wait of the trainer on its engines must end (time.monotonic()), shared by every engine and every
+    message of the wait (module docstring)."""
+    at: float
+    seconds: float                  # its length (rollout.engine_timeout_s), for the error line
+
+    @staticmethod
+    def after(seconds: float, since: float | None = None) -> Deadline:
+        """`seconds` after `since` (time.monotonic(); default now)."""
+        return Deadline((time.monotonic() if since is None else since) + seconds, seconds)
 
 
 @dataclass(frozen=True)
@@ -98,12 +120,24 @@ class Stop:
     """The engine exits (0)."""
 
 
-def send(conn: Connection, obj: object) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=5))
+def send(sock: socket.socket, obj: object) -> None:
+    """One message on a blocking socket (the engine's side; the spec, before the trainer's end turns non-blocking)."""
+    data = pickle.dumps(obj, protocol=5)
+    sock.sendall(LENGTH.pack(len(data)))
+    sock.sendall(data)
 
 
-def recv(conn: Connection) -> object:
-    return pickle.loads(conn.recv_bytes())
+def recv(sock: socket.socket) -> object:
+    """The next message on a blocking socket (the engine's side); EOFError when the trainer closed its end."""
+    def exactly(n: int) -> bytearray:
+        buf, got = bytearray(n), 0
+        while got < n:
+            k = sock.recv_into(memoryview(buf)[got:])
+            if k == 0:
+                raise EOFError
+            got += k
+        return buf
+    return pickle.loads(exactly(LENGTH.unpack(exactly(LENGTH.size))[0]))
 
 
 def engine_env(environ: Mapping[str, str], *, threads: int, extra: dict[str, str] | None) -> dict[str, str]:
@@ -122,7 +156,7 @@ class EngineProcess:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("engine processes start from the main thread (PR_SET_PDEATHSIG is per thread)")
         self.index = index
-        self.conn, child = Pipe()
+        self.sock, child = socket.socketpair()
         # PR_SET_PDEATHSIG first, before the seconds of imports; then the trainer must still be its parent
         code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
                 f"os.getppid() == {os.getpid()} or os._exit(1); import sys; sys.path[:] = {sys.path!r}; "
@@ -133,37 +167,68 @@ class EngineProcess:
                                      env=engine_env(os.environ, threads=spec.threads, extra=env))
         child.close()
         self.pid, self.started = self.proc.pid, time.monotonic()
-        send(self.conn, spec)
+        send(self.sock, spec)                   # a few hundred bytes into an empty pipe: cannot block
+        self.sock.setblocking(False)            # from now on every read and write waits under a deadline
 
     def name(self) -> str:
         return f"rollout.engines: engine {self.index} (pid {self.pid})"
 
-    def send(self, msg: Generate | Stop, doing: str) -> None:
-        try:
-            send(self.conn, msg)
-        except OSError:                             # its end is closed: it died
-            raise self._dead(doing) from None
-
-    def wait_for(self, doing: str, timeout_s: float) -> tuple:
-        """The engine's next message, within `timeout_s` seconds; EngineError (the engine killed) if it
-        died, failed or stayed silent. `doing`: what it was asked, for the error line."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if wait([self.conn], timeout=max(0.0, min(WAIT_TICK_S, left))):
+    def send(self, msg: Generate | Stop, doing: str, deadline: Deadline) -> None:
+        """`msg` written whole before `deadline`; EngineError (the engine killed) if it died or stopped reading.
+        `doing`: what it is asked, for the error line."""
+        data = pickle.dumps(msg, protocol=5)
+        for part in (LENGTH.pack(len(data)), data):
+            view = memoryview(part)
+            while view:
+                self._ready(select.POLLOUT, doing, deadline, "did not read its request")
                 try:
-                    msg = recv(self.conn)
-                except (EOFError, OSError):
+                    view = view[self.sock.send(view):]
+                except BlockingIOError:                 # woken, yet the pipe is full again
+                    continue
+                except OSError:                         # its end is closed: it died
                     raise self._dead(doing) from None
-                if msg[0] == "error":
-                    self.kill()
-                    raise EngineError(f"{self.name()} failed while {doing}: {msg[1]}")
-                return msg
+
+    def wait_for(self, doing: str, deadline: Deadline) -> tuple:
+        """The engine's next message, whole, before `deadline`; EngineError (the engine killed) if it died,
+        failed or stayed silent. `doing`: what it was asked, for the error line."""
+        n = LENGTH.unpack(self._read(LENGTH.size, doing, deadline, "did not answer"))[0]
+        msg = pickle.loads(self._read(n, doing, deadline, "did not finish its answer"))
+        if msg[0] == "error":
+            self.kill()
+            raise EngineError(f"{self.name()} failed while {doing}: {msg[1]}")
+        return msg
+
+    def _read(self, n: int, doing: str, deadline: Deadline, silent: str) -> bytearray:
+        """Exactly n bytes of the pipe (those already there first: a past deadline does not drop an answer)."""
+        buf, got = bytearray(n), 0
+        while got < n:
+            self._ready(select.POLLIN, doing, deadline, silent)
+            try:
+                k = self.sock.recv_into(memoryview(buf)[got:])
+            except BlockingIOError:
+                continue
+            except OSError:
+                raise self._dead(doing) from None
+            if k == 0:                                  # EOF
+                raise self._dead(doing)
+            got += k
+        return buf
+
+    def _ready(self, event: int, doing: str, deadline: Deadline, silent: str) -> None:
+        """Until the pipe is ready for `event` (select.POLLIN | POLLOUT; its closing counts), checking every
+        WAIT_TICK_S that the engine lives: EngineError (it is killed) when it exits first or `deadline` passes.
+        silent: what the engine did not do, for the error line."""
+        poller = select.poll()
+        poller.register(self.sock, event)
+        while True:
+            left = deadline.at - time.monotonic()
+            if poller.poll(max(0.0, min(WAIT_TICK_S, left)) * 1e3):
+                return
             if self.proc.poll() is not None:
                 raise self._dead(doing)
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline.at:
                 self.kill()
-                raise EngineError(f"{self.name()} did not answer within {timeout_s:g} s while {doing} "
+                raise EngineError(f"{self.name()} {silent} within {deadline.seconds:g} s while {doing} "
                                   "(rollout.engine_timeout_s); it was killed")
 
     def _dead(self, doing: str) -> EngineError:
@@ -185,17 +250,25 @@ class EngineProcess:
             except (ProcessLookupError, PermissionError):
                 pass
         self.proc.wait()
-        self.conn.close()
+        self.sock.close()
 
-    def stop(self) -> None:
-        """Ask it to exit; killed if it has not within STOP_GRACE_S."""
-        if self.proc.poll() is None:
+
+def stop_all(engines: list[EngineProcess]) -> None:
+    """Ask every engine to exit (Stop), then kill those still running STOP_GRACE_S later: one grace for all, so
+    that hung engines delay the end by STOP_GRACE_S, not by STOP_GRACE_S each. Idempotent."""
+    grace = Deadline.after(STOP_GRACE_S)
+    for e in engines:
+        if e.proc.poll() is None:
             try:
-                send(self.conn, Stop())
-                self.proc.wait(timeout=STOP_GRACE_S)
-            except (OSError, subprocess.TimeoutExpired):
+                e.send(Stop(), "stopping", grace)
+            except EngineError:                     # dead, or not reading: killed already
                 pass
-        self.kill()
+    for e in engines:
+        try:
+            e.proc.wait(timeout=max(0.0, grace.at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        e.kill()
 
 
 # ---- the engine's side ----------------------------------------------------------------------
@@ -205,7 +278,7 @@ def engine_main(fd: int, staging_fd: int) -> None:
     Its start line (EngineProcess) has set PR_SET_PDEATHSIG already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the trainer decides when the engine ends
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(fd)
+    conn = socket.socket(fileno=fd)                 # blocking: the trainer's end holds the deadlines
     start = time.perf_counter()
     try:
         spec = recv(conn)

@@ -201,6 +201,11 @@ def scatter_objects(objects: list | None) -> object:
     return out[0]
 
 
+class PeerError(RuntimeError):
+    """Rank 0 failed with a bug (it shows the traceback) while this rank waited for it at a collective: its one
+    line, raised here too, so that this rank ends (exit 1) instead of waiting for a rank that will not come."""
+
+
 def broadcast_object(value: object) -> object:
     """Rank 0's picklable `value` on every rank."""
     if not dist.is_initialized():

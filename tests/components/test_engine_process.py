@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pspo.engines.hf_engine import HFEngine
-from pspo.engines.process import EngineError, EngineProcess, EngineSpec, Generate, engine_env, stale_rows
+from pspo.engines.process import (Deadline, EngineError, EngineProcess, EngineSpec, Generate, engine_env,
+                                  stale_rows, stop_all)
 from pspo.engines.sampling import sequence_seeds
 from pspo.engines.staging import StagingBuffer, layout, policy_shapes, row_sums, stage, total_bytes
 from pspo.engines.vllm_engine import full_params
@@ -41,11 +42,11 @@ def check_stale(engine: EngineProcess, request: Generate, policy) -> None:
         for p in policy.parameters():
             p.add_(1e-3)
     fresh = {n: row_sums(t) for n, t in full_params(policy.lm)}
-    engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1")
-    kind, version, _, sums = engine.wait_for("loading", 60)
+    engine.send(Generate(**{**request.__dict__, "version": 1}), "generating step 1", Deadline.after(60))
+    kind, version, _, sums = engine.wait_for("loading", Deadline.after(60))
     differ, compared = stale_rows(fresh, sums)
     assert kind == "loaded" and version == 1 and differ == compared > 0
-    engine.wait_for("generating step 1", 60)
+    engine.wait_for("generating step 1", Deadline.after(60))
 
 
 def test_an_engine_is_no_rank_of_the_trainers_group():
@@ -78,14 +79,14 @@ def test_engine_lifecycle(tiny_model_path, gone):
         _, expected = stage(buffer.flat, full_params(policy.lm), entries, sums=True)
         request = Generate(step=0, version=0, entries=entries, prompt_ids=ids, n=2, temperature=0.7, top_p=1.0,
                            max_new_tokens=16, seeds=seeds, check=True)
-        kind, pid, _ = engine.wait_for("starting", 120)
+        kind, pid, _ = engine.wait_for("starting", Deadline.after(120))
         assert (kind, pid) == ("ready", engine.pid)
-        engine.send(request, "generating step 0")
-        kind, version, load_s, sums = engine.wait_for("loading", 60)
+        engine.send(request, "generating step 0", Deadline.after(60))
+        kind, version, load_s, sums = engine.wait_for("loading", Deadline.after(60))
         assert (kind, version) == ("loaded", 0) and load_s > 0
         assert stale_rows(expected, sums) == (0, sum(len(s) for n, s in expected.items() if n in sums))
         assert stale_rows(expected, sums)[1] > 0
-        kind, step, version, theirs, gen_s, idle_s = engine.wait_for("generating step 0", 60)
+        kind, step, version, theirs, gen_s, idle_s = engine.wait_for("generating step 0", Deadline.after(60))
         assert (kind, step, version) == ("rollout", 0, 0) and gen_s > 0 and idle_s >= 0
         # the engine's copy generates exactly what the trainer's policy does: the weights arrived bit for bit
         for a, b in ((mine.completion_ids, theirs.completion_ids), (mine.mask, theirs.mask),
@@ -93,18 +94,18 @@ def test_engine_lifecycle(tiny_model_path, gone):
             assert torch.equal(a, b)
         assert mine.texts == theirs.texts
         # the same request again: no load (the version is held), the same rollout
-        engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again")
-        again = engine.wait_for("generating step 0 again", 60)
+        engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again", Deadline.after(60))
+        again = engine.wait_for("generating step 0 again", Deadline.after(60))
         assert again[0] == "rollout" and torch.equal(again[3].logprobs, theirs.logprobs)
         # stale: the trainer moves to θ_1, the request says version 1, but the buffer was not written
         stage(None, full_params(policy.lm), entries)            # rank 0 skipped: nothing reaches the buffer
         check_stale(engine, request, policy)
         # raising: a token id past the vocabulary -> the engine's own line, then it is gone
         bad = Generate(**{**request.__dict__, "version": 1, "check": False, "prompt_ids": [[10**6]]})
-        engine.send(bad, "generating step 2")
+        engine.send(bad, "generating step 2", Deadline.after(60))
         start = time.monotonic()
         with pytest.raises(EngineError) as e:
-            engine.wait_for("generating step 2", 60)
+            engine.wait_for("generating step 2", Deadline.after(60))
         line = str(e.value)
         assert line.startswith(f"rollout.engines: engine 0 (pid {engine.pid}) failed while generating step 2: ")
         assert "\n" not in line and "Error" in line
@@ -127,12 +128,12 @@ def test_engine_killed_or_hung_is_one_line_within_seconds(tiny_model_path, gone)
         start = time.monotonic()
         with pytest.raises(EngineError, match=rf"^rollout.engines: engine 0 \(pid {killed.pid}\) was killed by "
                                               r"SIGKILL while starting$"):
-            killed.wait_for("starting", 60)
+            killed.wait_for("starting", Deadline.after(60))
         assert time.monotonic() - start < 2 and gone(killed.pid)
         start = time.monotonic()
         with pytest.raises(EngineError, match=r"engine 1 .* did not answer within 1.5 s while starting "
                                               r"\(rollout.engine_timeout_s\); it was killed$"):
-            hung.wait_for("starting", 1.5)
+            hung.wait_for("starting", Deadline.after(1.5))
         assert time.monotonic() - start < 3 and gone(hung.pid)
     finally:
         killed.kill()
@@ -194,13 +195,13 @@ def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_s
         _, expected = stage(buffer.flat, full_params(policy.lm), entries, sums=True)
         request = Generate(step=0, version=0, entries=entries, prompt_ids=ids, n=2, temperature=0.7, top_p=1.0,
                            max_new_tokens=16, seeds=seeds, check=True)
-        assert engine.wait_for("starting", 240)[0] == "ready"
-        engine.send(request, "generating step 0")
-        kind, version, load_s, sums = engine.wait_for("loading", 120)
+        assert engine.wait_for("starting", Deadline.after(240))[0] == "ready"
+        engine.send(request, "generating step 0", Deadline.after(60))
+        kind, version, load_s, sums = engine.wait_for("loading", Deadline.after(120))
         differ, compared = stale_rows(expected, sums)
         # held on vLLM's CPU backend: the embedding (vocab rows), norms; its packed linear weights are not
         assert (kind, version, differ) == ("loaded", 0, 0) and compared >= policy.lm.config.vocab_size
-        kind, step, version, theirs, gen_s, _ = engine.wait_for("generating step 0", 120)
+        kind, step, version, theirs, gen_s, _ = engine.wait_for("generating step 0", Deadline.after(120))
         assert (kind, step, version) == ("rollout", 0, 0) and theirs.mask.sum() > 0
         # its log-probs are the staged policy's (float32 kernels: ~1e-6 apart), far from the base model's, whose
         # every weight differs by ~2e-2: the packed linear weights were loaded too
@@ -214,13 +215,13 @@ def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_s
                 gaps.append(float(((logp - theirs.logprobs).abs() * theirs.mask).max()))
         assert gaps[0] < 1e-4 < 1e-2 < gaps[1], gaps
         # the same request again: the same completions (per-request seeds)
-        engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again")
-        again = engine.wait_for("generating step 0 again", 60)
+        engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again", Deadline.after(60))
+        again = engine.wait_for("generating step 0 again", Deadline.after(60))
         assert torch.equal(again[3].completion_ids, theirs.completion_ids)
         assert torch.equal(again[3].logprobs, theirs.logprobs)
         # stale: the trainer moves to θ_1, the request says version 1, but the buffer was not written
         check_stale(engine, request, policy)
-        engine.stop()
+        stop_all([engine])
     finally:
         engine.kill()
         buffer.close()
