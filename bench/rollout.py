@@ -27,7 +27,10 @@ per-row budgets.
 Each engine makes its first call (the warm-up; with compile, the compile) and its first timed call
 before the next engine starts, the further --repeats calls taking turns; --json is rewritten after
 every call with what is measured so far (a run stopped during one engine keeps the engines before
-it). Columns: the first call, then the median over --repeats calls: completion tokens per second
+it). --warmup-tokens N cuts `static-full`'s first call to N new tokens a row: a loop of one shape
+(every row to the end, the whole cache) compiles and records its CUDA graph in its first steps,
+while the length-aware loops meet their shapes (windows, row buckets) only along the whole length.
+Columns: the first call, then the median over --repeats calls: completion tokens per second
 (tokens up to and including the stop token, or up to the row's budget), ms per decoding step (call
 time / columns generated, the prefill included), the cache positions a static loop's step attends
 over (rows x window, averaged over its steps), the rows whose tokens equal the first engine's, and on CUDA the peak
@@ -210,6 +213,8 @@ def main(argv: list[str]) -> None:
                          "[10, max new tokens], the recipe's completion lengths; static engines only)")
     ap.add_argument("--json", default="", help="also write the figures to this JSON file (after each call: "
                     "what is measured so far)")
+    ap.add_argument("--warmup-tokens", type=int, default=0, help="static-full's first call decodes at most this "
+                    "many new tokens a row (0: its whole budgets): its one shape compiles in the first steps")
     args = ap.parse_args(argv)
     error = lengths_error(args.lengths, args.engines, args.max_new_tokens)
     if error:
@@ -255,7 +260,8 @@ def main(argv: list[str]) -> None:
         def run(name: str) -> dict:
             """An engine's figures so far: its first call, and its timed calls' once one has run."""
             r = {"engine": name, "max_new_tokens": max_new, "first_call_s": first[name],
-                 "peak_gib": peaks[name] if device == "cuda" else None, **graphs[name]}
+                 "first_call_max_new_tokens": warm_new(name), "peak_gib": peaks[name] if device == "cuda" else None,
+                 **graphs[name]}
             if name not in outs:
                 return r
             (ids, mask), seconds = outs[name], statistics.median(times[name])
@@ -267,6 +273,10 @@ def main(argv: list[str]) -> None:
                         cache_positions_per_step=positions / steps if name in reads else None,
                         rows_equal=sum(a[m].tolist() == b[mb].tolist()
                                        for a, m, b, mb in zip(ids, mask, ref_ids, ref_mask)))
+
+        def warm_new(name: str) -> int:
+            """The new tokens of an engine's first call: --warmup-tokens for static-full, else max_new."""
+            return min(max_new, args.warmup_tokens) if name == "static-full" and args.warmup_tokens else max_new
 
         def measured(name: str) -> None:
             """Write what is measured so far (--json): a section stopped later keeps it."""
@@ -282,7 +292,9 @@ def main(argv: list[str]) -> None:
                     if device == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     before = compile_counts()
-                    first[name] = timed(engine, prompts, args.n, max_new, 0, budgets)[0]
+                    warm = warm_new(name)
+                    first[name] = timed(engine, prompts, args.n, warm, 0,
+                                        None if budgets is None else budgets.clamp(max=warm))[0]
                     graphs[name] = {"compiles": compile_counts()["graphs"] - before["graphs"],
                                     "skips": compile_counts()["skips"] - before["skips"], "recompiles": 0}
                     peaks[name] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0

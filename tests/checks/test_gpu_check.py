@@ -1,7 +1,9 @@
 """The GPU check (bench/gpu_check.py, scripts/gpu_check.sh, bench/child_process.py): its default run fits
-one lent GPU's 8-minute command, its dry run plans every section at an H100's memory, it refuses a machine
-it cannot run on in one line, a section's processes all stop with it, one section's failure leaves the
-others running, and its summary reads the figures the sections write. The sections themselves run on a
+one lent GPU's 8-minute command with every section's cold estimate within its limit, the loop under test
+before what it is compared with, a slow model build waited for by each section until its own deadline;
+its dry run plans every section at an H100's memory, it refuses a machine it cannot run on in one line,
+a section's processes all stop with it, one section's failure leaves the others running, and its summary
+reads the figures the sections write. The sections themselves run on a
 GPU only; `--small` rehearses them on CPU."""
 import importlib.util
 import json
@@ -33,24 +35,61 @@ def running(pid: int) -> bool:
 
 def test_the_default_run_fits_one_gpu_slot():
     """The dry run prints the budget of the default run (the wheels, the start, the build beside the smoke
-    test, each section's limit) and it is at most 8 minutes; the headline sections run in priority order."""
+    test, each section's cold estimate, limit and margin) and it is at most 8 minutes; the headline sections
+    run in priority order."""
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     total = int(re.search(r"in all (\d+) s: fits in 8 minutes \(480 s\)", proc.stdout).group(1))
     assert total <= 480 and total == gpu_check.budget_s(gpu_check.DEFAULT)
     assert gpu_check.DEFAULT == ["smoke", "numerics", "update", "decode", "recipe", "trl"]
-    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| (\d+) \|$", proc.stdout, re.M)
-    steps = [step.strip() for step, _, _ in rows]
-    assert steps[:3] == ["wheels: pip install --no-index --target (docs/gpu.md#wheels)",
-                         "start-up: Python, torch, the environment", "build qwen15 (in the background)"]
-    assert steps[3:9] == gpu_check.DEFAULT and int(rows[-1][2]) == total
-    # the sections that load the model start after the build's limit: build 50 s from the start-up's end
-    ends = {step.strip(): int(end) for step, _, end in rows}
+    rows = re.findall(r"^\| ([^|]+) \| (-|\d+) \| (\d+) \| (-|-?\d+) \| (\d+) \|$", proc.stdout, re.M)
+    table = {step.strip(): (cold, int(limit), margin, int(end)) for step, cold, limit, margin, end in rows}
+    assert list(table)[:3] == ["wheels: pip install --no-index --target (docs/gpu.md#wheels)",
+                               "start-up: Python, torch, the environment", "build qwen15 (in the background)"]
+    assert list(table)[3:9] == gpu_check.DEFAULT and rows[-1][4] == str(total)
+    # each estimated step: its margin printed is its limit less its cold estimate, and none is negative
+    for step in [gpu_check.BUILD_STEP] + gpu_check.DEFAULT:
+        cold, limit, margin, _ = table[step]
+        assert int(margin) == limit - int(cold) >= 0, step
+    assert "every estimate within its limit: the smallest margin 5 s" in proc.stdout
+    # the sections that load the model start after the build's slot: build 36 s from the start-up's end
+    ends = {step: end for step, (_, _, _, end) in table.items()}
     assert ends["numerics"] == ends["build qwen15 (in the background)"] + gpu_check.BY_NAME["numerics"].limit_s
     for name in gpu_check.DEFAULT:
-        assert f"[{name}] default, limit" in proc.stdout and "sized from:" in proc.stdout
+        s = gpu_check.BY_NAME[name]
+        assert f"[{name}] default, limit {s.limit_s} s (cold estimate {s.cold_s} s, margin " in proc.stdout
+        assert "sized from:" in proc.stdout
     assert "every plan fits on one GPU of 79.2 GiB" in proc.stdout
+
+
+def test_every_default_section_holds_its_cold_estimate_with_a_margin():
+    # a bare machine, compile caches cold: each default section's estimate (its parts in `estimate`, whose
+    # sum is cold_s) fits its limit with at least 5 s to spare, so that every headline figure is written;
+    # the build's slot too, and the smoke test beside the build ends within the build's slot
+    for name in gpu_check.DEFAULT:
+        s = gpu_check.BY_NAME[name]
+        assert s.cold_s is not None and f"{s.cold_s} s" in s.estimate, name      # the text states the sum
+        assert s.limit_s - s.cold_s >= 5, f"{name}: limit {s.limit_s} s, cold estimate {s.cold_s} s"
+    assert gpu_check.BUILD_S - gpu_check.BUILD_COLD_S >= 5
+    assert gpu_check.BY_NAME["smoke"].limit_s <= gpu_check.BUILD_S
+    # the margins as the schedule gives them: 6 (build), 15 (smoke), 6, 6, 7, 7, 5
+    margins = {slot.step: slot.margin_s for slot in gpu_check.schedule(gpu_check.DEFAULT)}
+    assert [margins[n] for n in [gpu_check.BUILD_STEP] + gpu_check.DEFAULT] == [6, 15, 6, 6, 7, 7, 5]
+    assert margins["start-up: Python, torch, the environment"] is None and margins["stop, last summary"] is None
+
+
+def test_the_loop_under_test_runs_before_what_it_is_compared_with():
+    # decode: the engine's length-aware loop (static) first, so a section cut short keeps its figures, then
+    # the whole-cache loop it replaced (static-full), whose first call is cut to its one shape's compile;
+    # the recipe's train.py before TRL's
+    ctx = gpu_check.Context(out="OUT", models="M", runs="R", small=False)
+    argv = gpu_check.commands(gpu_check.BY_NAME["decode"], ctx)[0].argv
+    engines = argv[argv.index("--engines") + 1:argv.index("--engines") + 3]
+    assert engines == ["static", "static-full"] and argv[argv.index("--engines") + 3].startswith("--")
+    assert argv[argv.index("--warmup-tokens") + 1] == "32" and argv[argv.index("--repeats") + 1] == "1"
+    assert argv[argv.index("--max-new-tokens") + 1] == "3584" and argv[argv.index("--cache-len") + 1] == "4096"
+    assert gpu_check.DEFAULT.index("recipe") < gpu_check.DEFAULT.index("trl")
 
 
 def test_the_docs_device_command_gives_the_check_its_budget():
@@ -66,18 +105,39 @@ def test_the_docs_device_command_gives_the_check_its_budget():
     assert gpu_check.budget_s(gpu_check.DEFAULT) - gpu_check.WHEELS_S <= timeout
 
 
+def test_the_docs_budget_table_is_the_dry_runs(capsys):
+    # docs/gpu.md's table of the default run: the same estimates, limits, margins and ends, in the same order
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        docs = f.read()
+    section = docs[docs.index("**The budget** of the default run"):docs.index("**The estimates.**")]
+    number = r"(-|-?\d+)"
+    documented = re.findall(rf"^\| [^|]+ \| {number} \| {number} \| {number} \| {number} \|$", section, re.M)
+    gpu_check.dry_run(gpu_check.DEFAULT, gpu_check.H100_GIB)
+    printed = re.findall(rf"^\| [^|]+ \| {number} \| {number} \| {number} \| {number} \|$",
+                         capsys.readouterr().out, re.M)
+    assert documented == printed and len(printed) == 10
+
+
 def test_a_budget_over_8_minutes_says_so(monkeypatch, capsys):
-    # smoke 40 + numerics 35 + update 70 + decode 145 + recipe 100 + trl 55 = 445, + 10 + 8 + 7 + the build's
-    # 5 s beyond the smoke's 40 = 475; one more minute for the update makes 535 > 480
+    # the wheels 10 + the start-up 8 + the build's slot 36 (the smoke test's 35 beside it) + numerics 30 +
+    # update 67 + decode 146 + recipe 116 + trl 55 + the stop 7 = 475; one more minute for the update makes 535
     assert gpu_check.budget_s(gpu_check.DEFAULT) == 475
-    slow = gpu_check.dataclasses.replace(gpu_check.BY_NAME["update"], limit_s=130)
+    slow = gpu_check.dataclasses.replace(gpu_check.BY_NAME["update"], limit_s=127)
     monkeypatch.setitem(gpu_check.BY_NAME, "update", slow)
     assert gpu_check.budget_s(gpu_check.DEFAULT) == 535
     gpu_check.dry_run(["update"], gpu_check.H100_GIB)
-    assert "in all 200 s: fits" in capsys.readouterr().out          # 10 + 8 + 45 + 130 + 7, alone
+    out = capsys.readouterr().out
+    assert "in all 188 s: fits" in out                              # 10 + 8 + 36 + 127 + 7, alone
+    assert "| update | 61 | 127 | 66 | 181 |" in out                 # estimate, limit, margin, ends by 10 + 8 + 36 + 127
     monkeypatch.setattr(gpu_check, "plan_case", lambda case, gib: (1.0, True, "fits"))
     gpu_check.dry_run(gpu_check.DEFAULT, gpu_check.H100_GIB)
     assert "in all 535 s: does NOT fit in 8 minutes" in capsys.readouterr().out
+    # an estimate over its limit is said with the section and by how much: decode's 139 s in 130 s
+    monkeypatch.setitem(gpu_check.BY_NAME, "decode", gpu_check.dataclasses.replace(gpu_check.BY_NAME["decode"],
+                                                                                   limit_s=130))
+    gpu_check.dry_run(["decode"], gpu_check.H100_GIB)
+    out = capsys.readouterr().out
+    assert "| decode | 139 | 130 | -9 |" in out and "estimates over their limit: decode (-9 s)" in out
 
 
 def test_the_dry_run_plans_every_section_within_an_h100(capsys):
@@ -288,6 +348,60 @@ def test_an_exception_in_one_section_is_recorded_and_the_next_runs(tmp_path, mon
     assert "broken: error: RuntimeError: a bug in this section's commands" in summary["not_measured"]
 
 
+def built_in_background(tmp_path, monkeypatch, code: str, limit: float):
+    """A Build of the 1.5B whose child runs `code` (format fields: {path}, the model's folder) under the
+    limit and cancel the real build gets, with a context whose sections load that model."""
+    ctx = small_context(tmp_path, monkeypatch, {"early": [sys.executable, "-c", "print('early ran')"],
+                                                "late": [sys.executable, "-c", "print('late ran')"]})
+    os.rmdir(ctx.model(gpu_check.QWEN15))                        # not built yet
+
+    def build_model(m, ctx_, log, limit_, cancel=None, echo=True):
+        argv = [sys.executable, "-c", code.format(path=ctx_.model(m))]
+        return child_process.run_child(argv, log, limit_, cancel=cancel, echo=echo)
+    monkeypatch.setattr(gpu_check, "build_model", build_model)
+    return ctx, gpu_check.Build(gpu_check.QWEN15, ctx, limit)
+
+
+def test_a_slow_build_is_waited_for_until_each_sections_own_deadline(tmp_path, monkeypatch):
+    # the build takes over 2 s: a section with 1 s left says the model is still building and ends at its own
+    # deadline; the next, with 30 s, waits for the build and runs; nothing gives the build up early
+    ctx, build = built_in_background(tmp_path, monkeypatch, "import os, time; time.sleep(2); os.makedirs({path!r})",
+                                     60)
+    early = gpu_check.Section("early", "loads the model", 30, True, models=(gpu_check.QWEN15,))
+    late = gpu_check.Section("late", "loads the model", 30, True, models=(gpu_check.QWEN15,))
+    start = time.monotonic()
+    gpu_check.run_section(early, ctx, 79.2, 1.0, build)
+    assert time.monotonic() - start < 2.0
+    gpu_check.run_section(late, ctx, 79.2, 30, build)
+    sections = json.loads((tmp_path / "summary.json").read_text())["sections"]
+    assert sections["early"]["status"] == ("model qwen15 not built by this section's deadline (still building; "
+                                           "build-qwen15.log)")
+    assert sections["late"]["status"] == "ok" and "late ran" in (tmp_path / "late.log").read_text()
+    assert 0.5 <= sections["early"]["build_wait_s"] <= 1.0 and sections["late"]["build_wait_s"] < 28
+    assert build.status == "ok" and os.path.isdir(ctx.model(gpu_check.QWEN15))
+    assert "early ran" not in (tmp_path / "early.log").read_text()
+
+
+def test_a_failed_build_is_said_at_once_by_each_section_that_loads_it(tmp_path, monkeypatch):
+    ctx, build = built_in_background(tmp_path, monkeypatch, "import sys; sys.exit(3)", 60)
+    late = gpu_check.Section("late", "loads the model", 30, True, models=(gpu_check.QWEN15,))
+    start = time.monotonic()
+    gpu_check.run_section(late, ctx, 79.2, 30, build)
+    assert time.monotonic() - start < 20                          # not its whole 30 s
+    status = json.loads((tmp_path / "summary.json").read_text())["sections"]["late"]["status"]
+    assert status == "model qwen15 not built (exit 3; build-qwen15.log)"
+
+
+def test_the_build_may_run_until_the_last_section_that_loads_it_ends():
+    # not until its own slot (36 s after the start-up): a build past it costs numerics' time, not every section
+    ends = {slot.step: slot.ends_s for slot in gpu_check.schedule(gpu_check.DEFAULT)}
+    assert gpu_check.build_ends_s(gpu_check.DEFAULT) == ends["trl"] == 458
+    assert ends[gpu_check.BUILD_STEP] == 8 + 36
+    numerics_only = {slot.step: slot.ends_s for slot in gpu_check.schedule(["smoke", "numerics", "prm"])}
+    assert gpu_check.build_ends_s(["smoke", "numerics", "prm"]) == numerics_only["numerics"]
+    assert gpu_check.build_ends_s(["smoke", "prm"]) is None
+
+
 def killed_child(tmp_path, script: str, patch: str, argv: list[str]) -> list[str]:
     """A child that runs bench/SCRIPT's main(argv) with `patch` applied first: the patch kills the child
     (SIGKILL: nothing more is written) at some point of its run."""
@@ -298,10 +412,11 @@ def killed_child(tmp_path, script: str, patch: str, argv: list[str]) -> list[str
 
 
 @pytest.mark.slow
-def test_a_decode_child_killed_after_its_first_engine_leaves_that_engines_figures(tmp_path, monkeypatch):
+def test_a_decode_child_killed_after_its_first_engine_leaves_the_loop_under_tests_figures(tmp_path, monkeypatch):
     # bench/rollout.py at a tiny size (a random 2 x 64 Qwen2, 2 prompts x 2, budgets 10-16 in a 64-position
-    # cache): static-full's warm-up and timed call, then the child dies as static's warm-up starts. Its
-    # JSON, written after each call, holds static-full's figures, which the summary reads.
+    # cache), its engines in the section's order: static's warm-up and timed call, then the child dies as
+    # static-full's warm-up starts (a section cut short by its deadline). Its JSON, written after each call,
+    # holds static's figures, the loop under test, which the summary reads.
     patch = textwrap.dedent("""
         timed, seen = bench.timed, []
         def timed_until_the_second_engine(engine, *args):
@@ -312,15 +427,16 @@ def test_a_decode_child_killed_after_its_first_engine_leaves_that_engines_figure
         bench.timed = timed_until_the_second_engine
     """)
     out = str(tmp_path / "decode.json")
-    argv = ["--random", "2,64", "--engines", "static-full", "static", "--prompts", "2", "--n", "2",
-            "--max-new-tokens", "16", "--cache-len", "64", "--lengths", "recipe", "--repeats", "1", "--json", out]
+    argv = ["--random", "2,64", "--engines", *gpu_check.DECODE, "--prompts", "2", "--n", "2", "--max-new-tokens",
+            "16", "--cache-len", "64", "--lengths", "recipe", "--repeats", "1", "--warmup-tokens", "4", "--json", out]
     ctx = small_context(tmp_path, monkeypatch, {"decode": killed_child(tmp_path, "rollout", patch, argv)})
     gpu_check.run_section(gpu_check.BY_NAME["decode"], ctx, 79.2, 120, None)
     section = json.loads((tmp_path / "summary.json").read_text())["sections"]["decode"]
     assert section["status"] == "killed_rollout.py: exit -9", section["status"]
-    [run] = section["figures"]["runs"]                              # static-full's; static never started
-    assert run["engine"] == "static-full" and run["ms_per_step"] > 0 and run["first_call_s"] > 0
-    assert run["rows_equal"] == 4 and run["cache_positions_per_step"] == 4 * 64
+    [run] = section["figures"]["runs"]                              # static's; static-full never started
+    assert run["engine"] == "static" and run["ms_per_step"] > 0 and run["first_call_s"] > 0
+    assert run["rows_equal"] == 4 and run["first_call_max_new_tokens"] == 16     # its whole budgets
+    assert 0 < run["cache_positions_per_step"] < 4 * 64            # windows and compaction: less than the cache
     assert not os.path.exists(out + ".tmp")                       # written whole, then renamed
     assert "| decode | 1 | killed_rollout.py: exit -9 |" in (tmp_path / "summary.md").read_text()
 
@@ -415,11 +531,14 @@ def test_the_summary_reads_what_the_sections_wrote(tmp_path):
                                                       "modes": {"packed": mode}, "profile": profile}))
     (tmp_path / "numerics.json").write_text(json.dumps({"packed_ok": True, "packed_kernel": "varlen",
                                                         "logp_gap_packed_vs_unpacked": [1e-2, 1e-3]}))
-    runs = [{"engine": "static-full", "ms_per_step": 4.5, "tokens_per_s": 9000.0, "first_call_s": 44.0,
-             "compiles": 2, "recompiles": 0, "skips": 0, "rows_equal": 48},
-            {"engine": "static", "ms_per_step": 1.8, "tokens_per_s": 20000.0, "first_call_s": 50.0,
-             "compiles": 6, "recompiles": 0, "skips": 0, "rows_equal": 45}]
-    (tmp_path / "decode.json").write_text(json.dumps({"rows": 48, "cache_len": 4096, "runs": runs}))
+    runs = [{"engine": "static", "ms_per_step": 1.8, "tokens_per_s": 20000.0, "first_call_s": 50.0,
+             "max_new_tokens": 3584, "first_call_max_new_tokens": 3584, "compiles": 6, "recompiles": 0, "skips": 0,
+             "rows_equal": 48},
+            {"engine": "static-full", "ms_per_step": 4.5, "tokens_per_s": 9000.0, "first_call_s": 44.0,
+             "max_new_tokens": 3584, "first_call_max_new_tokens": 32, "compiles": 2, "recompiles": 0, "skips": 0,
+             "rows_equal": 48}]
+    (tmp_path / "decode.json").write_text(json.dumps({"rows": 48, "cache_len": 4096, "reference": "static",
+                                                      "runs": runs}))
     (tmp_path / "recipe.metrics.jsonl").write_text("".join(
         json.dumps({"step": i, "step_time_s": t, "gen_s": 2.0, "reward_s": 0.1, "advantages_s": 1.0,
                     "update_s": 4.0, "peak_mem_gib": 34.6, "peak_reserved_gib": 43.0}) + "\n"
@@ -440,11 +559,30 @@ def test_the_summary_reads_what_the_sections_wrote(tmp_path):
     assert "| packed kernel | varlen |" in md and "1.0e-02 / 1.0e-03" in md
     assert "packed, budget 36864, checkpointing selective" in md and "30.1% / 31,273 / 1.50 / 0.00 / 30.0, 35.0" in md
     assert "attention (flash)" in md and "50% / 20% / 10% / 10% / 10%" in md
-    assert "1.80 / 20,000 / 50.0 / 6, 0, 0 / 45" in md and "| static-full / static ms per step | 2.50 |" in md
+    assert "1.80 / 20,000 / 50.0 / 6, 0, 0 / 48" in md and "| static-full / static ms per step | 2.50 |" in md
     assert "8.0 / 2.0 / 0.1 / 1.0 / 4.0; 34.6, 43.0" in md                    # step 2's split and peaks
     assert "| TRL step 2: step / generate s | 20.0 / 11.0 |" in md
-    assert "| train.py / TRL, last step each (goal <= 0.5) | 8.0 / 20.0 = 0.40 |" in md
+    assert "| train.py / TRL, step 2 each (step 1 left out: train.py's compiles; goal <= 0.5) | 8.0 / 20.0 = " \
+           "0.40 |" in md
+    assert "| static-full, 48 rows, cache 4096: ms/step / tok/s / first call s / compiles, recompiles, graph " \
+           "skips / rows equal to static's | 4.50 / 9,000 / 44.0 (32 tokens) / 2, 0, 0 / 48 |" in md
     assert "- vLLM's ms per step: vLLM is not installed" in md
+
+
+def test_train_py_and_trl_are_compared_on_their_second_step_only():
+    # the recipe stopped after its step 1 (50 s, the compiles): no ratio against TRL's step 2 (20 s), which
+    # would be 2.50; with both second steps (8 s, 20 s): 8 / 20 = 0.40, step 1's 50 s and 30 s left out
+    trl = {"status": "ok", "figures": {"times": [30.0, 20.0], "gen_s": [12.0, 11.0]}}
+    recipe = {"status": "timed out", "figures": {"steps": [{"step_time_s": 50.0}]}}
+    rows = dict(gpu_check.key_figures("trl", trl["figures"], {"sections": {"recipe": recipe, "trl": trl}}))
+    ratio = "train.py / TRL, step 2 each (step 1 left out: train.py's compiles; goal <= 0.5)"
+    assert rows[ratio] == "not measured: train.py logged 1 step(s), TRL 2"
+    recipe["figures"]["steps"].append({"step_time_s": 8.0})
+    rows = dict(gpu_check.key_figures("trl", trl["figures"], {"sections": {"recipe": recipe, "trl": trl}}))
+    assert rows[ratio] == "8.0 / 20.0 = 0.40"
+    trl["figures"]["times"] = [30.0]                                 # TRL stopped after its first step
+    rows = dict(gpu_check.key_figures("trl", trl["figures"], {"sections": {"recipe": recipe, "trl": trl}}))
+    assert rows[ratio] == "not measured: train.py logged 2 step(s), TRL 1"
 
 
 def test_the_async_section_runs_sync_then_async_on_one_workload_and_sets_them_side_by_side(tmp_path):
@@ -466,7 +604,9 @@ def test_the_async_section_runs_sync_then_async_on_one_workload_and_sets_them_si
                    "figures": gpu_check.figures(gpu_check.BY_NAME["async"], ctx)}}}
     md = gpu_check.markdown(ctx.summary)
     assert "| 10.0 / 7.0; 1.00 / 5.50 / 0.50 / 0.80 / 0.40, 3090, 0 |" in md
-    assert "| async / sync step s, last step each | 7.0 / 10.0 = 0.70 |" in md
+    assert "| async / sync step s, step 2 each | 7.0 / 10.0 = 0.70 |" in md
+    ctx.summary["sections"]["async"]["figures"]["steps"].pop()       # the async run stopped after its step 1
+    assert "async / sync step s" not in gpu_check.markdown(ctx.summary)    # not its step 1 beside sync's step 2
 
 
 def test_calls_into_one_out_add_up_each_with_its_environment(tmp_path, monkeypatch):
@@ -508,7 +648,9 @@ def test_the_small_rehearsal_runs_the_default_sections(tmp_path):
     assert status["update"] == status["decode"] == "ok", status
     update = summary["sections"]["update"]["figures"]
     assert update["against_eager"]["update_s"] > 0 and update["modes"][update["against_eager"]["mode"]]["update_s"] > 0
-    assert [r["engine"] for r in summary["sections"]["decode"]["figures"]["runs"]] == ["static-full", "static"]
+    runs = summary["sections"]["decode"]["figures"]["runs"]
+    assert [r["engine"] for r in runs] == ["static", "static-full"]
+    assert [r["first_call_max_new_tokens"] for r in runs] == [16, 4]          # static-full: its one shape
     if importlib.util.find_spec("trl") is None:
         assert status["trl"] == "skipped: needs trl (docs/gpu.md#wheels)"
     else:
