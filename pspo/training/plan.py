@@ -21,15 +21,26 @@ whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GP
   KV cache (2 x layers x KV heads x head_dim x 2 B in bf16 or 4 B in float32, per position) at the
   largest shape the run asks for: rows bucketed (tokens.bucket) up to rollout.batch_size, positions a
   multiple of data.max_prompt_tokens + rollout.max_new_tokens (`static_cache_shape`, over the step's
-  generate calls and the evaluation's), and with model.bf16 its bf16 weight copies (2 B x parameters);
-  generation adds the sampler's working set of the rows in flight (`step_shape`: G per prompt,
+  generate calls and the evaluation's), and with model.bf16 its twin's bf16 copies of the linear
+  layers (2 B x `Arch.linear_params`); generation adds its working set (`decode_bytes`: the prefill's
+  top-layer MLP or the sampler's step, the larger) for the rows in flight (`step_shape`: G per prompt,
   and SPO's continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for
   SPO-chain, in chunks of rollout.batch_size rows);
 - transformers over N > 1 GPUs (`generate` on the sharded policy, dynamic cache): the KV cache and
-  sampler working set of the rows in flight in the step's largest generate call, autocast's bf16
-  weight copies and the gathered FSDP2 parameters, during generation;
+  working set of the rows in flight in the largest generate call, autocast's bf16 weight copies and
+  the gathered FSDP2 parameters, during generation;
+- rollout.mode=async (`engine_placement`): engine processes on rollout.engine_gpus, one each, or all
+  on GPU 0 beside trainer rank 0 when it is empty; every GPU the run places something on is planned
+  (`Plan.others`, `Plan.where`). An engine generates during the update too, so it counts in both
+  phases: vLLM its share each; an hf engine its own model copy, its twin's bf16 copies, its KV cache
+  and working set at its slice of the step (`engine_call`), its allocator's cache and
+  ENGINE_OVERHEAD_GIB (`engine_rows`). The trainer generates no training rollout; it evaluates with
+  the transformers engine on the policy, whose decoder is built at its first call, so it is counted
+  only when the run evaluates (data.eval: `eval_calls`), and it stages the weights at each launch
+  (`staging_rows`: a gathered tensor under FSDP2, the sync check's row sums);
 - the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
-  larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
+  larger phase's PyTorch tensors (vLLM's share, the engine processes' and the constant below left
+  out: each engine process has its own allocator, planned in its rows). It rounds every
   block up (512 B below 1 MiB), keeps freed blocks cached for reuse, and the blocks of one step vary
   in size (micro-batches of other lengths, the log-prob blocks), so segments hold holes no later
   request fits; a block cached in the update is still reserved in the next generation (only a waking
@@ -42,13 +53,15 @@ whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GP
 - OVERHEAD_GIB for the CUDA context and NCCL, outside PyTorch's allocator.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
 were freed by zero_grad(set_to_none)) or update (all training state, the micro-batch's peak moment,
-vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach.
+vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach
+in the trainer's process.
 
 Attention assumed: flash kernels (varlen for packed rows, sdpa's flash or cuDNN kernels unpacked:
 the update runs without a mask, model.py), which keep q, k, v, the output and the log-sum-exp, no
 (heads x s x s) matrix; the KV heads counted repeated to every head, as varlen attention without a GQA
 switch needs (an upper bound elsewhere). tests/components/test_plan.py checks each count against what
-a real-width Qwen2 layer keeps on CPU, and the whole update's peak against a measured one.
+a real-width Qwen2 layer keeps on CPU, the whole update's peak against a measured one, and an hf engine
+process's rows, the evaluation engine's and the staging's against what they allocate.
 """
 from __future__ import annotations
 
