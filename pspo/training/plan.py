@@ -400,22 +400,22 @@ def static_cache_bytes(a: Arch, rows: int, length: int, bf16: bool) -> int:
     return kv_bytes_per_token(a, 2 if bf16 else 4) * rows * (length + SPARE)
 
 
-def decode_bytes(a: Arch, rows: int, width: int, new_tokens: int, bf16: bool) -> int:
+def decode_bytes(a: Arch, rows: int, width: int, new_tokens: int, bf16: bool, lora: bool = False) -> int:
     """What the transformers engine's loop (decode.py) allocates while it generates, beside the weights and the
     KV cache: `rows` rows of `width` padded input tokens and up to `new_tokens` new ones, at the larger of its
     two moments (measured on CPU by tests/components/test_plan.py), plus what it keeps for the call's end.
     - the prefill, in the top layer's MLP: per input token four float32 (H,) hidden states (the embeddings,
       the layer's input, the residual after attention, the normalized input: 16H), RoPE's cos and sin in
       float32 (8 x head_dim), the MLP's activation, up projection and their product (3 x I, in bf16 under
-      model.bf16, else float32), the prefill mask's row (W bools) and the int64 copies of the ids, the
+      model.bf16, else float32; under LoRA a fourth, the adapter's output before it is added in), the prefill mask's row (W bools) and the int64 copies of the ids, the
       mask and the positions (5 x 8); and once its causal and diagonal (W, W) masks (2 W^2 bools);
     - a decoding step: the sampler's SAMPLER_BLOCKS float32 (vocab,) blocks per row and the vocabulary's
       hash keys (8 B x vocab);
     - kept for the call: per row its new tokens (int64) and their log-probs (float32), 12 B each, and its
       key mask over the cache (bools) and about 16 int64 (positions, order, budgets, seeds, draws: 128); a few
       int64 scalars (64)."""
-    w = 2 if bf16 else 4
-    prefill = rows * width * (16 * a.hidden + 8 * a.head_dim + 3 * w * a.intermediate + width + 40) + 2 * width**2
+    w, mlp = 2 if bf16 else 4, 4 if lora else 3
+    prefill = rows * width * (16 * a.hidden + 8 * a.head_dim + mlp * w * a.intermediate + width + 40) + 2 * width**2
     step = rows * SAMPLER_BLOCKS * 4 * a.vocab + 8 * a.vocab
     return max(prefill, step) + rows * (12 * new_tokens + width + new_tokens + SPARE + 128) + 64
 
@@ -749,11 +749,11 @@ def policy_engine_rows(cfg: Config, a: Arch, calls: list[GenerateCall], *, gpus:
     generation: the KV cache of the rows in flight at their longest (fp32 K after RoPE, 6 or 8 B a value),
     its working set, autocast's bf16 weight copies and the gathered FSDP2 parameters; the largest call counts.
     key: the rows' key prefix; what: their descriptions'."""
-    m, r = cfg.model, cfg.rollout
+    m, r, lora = cfg.model, cfg.rollout, cfg.model.lora.rank > 0
     if gpus > 1:
         per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
         cost, batch, longest = max((n * c.longest * per_token + decode_bytes(a, n, c.width, c.longest - c.width,
-                                                                               m.bf16), n, c.longest)
+                                                                               m.bf16, lora), n, c.longest)
                                    for c, n in ((c, rows_in_flight(c, r.batch_size)) for c in calls))
         work = (2 * a.params if m.bf16 else 0) + 4 * (a.root_params + 2 * a.layer_params)
         return [(f"{key}generate", f"{what}generate: KV of {batch} x {longest} tokens, bf16 weight copies, "
@@ -761,13 +761,13 @@ def policy_engine_rows(cfg: Config, a: Arch, calls: list[GenerateCall], *, gpus:
     cache_rows, length = static_cache_shape(cfg, calls)
     rows = [(f"{key}kvcache", f"{what}static KV cache, {cache_rows} x {length} positions ({2 if m.bf16 else 4} B), "
              "kept", static_cache_bytes(a, cache_rows, length, m.bf16), "both")]
-    if m.bf16 and m.lora.rank > 0:           # the base is bf16 already: the decoder shares it
+    if m.bf16 and lora:                      # the base is bf16 already: the decoder shares it
         rows.append((f"{key}copies", f"{what}the decoder's bf16 copies of the adapters, kept",
                      2 * lora_params(a, m.lora), "both"))
     elif m.bf16:
         rows.append((f"{key}copies", f"{what}the decoder's bf16 copies of the linear layers, kept",
                      2 * a.linear_params, "both"))
-    work, batch, width = max((decode_bytes(a, n, c.width, c.longest - c.width, m.bf16), n, c.width)
+    work, batch, width = max((decode_bytes(a, n, c.width, c.longest - c.width, m.bf16, lora), n, c.width)
                              for c, n in ((c, bucket(rows_in_flight(c, r.batch_size), r.batch_size)) for c in calls))
     rows.append((f"{key}generate", f"{what}decoding: prefill {batch} x {width} tokens / sampler {batch} rows x vocab",
                  work, phase))

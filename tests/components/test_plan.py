@@ -522,17 +522,20 @@ def prompts(count: int, width: int) -> list[list[int]]:
     return [[5 + (i + j) % 300 for j in range(width)] for i in range(count)]
 
 
-@pytest.mark.parametrize("bf16, width", [(True, 16), (False, 16), (False, 1)])
-def test_engine_rows_against_what_an_hf_engine_process_allocates(tiny_model_path, bf16, width):
+@pytest.mark.parametrize("bf16, width, lora", [(True, 16, 0), (False, 16, 0), (False, 1, 0), (False, 16, 4),
+                                               (True, 16, 4)])
+def test_engine_rows_against_what_an_hf_engine_process_allocates(tiny_model_path, bf16, width, lora):
     # An hf engine process's server (engines/process.py: _HFServer, as the engine process builds it, on CPU) and
     # its first request, the step's 4 prompts x G 3 = 12 rows of 24 new tokens: its model (the parameters' and
     # buffers' storages), then what the request allocates (its twin's bf16 copies, built at the first call, the
     # KV cache, the decoding's working set: LiveBytes, the peak). The plan's engine rows against them, within the
-    # sync plan's margin (1.0-1.1 x): measured 1.0001 (prefill), 1.0001 (float32) and 1.00003 (1-token prompts:
-    # the sampler's step is the larger moment).
-    cfg = tiny_engine_config(width, 24, bf16)
+    # sync plan's margin (1.0-1.1 x): measured 1.0001 (prefill), 1.0001 (float32), 1.00003 (1-token prompts:
+    # the sampler's step is the larger moment); LoRA rank 4, a base and float32 adapters (the twin copies these):
+    # 1.0001, and 1.07 with a bf16 base, whose residual stream is bf16 where the plan counts float32.
+    cfg = tiny_engine_config(width, 24, bf16, f"--model.lora.rank={lora}")
     spec = EngineSpec(kind="hf", model_path=tiny_model_path, trust_remote_code=False, max_len=width + 24,
-                      batch_size=12, compile=False, lora=None, bf16=bf16, seed=0, gpu_memory_utilization=0.3, threads=1)
+                      batch_size=12, compile=False, lora=cfg.model.lora if lora else None, bf16=bf16, seed=0,
+                      gpu_memory_utilization=0.3, threads=1)
     server = _HFServer(spec, mmap.mmap(-1, 4096))
     lm = server.engine.model.lm
     model = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
