@@ -256,7 +256,9 @@ def plan_commands(tmp_path_factory, forked_commands) -> tuple[dict[str, dict], s
     out = str(tmp / "run")
     cases = {"recipe": ["--gpu_gib=1", f"--train.output_dir={out}"],
              "bad path": ["--model.name_or_path=/no/such/model"],
-             "70B": ["--model.name_or_path=meta-llama/Llama-3.1-70B"]}
+             "70B": ["--model.name_or_path=meta-llama/Llama-3.1-70B"],
+             "async": ["--gpus", "1", "--rollout.mode=async", "--rollout.is_correction=token", "--rollout.engines=2",
+                       "--rollout.engine=hf"]}
     env = {**os.environ, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1"}
     results = forked_commands([["train", ["--config", RECIPE, "--plan", *args]] for args in cases.values()],
                               str(tmp), env=env)
@@ -278,6 +280,17 @@ def test_plan_cli_on_the_recipe(tmp_path, plan_commands):
     assert proc["exit"] == 0, proc["stderr"]
     assert "verdict:" in proc["stdout"] and "does not fit" in proc["stdout"]
     assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_plan_command_shows_the_async_layout(plan_commands):
+    # `python train.py --config RECIPE --plan --gpus 1 --rollout.mode=async ...`: two hf engines beside trainer
+    # rank 0 on one 80 GiB GPU, each with its own model copy: over, said in the verdict (exit 0: a plan)
+    proc = plan_commands[0]["async"]
+    assert proc["exit"] == 0, proc["stderr"]
+    out = proc["stdout"]
+    assert "rollout.mode=async: 2 hf engines on GPU 0" in out and "GPU 0: trainer rank 0 + 2 hf engines" in out
+    assert "2 x engine: its copy of the model (fp32)" in out and "verdict: peak" in out
 
 
 @pytest.mark.slow
