@@ -310,7 +310,6 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     cores = pin_cores(r.engine_cores)                                       # async on CPU: the trainer's cores
     resume_from = checkpoint.resolve_resume(cfg, sampler_mode(cfg))        # its trainer state read, checked
     kind = engine_name(r.engine)                                            # vLLM not installed: refused here
-    shares_gpu = kind if r.mode == "sync" or not r.engine_gpus else "hf"    # the plan: a shared GPU holds it
     engine = "hf" if r.mode == "async" else kind    # async: the engine processes run kind; evaluation runs hf here
     rows = data_rows(cfg)                                                   # read, their golds checked
     check_prompts_per_step(cfg, len(rows[0].usable), cfg.data.train)
@@ -325,7 +324,7 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     check_context(model_config, cfg.data.max_prompt_tokens, r.max_new_tokens)
     train, evals = prompt_sets(cfg, tokenizer, rows)
     sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
-    plan_line, checkpointing = startup_check(cfg, base_path, dist_.world_size, dist_.device, shares_gpu,
+    plan_line, checkpointing = startup_check(cfg, base_path, dist_.world_size, dist_.device, kind,
                                              resolve=resolve_model_path)  # PlanError: cannot fit; auto resolved
     print0(plan_line)
     t = cfg.train

@@ -8,6 +8,7 @@ the reference the first is tested against). Both draw each token with sampling.p
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -57,9 +58,16 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         if loop not in HF_LOOPS:
             raise ValueError(f"loop: expected {' | '.join(HF_LOOPS)}, got {loop!r}")
-        self.loop, self.max_len, self.decoder = loop, max_len, None
-        if loop == "static" and not synced:
-            self.decoder = Decoder(model, self.stop_ids, self.pad_id, batch_size, max_len, compile)
+        self.loop, self.max_len, self.compile = loop, max_len, compile
+
+    @functools.cached_property
+    def decoder(self) -> Decoder | None:
+        """The static-cache loop (loop "static", one process), built at its first use: its twin's bf16 weight
+        copies are made then, so that an engine that never generates (the evaluation engine of an asynchronous
+        run without an eval set) holds nothing (docs/gpu.md#plan)."""
+        if self.loop != "static" or self.synced:
+            return None
+        return Decoder(self.model, self.stop_ids, self.pad_id, self.batch_size, self.max_len, self.compile)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,

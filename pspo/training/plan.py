@@ -21,15 +21,26 @@ whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GP
   KV cache (2 x layers x KV heads x head_dim x 2 B in bf16 or 4 B in float32, per position) at the
   largest shape the run asks for: rows bucketed (tokens.bucket) up to rollout.batch_size, positions a
   multiple of data.max_prompt_tokens + rollout.max_new_tokens (`static_cache_shape`, over the step's
-  generate calls and the evaluation's), and with model.bf16 its bf16 weight copies (2 B x parameters);
-  generation adds the sampler's working set of the rows in flight (`step_shape`: G per prompt,
+  generate calls and the evaluation's), and with model.bf16 its twin's bf16 copies of the linear
+  layers (2 B x `Arch.linear_params`); generation adds its working set (`decode_bytes`: the prefill's
+  top-layer MLP or the sampler's step, the larger) for the rows in flight (`step_shape`: G per prompt,
   and SPO's continuations: up to b0·b1·b2 per prompt at once for SPO-tree, G·ceil(T/K)·N for
   SPO-chain, in chunks of rollout.batch_size rows);
 - transformers over N > 1 GPUs (`generate` on the sharded policy, dynamic cache): the KV cache and
-  sampler working set of the rows in flight in the step's largest generate call, autocast's bf16
-  weight copies and the gathered FSDP2 parameters, during generation;
+  working set of the rows in flight in the largest generate call, autocast's bf16 weight copies and
+  the gathered FSDP2 parameters, during generation;
+- rollout.mode=async (`engine_placement`): engine processes on rollout.engine_gpus, one each, or all
+  on GPU 0 beside trainer rank 0 when it is empty; every GPU the run places something on is planned
+  (`Plan.others`, `Plan.where`). An engine generates during the update too, so it counts in both
+  phases: vLLM its share each; an hf engine its own model copy, its twin's bf16 copies, its KV cache
+  and working set at its slice of the step (`engine_call`), its allocator's cache and
+  ENGINE_OVERHEAD_GIB (`engine_rows`). The trainer generates no training rollout; it evaluates with
+  the transformers engine on the policy, whose decoder is built at its first call, so it is counted
+  only when the run evaluates (data.eval: `eval_calls`), and it stages the weights at each launch
+  (`staging_rows`: a gathered tensor under FSDP2, the sync check's row sums);
 - the caching allocator: what it *reserves* beyond what the tensors hold, ALLOCATOR_SLACK x the
-  larger phase's PyTorch tensors (vLLM's share and the constant below left out). It rounds every
+  larger phase's PyTorch tensors (vLLM's share, the engine processes' and the constant below left
+  out: each engine process has its own allocator, planned in its rows). It rounds every
   block up (512 B below 1 MiB), keeps freed blocks cached for reuse, and the blocks of one step vary
   in size (micro-batches of other lengths, the log-prob blocks), so segments hold holes no later
   request fits; a block cached in the update is still reserved in the next generation (only a waking
@@ -42,13 +53,15 @@ whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GP
 - OVERHEAD_GIB for the CUDA context and NCCL, outside PyTorch's allocator.
 The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
 were freed by zero_grad(set_to_none)) or update (all training state, the micro-batch's peak moment,
-vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach.
+vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach
+in the trainer's process.
 
 Attention assumed: flash kernels (varlen for packed rows, sdpa's flash or cuDNN kernels unpacked:
 the update runs without a mask, model.py), which keep q, k, v, the output and the log-sum-exp, no
 (heads x s x s) matrix; the KV heads counted repeated to every head, as varlen attention without a GQA
 switch needs (an upper bound elsewhere). tests/components/test_plan.py checks each count against what
-a real-width Qwen2 layer keeps on CPU, and the whole update's peak against a measured one.
+a real-width Qwen2 layer keeps on CPU, the whole update's peak against a measured one, and an hf engine
+process's rows, the evaluation engine's and the staging's against what they allocate.
 """
 from __future__ import annotations
 
@@ -61,7 +74,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from pspo.training.config import CHECKPOINTING, Config, ConfigError, LoraConfig, error_line, first_line, load_config
+from pspo.engines.decode import SPARE
+from pspo.training.config import (CHECKPOINTING, Config, ConfigError, LoraConfig, error_line, first_line,
+                                  load_config, parse_ints)
 from pspo.training.micro_batches import MicroBatch
 from pspo.training.model import load_model_config
 from pspo.training.tokens import bucket
@@ -76,9 +91,14 @@ ALLOCATOR_SLACK = 0.25
 # batch, the loss's per-token tensors, the norms' fp32 temporaries): the gap the moments left below the
 # measured peak of bench/RESULTS.md §24 (0.1-0.3 GiB)
 UPDATE_MARGIN = 2**28
-# the sampler's working set per generated row, about 8 float32 (vocab,) blocks (logits/T, log_softmax,
-# Gumbel noise and its int64 hashes): a rough figure
-SAMPLER_BLOCKS = 8
+# the sampler's working set per generated row at its peak, the Gumbel noise's hash: 9 float32 (vocab,) blocks (the
+# logits, logits/T and their log_softmax, three int64 blocks of the hash), as measured on CPU, eager
+# (tests/components/test_plan.py); a compiled sampler fuses the hash
+SAMPLER_BLOCKS = 9
+# an engine process's memory outside PyTorch's allocator: its own CUDA context (~0.5 GiB) and cuBLAS workspaces
+# (no NCCL): a rough figure, like OVERHEAD_GIB
+ENGINE_OVERHEAD_GIB = 1.0
+ENGINE = "engine"         # the key prefix of an engine process's rows: its own allocator, outside Plan.tensors
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0
 USAGE = (f"usage: train.py --config FILE.yaml --plan [--gpus=N] [--gpu_gib=G] [--section.key=value ...] "
          f"(defaults: {DEFAULT_GPUS} GPUs of {DEFAULT_GPU_GIB:g} GiB; an '80 GB' H100 has 79.2 GiB)")
@@ -110,6 +130,17 @@ class Arch:
     def tied(self) -> bool:
         """The output head is the input embedding (tie_word_embeddings): the root holds one vocab x hidden."""
         return self.root_params < 2 * self.vocab * self.hidden
+
+    @property
+    def linear_params(self) -> int:
+        """The weights and biases of the linear layers, the head included (tied or not): what the decoder's twin
+        copies to bf16 (decode.py: decode_twin). A layer is its linear layers and two RMSNorms of H."""
+        return self.layers * (self.layer_params - 2 * self.hidden) + self.vocab * self.hidden
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest parameter: the embedding (vocab x H) or an MLP projection (H x I)."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
 
 
 def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
@@ -364,9 +395,29 @@ def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
 
 
 def static_cache_bytes(a: Arch, rows: int, length: int, bf16: bool) -> int:
-    """The static-cache loop's KV cache (decode.py): 2 (K, V) x layers x KV heads x head_dim x bytes
-    (2 under bf16 autocast, else 4) x rows x positions."""
-    return kv_bytes_per_token(a, 2 if bf16 else 4) * rows * length
+    """The static-cache loop's KV cache (decode.py: StaticKV): 2 (K, V) x layers x KV heads x head_dim x bytes
+    (2 under bf16 autocast, else 4) x rows x (positions + decode.SPARE, the spare column it holds)."""
+    return kv_bytes_per_token(a, 2 if bf16 else 4) * rows * (length + SPARE)
+
+
+def decode_bytes(a: Arch, rows: int, width: int, new_tokens: int, bf16: bool, lora: bool = False) -> int:
+    """What the transformers engine's loop (decode.py) allocates while it generates, beside the weights and the
+    KV cache: `rows` rows of `width` padded input tokens and up to `new_tokens` new ones, at the larger of its
+    two moments (measured on CPU by tests/components/test_plan.py), plus what it keeps for the call's end.
+    - the prefill, in the top layer's MLP: per input token four float32 (H,) hidden states (the embeddings,
+      the layer's input, the residual after attention, the normalized input: 16H), RoPE's cos and sin in
+      float32 (8 x head_dim), the MLP's activation, up projection and their product (3 x I, in bf16 under
+      model.bf16, else float32; under LoRA a fourth, the adapter's output before it is added in), the prefill mask's row (W bools) and the int64 copies of the ids, the
+      mask and the positions (5 x 8); and once its causal and diagonal (W, W) masks (2 W^2 bools);
+    - a decoding step: the sampler's SAMPLER_BLOCKS float32 (vocab,) blocks per row and the vocabulary's
+      hash keys (8 B x vocab);
+    - kept for the call: per row its new tokens (int64) and their log-probs (float32), 12 B each, and its
+      key mask over the cache (bools) and about 16 int64 (positions, order, budgets, seeds, draws: 128); a few
+      int64 scalars (64)."""
+    w, mlp = 2 if bf16 else 4, 4 if lora else 3
+    prefill = rows * width * (16 * a.hidden + 8 * a.head_dim + mlp * w * a.intermediate + width + 40) + 2 * width**2
+    step = rows * SAMPLER_BLOCKS * 4 * a.vocab + 8 * a.vocab
+    return max(prefill, step) + rows * (12 * new_tokens + width + new_tokens + SPARE + 128) + 64
 
 
 @dataclass(frozen=True)
@@ -375,6 +426,7 @@ class GenerateCall:
     inputs: int       # prompts, or partial completions to continue
     n: int            # samples of each input
     longest: int      # tokens of the longest row the transformers engine holds: padded input + budget
+    width: int        # tokens of the longest padded input (a prompt, or a prompt and the prefix continued)
 
     @property
     def sequences(self) -> int:
@@ -406,18 +458,35 @@ def step_shape(cfg: Config, prompts: int) -> StepShape:
     at most train.micro_batch_size rows (as many as it draws).
     """
     r, s, P_max, T = cfg.rollout, cfg.spo, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
-    first = GenerateCall(prompts, r.num_generations, P_max + T)
+    first = GenerateCall(prompts, r.num_generations, P_max + T, P_max)
     if cfg.algo.advantage == "spo_tree":
         b0, b1, b2 = s.branch_factors
         m0, m1 = s.segments
-        calls = [GenerateCall(prompts, b0, P_max + m0), GenerateCall(prompts * b0, b1, P_max + m0 + m1),
-                 GenerateCall(prompts * b0 * b1, b2, P_max + T)]
+        calls = [GenerateCall(prompts, b0, P_max + m0, P_max),
+                 GenerateCall(prompts * b0, b1, P_max + m0 + m1, P_max + m0),
+                 GenerateCall(prompts * b0 * b1, b2, P_max + T, P_max + m0 + m1)]
         return StepShape(calls, cfg.train.micro_batch_size)
     if cfg.algo.advantage == "spo_chain":
         cuts = -(-T // s.cutpoint_interval)                                 # ceil(T / K) per completion
-        states = GenerateCall(prompts * r.num_generations * cuts, s.num_mc, P_max + 2 * T - 1)
+        states = GenerateCall(prompts * r.num_generations * cuts, s.num_mc, P_max + 2 * T - 1, P_max + T - 1)
         return StepShape([first, states], first.sequences)
     return StepShape([first], first.sequences)
+
+
+def eval_calls(cfg: Config) -> list[GenerateCall]:
+    """The evaluation's generate calls on one GPU at their largest (evaluation.py): eval.batch_size prompts,
+    greedy, then eval.num_samples samples of each; none when the run does not evaluate (data.eval empty)."""
+    P_max, T = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens
+    if not cfg.data.eval:
+        return []
+    return [GenerateCall(cfg.eval.batch_size, n, P_max + T, P_max) for n in (1, cfg.eval.num_samples) if n > 0]
+
+
+def engine_call(cfg: Config) -> GenerateCall:
+    """The generate call of one engine process (rollout.mode=async): its slice of the step's
+    train.prompts_per_step prompts (engines/schedule.py: split, the first slices the larger), G each."""
+    P_max, T, B = cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.train.prompts_per_step
+    return GenerateCall(-(-B // cfg.rollout.engines), cfg.rollout.num_generations, P_max + T, P_max)
 
 
 def rows_in_flight(call: GenerateCall, batch_size: int) -> int:
@@ -428,47 +497,61 @@ def rows_in_flight(call: GenerateCall, batch_size: int) -> int:
 
 def static_cache_shape(cfg: Config, calls: list[GenerateCall]) -> tuple[int, int]:
     """(rows, positions) of the static-cache loop's KV buffer at its largest: it grows to the most rows
-    and the most positions any call asks for. A call runs at bucket(rows in flight, rollout.batch_size)
-    rows and a multiple of data.max_prompt_tokens + rollout.max_new_tokens positions; the evaluation
-    (greedy, and eval.num_samples samples) makes calls of eval.batch_size prompts too."""
+    and the most positions any of `calls` asks for. A call runs at bucket(rows in flight,
+    rollout.batch_size) rows and a multiple of data.max_prompt_tokens + rollout.max_new_tokens positions."""
     r, block = cfg.rollout, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    calls = list(calls)
-    if cfg.data.eval:
-        calls += [GenerateCall(cfg.eval.batch_size, n, block) for n in (1, cfg.eval.num_samples) if n > 0]
     rows = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
     length = max(block * -(-c.longest // block) for c in calls)
     return rows, length
 
 
+Row = tuple[str, str, int, str]       # (key, description, bytes on the GPU, phase: both | generation | update)
+
+
+def trainer_tensors(rows: list[Row]) -> int:
+    """The trainer's PyTorch tensors in the larger phase: every row but vLLM's share, the allocator's cache, the
+    constant and the rows of engine processes (each has its own allocator)."""
+    return max(sum(b for key, _, b, ph in rows if key not in ("vllm", "allocator", "overhead")
+                   and not key.startswith(ENGINE) and ph in ("both", phase))
+               for phase in ("generation", "update"))
+
+
 @dataclass
 class Plan:
-    gpus: int
+    """The plan of one GPU: the trainer's (with the engine processes that share it), or, in `others`, a GPU that
+    holds engine processes only (rollout.mode=async with rollout.engine_gpus)."""
+    gpus: int                               # the trainer's GPUs (ranks)
     gpu_bytes: int
-    # (key, description, bytes per GPU, phase: both | generation | update)
-    rows: list[tuple[str, str, int, str]]
+    rows: list[Row]
     notes: list[str]
     blocker: str = ""                       # a reason it cannot start whatever the sum says
     checkpointing: str = "none"             # the mode planned (model.gradient_checkpointing, auto resolved)
     auto: bool = False                      # chosen by model.gradient_checkpointing=auto
+    where: str = ""                         # rollout.mode=async: what this GPU holds ("GPU 0: trainer rank 0 + ...")
+    others: list[Plan] = dataclasses.field(default_factory=list)   # the run's GPUs that hold engine processes only
 
     def phase_bytes(self, phase: str) -> int:
         return sum(b for _, _, b, ph in self.rows if ph in ("both", phase))
 
     @property
     def tensors(self) -> int:
-        """The larger phase's PyTorch tensors, vLLM's share, the allocator's cache and the constant left
-        out: what torch.cuda.max_memory_allocated should reach on a transformers-engine run."""
-        return max(sum(b for key, _, b, ph in self.rows
-                       if key not in ("vllm", "allocator", "overhead") and ph in ("both", phase))
-                   for phase in ("generation", "update"))
+        """The trainer's tensors in the larger phase (`trainer_tensors`): what torch.cuda.max_memory_allocated
+        should reach on a transformers-engine run."""
+        return trainer_tensors(self.rows)
 
     @property
     def peak(self) -> int:
         return max(self.phase_bytes("generation"), self.phase_bytes("update"))
 
     @property
-    def fits(self) -> bool:
+    def fits_here(self) -> bool:
+        """This GPU fits (the others aside)."""
         return self.peak <= self.gpu_bytes and not self.blocker
+
+    @property
+    def fits(self) -> bool:
+        """Every GPU of the run fits."""
+        return self.fits_here and all(p.fits for p in self.others)
 
     def verdict(self) -> str:
         phase = "update" if self.phase_bytes("update") >= self.phase_bytes("generation") else "generation"
@@ -476,7 +559,7 @@ class Plan:
         head = f"peak {self.peak / GiB:.1f} GiB ({phase}) of {self.gpu_bytes / GiB:.1f} GiB: "
         if self.blocker:
             return head + f"does not fit, {self.blocker}"
-        if self.fits:
+        if self.fits_here:
             return head + f"fits, {margin:.1f} GiB to spare"
         return head + f"does not fit, {margin:.1f} GiB over"
 
@@ -517,14 +600,15 @@ def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
               prm: PRMArch | None = None) -> Plan:
     """The per-GPU plan of cfg on `gpus` GPUs of `gpu_bytes`; engine: "vllm" or "hf" (resolved); prm: the
     process reward model's shape when reward.prm != 0. model.gradient_checkpointing auto: the plan of
-    the first of none, selective, full (in order of recompute) that fits, else full's;
-    Plan.checkpointing names the mode planned."""
+    the first of none, selective, full (in order of recompute) that fits GPU 0 (trainer rank 0, the one that
+    holds the most), else full's; Plan.checkpointing names the mode planned. rollout.mode=async: the engine
+    processes run `engine`, placed by rollout.engine_gpus (`engine_placement`)."""
     mode = cfg.model.gradient_checkpointing
     if mode != "auto":
         return _make_plan(cfg, a, mode, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
     plans = [_make_plan(cfg, a, m, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
              for m in CHECKPOINTING if m != "auto"]
-    chosen = next((p for p in plans if p.fits), plans[-1])
+    chosen = next((p for p in plans if p.fits_here), plans[-1])
     peaks = ", ".join(f"{p.checkpointing} {p.peak / GiB:.1f}" for p in plans)
     chosen.notes.append(f"model.gradient_checkpointing auto -> {chosen.checkpointing}: the first of none, "
                         f"selective, full (in order of recompute) that fits; peak GiB {peaks}")
@@ -534,13 +618,45 @@ def make_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, engine: str,
 
 def _make_plan(cfg: Config, a: Arch, mode: str, *, gpus: int, gpu_bytes: int, engine: str,
                prm: PRMArch | None) -> Plan:
-    """make_plan with the checkpointing mode given (none, selective or full)."""
+    """make_plan with the checkpointing mode given (none, selective or full): the plan of GPU 0 (trainer rank
+    0, and the engine processes placed there), the run's other GPUs that hold engines in `others`."""
+    N, placed = gpus, engine_placement(cfg)
+    args = dict(gpus=N, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
+    main = trainer_plan(cfg, a, mode, gpu=0, engines=placed.get(0, 0), **args)
+    if cfg.rollout.mode == "async" and N > 1:
+        main.where += "; GPU 1: trainer rank 1" if N == 2 else f"; GPUs 1-{N - 1}: trainer ranks 1-{N - 1}"
+    main.others = [trainer_plan(cfg, a, mode, gpu=g, engines=k, **args) if g < N else
+                   engine_plan(cfg, a, gpus=N, gpu_bytes=gpu_bytes, kind=engine, gpu=g, engines=k)
+                   for g, k in sorted(placed.items()) if g != 0]
+    return main
+
+
+def engine_placement(cfg: Config) -> dict[int, int]:
+    """rollout.mode=async: {GPU: the engine processes on it}: one each on rollout.engine_gpus, or all on GPU 0
+    when it is empty (an engine inherits the trainer's visible devices and takes the first: rank 0's GPU); {} in
+    sync mode. GPUs 0..N-1 hold the trainer's ranks."""
+    r = cfg.rollout
+    if r.mode != "async":
+        return {}
+    placed: dict[int, int] = {}
+    for g in (parse_ints(r.engine_gpus) if r.engine_gpus else [0] * r.engines):
+        placed[g] = placed.get(g, 0) + 1
+    return placed
+
+
+def engines_text(k: int, kind: str) -> str:
+    return f"{k} {kind} engine{'s' if k > 1 else ''}"
+
+
+def trainer_plan(cfg: Config, a: Arch, mode: str, *, gpus: int, gpu_bytes: int, engine: str, prm: PRMArch | None,
+                 gpu: int = 0, engines: int = 0) -> Plan:
+    """A trainer rank's GPU: the training state, the update's peak, the in-process engine (sync) or, in async
+    mode, the evaluation engine and the staging of the weights, the PRM, and `engines` engine processes placed
+    on it (async)."""
     m, r, N = cfg.model, cfg.rollout, gpus
-    seq = cfg.data.max_prompt_tokens + r.max_new_tokens
     shape = step_shape(cfg, cfg.train.prompts_per_step // N)
-    calls, update_rows = shape.calls, shape.update_rows
-    tokens, completion, only = micro_batch_shape(cfg, update_rows)
-    P, L, dtype = a.params, a.layer_params, 2 if m.bf16 else 4
+    tokens, completion, only = micro_batch_shape(cfg, shape.update_rows)
+    P, L = a.params, a.layer_params
     notes: list[str] = []
     lora = m.lora.rank > 0
     if lora:                                 # a frozen base (bf16 under model.bf16), float32 adapters
@@ -572,53 +688,142 @@ def _make_plan(cfg: Config, a: Arch, mode: str, *, gpus: int, gpu_bytes: int, en
     rows.append(("margin", "cuBLAS workspaces and small tensors the plan does not list", UPDATE_MARGIN,
                  "update"))
     blocker = ""
-    if engine == "vllm":
-        share, weights = int(r.gpu_memory_utilization * gpu_bytes), P * dtype
-        kv = share - weights
-        held = max(kv, 0) // (kv_bytes_per_token(a, dtype) * seq)
+    if r.mode == "async":                    # engine processes generate; the trainer evaluates and stages
+        calls = eval_calls(cfg)
+        if calls:                            # the evaluation engine (rollout.py), built at the first evaluation
+            rows += policy_engine_rows(cfg, a, calls, gpus=N, key="eval_", what="eval: ")
+        rows += staging_rows(cfg, a, gpus=N, kind=engine)
+    elif engine == "vllm":
+        share, weights, kv, held = vllm_share(cfg, a, gpu_bytes)
         rows.append(("vllm", f"vLLM {r.gpu_memory_utilization:g} x GPU: weights {weights / GiB:.2f} + KV "
                      f"{kv / GiB:.2f}, {'asleep' if r.sleep else 'awake'} in update", share,
                      "generation" if r.sleep else "both"))
+        calls, seq = shape.calls, cfg.data.max_prompt_tokens + r.max_new_tokens
         largest = max(c.sequences for c in calls)                          # submitted in one call
-        notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, dtype)} B/token, holds {held} sequences of "
-                     f"{seq} tokens; a step generates {sum(c.sequences for c in calls)} per GPU, up to "
+        notes.append(f"vLLM KV cache: {kv_bytes_per_token(a, 2 if m.bf16 else 4)} B/token, holds {held} sequences "
+                     f"of {seq} tokens; a step generates {sum(c.sequences for c in calls)} per GPU, up to "
                      f"{largest} in one call" + ("" if held >= largest else " (in waves)"))
         if held < 1:
             blocker = "vLLM's share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
-    elif N == 1:                             # decode.py's static-cache loop on the policy (rollout.py)
-        cache_rows, length = static_cache_shape(cfg, calls)
-        text = f"static KV cache, {cache_rows} x {length} positions ({2 if m.bf16 else 4} B), kept"
-        rows.append(("kvcache", text, static_cache_bytes(a, cache_rows, length, m.bf16), "both"))
-        if m.bf16 and lora:                  # the base is bf16 already: the decoder shares it
-            rows.append(("copies", "the decoder's bf16 copies of the adapters, kept", 2 * A, "both"))
-        elif m.bf16:
-            rows.append(("copies", "the decoder's bf16 weight copies, kept", 2 * P, "both"))
-        # the sampler's working set (SAMPLER_BLOCKS), at the largest call's bucketed rows
-        batch = max(bucket(rows_in_flight(c, r.batch_size), r.batch_size) for c in calls)
-        rows.append(("generate", f"sampler working set, {batch} rows x vocab",
-                     batch * SAMPLER_BLOCKS * a.vocab * 4, "generation"))
-    else:                                    # transformers generate on the sharded policy (rollout.py)
-        # per call: the KV cache of its rows in flight at their longest (fp32 K after RoPE) and the
-        # sampler's working set (SAMPLER_BLOCKS); the largest call counts
-        per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
-        in_flight = [(rows_in_flight(c, r.batch_size), c.longest) for c in calls]
-        cost, batch, longest = max((n * (length * per_token + SAMPLER_BLOCKS * a.vocab * 4), n, length)
-                                   for n, length in in_flight)
-        # plus autocast's bf16 weight copies and the gathered FSDP2 params
-        work = (2 * P if m.bf16 else 0) + 4 * (a.root_params + 2 * L)
-        rows.append(("generate", f"generate: KV of {batch} x {longest} tokens, bf16 weight copies, logits, "
-                     f"gathered params", cost + work, "generation"))
+    else:                                    # the transformers engine on the policy itself (rollout.py)
+        rows += policy_engine_rows(cfg, a, shape.calls + eval_calls(cfg), gpus=N)
     if prm is not None:                      # PSPO*'s PRM: bf16 on every GPU, one forward at a time
         rows.append(("prm", f"process reward model ({prm.params / 1e6:.1f}M, bf16, whole on each GPU)",
                      2 * prm.params, "both"))
         rows.append(("prm_acts", f"PRM forward, {cfg.prm.batch_tokens} tokens", cfg.prm.batch_tokens * 2 *
                      (6 * prm.hidden + 2 * prm.intermediate), "generation"))
-    tensors = max(sum(b for key, _, b, ph in rows if key != "vllm" and ph in ("both", phase))
-                  for phase in ("generation", "update"))                 # what PyTorch's allocator hands out
+    tensors = trainer_tensors(rows)          # what PyTorch's allocator hands out
     slack = f"allocator cache: {ALLOCATOR_SLACK:g} x {tensors / GiB:.1f} GiB of tensors (larger phase)"
     rows.append(("allocator", slack, int(ALLOCATOR_SLACK * tensors), "both"))
     rows.append(("overhead", "CUDA context, NCCL, cuBLAS (constant)", int(OVERHEAD_GIB * GiB), "both"))
-    return Plan(N, gpu_bytes, rows, notes, blocker, checkpointing=mode)
+    where = ""
+    if r.mode == "async":
+        where = f"GPU {gpu}: trainer rank {gpu}" + (f" + {engines_text(engines, engine)}" if engines else "")
+    if engines:
+        more, engine_notes, engine_blocker = engine_rows(cfg, a, kind=engine, engines=engines, gpu_bytes=gpu_bytes)
+        rows, notes, blocker = rows + more, notes + engine_notes, blocker or engine_blocker
+    return Plan(N, gpu_bytes, rows, notes, blocker, checkpointing=mode, where=where)
+
+
+def engine_plan(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, kind: str, gpu: int, engines: int) -> Plan:
+    """A GPU that holds engine processes only (rollout.engine_gpus)."""
+    rows, notes, blocker = engine_rows(cfg, a, kind=kind, engines=engines, gpu_bytes=gpu_bytes)
+    return Plan(gpus, gpu_bytes, rows, notes, blocker, where=f"GPU {gpu}: {engines_text(engines, kind)}")
+
+
+def vllm_share(cfg: Config, a: Arch, gpu_bytes: int) -> tuple[int, int, int, int]:
+    """(vLLM's share of the GPU, its weights, its KV cache in bytes, the full-length sequences the cache holds):
+    rollout.gpu_memory_utilization x the GPU, the weights in bf16 under model.bf16 (else float32), the KV cache
+    in the rest (vLLM's own profiled activations not counted)."""
+    dtype, seq = 2 if cfg.model.bf16 else 4, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    share, weights = int(cfg.rollout.gpu_memory_utilization * gpu_bytes), a.params * dtype
+    kv = share - weights
+    return share, weights, kv, max(kv, 0) // (kv_bytes_per_token(a, dtype) * seq)
+
+
+def policy_engine_rows(cfg: Config, a: Arch, calls: list[GenerateCall], *, gpus: int, key: str = "",
+                       what: str = "", phase: str = "generation") -> list[Row]:
+    """The transformers engine on the policy (rollout.py: HFEngine) for `calls`. One GPU: decode.py's static-cache
+    loop, its KV cache and its twin's bf16 copies kept from its first call on, and its working set (`decode_bytes`)
+    while it generates (`phase`). Over N > 1 GPUs, transformers `generate` on the sharded policy, during
+    generation: the KV cache of the rows in flight at their longest (fp32 K after RoPE, 6 or 8 B a value),
+    its working set, autocast's bf16 weight copies and the gathered FSDP2 parameters; the largest call counts.
+    key: the rows' key prefix; what: their descriptions'."""
+    m, r, lora = cfg.model, cfg.rollout, cfg.model.lora.rank > 0
+    if gpus > 1:
+        per_token = a.layers * a.kv_heads * a.head_dim * (6 if m.bf16 else 8)
+        cost, batch, longest = max((n * c.longest * per_token + decode_bytes(a, n, c.width, c.longest - c.width,
+                                                                               m.bf16, lora), n, c.longest)
+                                   for c, n in ((c, rows_in_flight(c, r.batch_size)) for c in calls))
+        work = (2 * a.params if m.bf16 else 0) + 4 * (a.root_params + 2 * a.layer_params)
+        return [(f"{key}generate", f"{what}generate: KV of {batch} x {longest} tokens, bf16 weight copies, "
+                 "decoding, gathered params", cost + work, "generation")]
+    cache_rows, length = static_cache_shape(cfg, calls)
+    rows = [(f"{key}kvcache", f"{what}static KV cache, {cache_rows} x {length} positions ({2 if m.bf16 else 4} B), "
+             "kept", static_cache_bytes(a, cache_rows, length, m.bf16), "both")]
+    if m.bf16 and lora:                      # the base is bf16 already: the decoder shares it
+        rows.append((f"{key}copies", f"{what}the decoder's bf16 copies of the adapters, kept",
+                     2 * lora_params(a, m.lora), "both"))
+    elif m.bf16:
+        rows.append((f"{key}copies", f"{what}the decoder's bf16 copies of the linear layers, kept",
+                     2 * a.linear_params, "both"))
+    work, batch, width = max((decode_bytes(a, n, c.width, c.longest - c.width, m.bf16, lora), n, c.width)
+                             for c, n in ((c, bucket(rows_in_flight(c, r.batch_size), r.batch_size)) for c in calls))
+    rows.append((f"{key}generate", f"{what}decoding: prefill {batch} x {width} tokens / sampler {batch} rows x vocab",
+                 work, phase))
+    return rows
+
+
+def staging_rows(cfg: Config, a: Arch, *, gpus: int, kind: str) -> list[Row]:
+    """rollout.mode=async: a launch stages the weights in host memory (engines/staging.py: stage) one tensor at a
+    time, the largest counting (the embedding or an MLP projection; under LoRA, an adapter): over N > 1 GPUs
+    each is gathered whole (fp32); with the sync check (rollout.sync_check_steps > 0) rank 0 takes its row sums,
+    a copy in the staged dtype where it differs (bf16, for vLLM under model.bf16), an int64 block of at most
+    2^24 elements and its sums (one int64 a row, at most max(vocab, I) rows). On one GPU without the check,
+    nothing."""
+    m, lora = cfg.model, cfg.model.lora.rank > 0
+    largest = m.lora.rank * max(a.hidden, a.intermediate, a.heads * a.head_dim) if lora else a.largest_param
+    check = cfg.rollout.sync_check_steps > 0
+    cast = 2 * largest if check and kind == "vllm" and m.bf16 and not lora else 0
+    sums = 8 * (min(largest, 2**24) + max(a.vocab, a.intermediate)) if check else 0
+    staged = (4 * largest if gpus > 1 else 0) + cast + sums
+    if not staged:
+        return []
+    return [("staging", f"staging the weights: {'a gathered tensor, ' if gpus > 1 else ''}"
+             f"{'its row sums' if check else ''}".rstrip(", "), staged, "generation")]
+
+
+def engine_rows(cfg: Config, a: Arch, *, kind: str, engines: int, gpu_bytes: int) -> tuple[list[Row], list[str], str]:
+    """(rows, notes, blocker) of `engines` engine processes on one GPU (rollout.mode=async: engines/process.py), all
+    in both phases: they generate while the trainer updates. Each generates its slice of the step (`engine_call`).
+    - vllm: rollout.gpu_memory_utilization x the GPU each (`vllm_share`), awake (async refuses rollout.sleep);
+    - hf: its own copy of the model (fp32, or under LoRA the base, bf16 under model.bf16, and fp32 adapters), the
+      static-cache loop's KV cache, bf16 copies and working set (`policy_engine_rows`), its allocator's cache
+      (ALLOCATOR_SLACK x its tensors) and its CUDA context (ENGINE_OVERHEAD_GIB)."""
+    m, r, k = cfg.model, cfg.rollout, engines
+    call = engine_call(cfg)
+    what = f"{k} x engine: " if k > 1 else "engine: "
+    if kind == "vllm":
+        share, weights, kv, held = vllm_share(cfg, a, gpu_bytes)
+        rows = [(f"{ENGINE}_vllm", f"{what}vLLM {r.gpu_memory_utilization:g} x GPU: weights {weights / GiB:.2f} + KV "
+                 f"{kv / GiB:.2f}, awake", k * share, "both")]
+        note = (f"engine vLLM KV cache: holds {held} sequences of {call.longest} tokens; an engine generates up to "
+                f"{call.sequences} a step" + ("" if held >= call.sequences else " (in waves)"))
+        blocker = "" if held >= 1 else \
+            "an engine's vLLM share cannot hold one full-length sequence (rollout.gpu_memory_utilization)"
+        return rows, [note], blocker
+    lora = m.lora.rank > 0
+    model = ((2 if m.bf16 else 4) * a.params + 4 * lora_params(a, m.lora)) if lora else 4 * a.params
+    base = f"the base in {'bf16' if m.bf16 else 'fp32'}, fp32 adapters" if lora else "fp32"
+    rows = [(f"{ENGINE}_model", f"{what}its copy of the model ({base})", model, "both")]
+    rows += policy_engine_rows(cfg, a, [call], gpus=1, key=f"{ENGINE}_", what=what, phase="both")
+    rows = [(key, text, k * b, phase) for key, text, b, phase in rows]
+    tensors = sum(b for _, _, b, _ in rows)
+    rows += [(f"{ENGINE}_allocator", f"{what}allocator cache, {ALLOCATOR_SLACK:g} x {tensors / GiB:.2f} GiB of tensors",
+              int(ALLOCATOR_SLACK * tensors), "both"),
+             (f"{ENGINE}_overhead", f"{what}CUDA context, cuBLAS ({ENGINE_OVERHEAD_GIB:g} GiB)",
+              int(k * ENGINE_OVERHEAD_GIB * GiB), "both")]
+    return rows, [], ""
 
 
 BUDGET_STEP = 1024          # largest_token_budget tries budgets in steps of this many tokens
@@ -640,47 +845,61 @@ def largest_token_budget(cfg: Config, a: Arch, *, gpus: int, gpu_bytes: int, eng
         trial = dataclasses.replace(cfg, model=model, train=dataclasses.replace(cfg.train, micro_batch_tokens=budget))
         return make_plan(trial, a, gpus=gpus, gpu_bytes=gpu_bytes, engine=engine, prm=prm)
     first = plan_at(seq, cfg.model.gradient_checkpointing)
-    if not first.fits:
+    if not first.fits_here:
         return 0
     best = seq
     for budget in range(-(-seq // BUDGET_STEP) * BUDGET_STEP, most + BUDGET_STEP, BUDGET_STEP):
         budget = min(budget, most)
         if budget <= best:
             continue
-        if not plan_at(budget, first.checkpointing).fits:
+        if not plan_at(budget, first.checkpointing).fits_here:
             break
         best = budget
     return best
 
 
 def format_plan(plan: Plan, title: str) -> str:
-    """The table `--plan` prints."""
-    lines = [title, f"{'component':<76} {'GiB':>6}  phase"]
-    lines += [f"{text:<76} {b / GiB:6.2f}  {phase}" for _, text, b, phase in plan.rows]
-    lines += [f"{'total: ' + phase:<76} {plan.phase_bytes(phase) / GiB:6.2f}"
-              for phase in ("generation", "update")]
-    return "\n".join(lines + plan.notes + ["verdict: " + plan.verdict()])
+    """The table `--plan` prints: GPU 0's, then each other GPU the run places engines on."""
+    lines = [title]
+    for p in (plan, *plan.others):
+        lines += ([p.where] if p.where else []) + [f"{'component':<76} {'GiB':>6}  phase"]
+        lines += [f"{text:<76} {b / GiB:6.2f}  {phase}" for _, text, b, phase in p.rows]
+        lines += [f"{'total: ' + phase:<76} {p.phase_bytes(phase) / GiB:6.2f}" for phase in ("generation", "update")]
+        lines += p.notes + ["verdict: " + p.verdict()]
+    return "\n".join(lines)
 
 
 def one_line(plan: Plan) -> str:
-    """The start-up line: every component, the checkpointing mode planned, then the verdict."""
-    parts = " + ".join(f"{key} {b / GiB:.1f}" for key, _, b, _ in plan.rows)
+    """The start-up line: every component, the checkpointing mode planned, then the verdict; and every other GPU
+    the run places engines on, its components and verdict."""
+    def parts(p: Plan) -> str:
+        return " + ".join(f"{key} {b / GiB:.1f}" for key, _, b, _ in p.rows)
     mode = f"{'auto -> ' if plan.auto else ''}{plan.checkpointing}"
-    return (f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB, checkpointing {mode}): "
-            f"{parts} GiB; tensors {plan.tensors / GiB:.1f} GiB; {plan.verdict()}")
+    where = f"; {plan.where}" if plan.where else ""
+    line = (f"memory plan per GPU ({plan.gpus} x {plan.gpu_bytes / GiB:.1f} GiB, checkpointing {mode}{where}): "
+            f"{parts(plan)} GiB; tensors {plan.tensors / GiB:.1f} GiB; {plan.verdict()}")
+    return line + "".join(f"; {p.where}: {parts(p)} GiB; {p.verdict()}" for p in plan.others)
 
 
 def check_fits(plan: Plan, cfg: Config) -> None:
-    """Raise PlanError (one line, with what to change) when the run cannot fit."""
+    """Raise PlanError (one line, with what to change) when the run cannot fit: on GPU 0 or on any other GPU it
+    places engine processes on."""
     if plan.fits:
         return
-    vllm = any(key == "vllm" for key, *_ in plan.rows)
-    t = cfg.train
-    knobs = ["a smaller train.micro_batch_tokens" if t.micro_batch_tokens else
-             "a smaller train.micro_batch_size" if t.micro_batch_size > 1 else "",
-             "" if plan.checkpointing == "full" else "model.gradient_checkpointing=auto",
-             "rollout.sleep=true" if vllm and not cfg.rollout.sleep else "",
-             "more GPUs"]
+    over = [p for p in (plan, *plan.others) if not p.fits_here]
+    keys = {key for p in over for key, *_ in p.rows}
+    t, r = cfg.train, cfg.rollout
+    trainer = "params" in keys
+    shared = any(key.startswith(ENGINE) for key in keys) and (trainer or r.engines > 1 and not r.engine_gpus)
+    knobs = ["a smaller train.micro_batch_tokens" if trainer and t.micro_batch_tokens else
+             "a smaller train.micro_batch_size" if trainer and t.micro_batch_size > 1 else "",
+             "model.gradient_checkpointing=auto" if trainer and plan.checkpointing != "full" else "",
+             "rollout.sleep=true" if "vllm" in keys and not r.sleep else "",
+             "a smaller eval.batch_size" if "eval_kvcache" in keys or "eval_generate" in keys else "",
+             "a GPU for each engine (rollout.engine_gpus)" if shared else "",
+             "a smaller rollout.gpu_memory_utilization" if f"{ENGINE}_vllm" in keys else "",
+             "a smaller rollout.batch_size" if f"{ENGINE}_kvcache" in keys else "",
+             "more GPUs" if trainer else ""]
     raise PlanError(f"{one_line(plan)}. Try {', '.join(k for k in knobs if k)} "
                     "(train.py --config ... --plan); train.memory_check=false starts anyway")
 
@@ -693,7 +912,8 @@ def startup_check(cfg: Config, model_path: str, world_size: int, device: torch.d
                   resolve: Resolve) -> tuple[str, str]:
     """train.py's start-up: (the plan in one line, the checkpointing mode to build the policy with);
     on CUDA, PlanError when it cannot fit. engine: the resolved rollout.engine ("vllm" or "hf",
-    rollout.engine_name); resolve: as for `plan_cli`.
+    rollout.engine_name): the in-process engine's, or with rollout.mode=async the engine processes'; resolve:
+    as for `plan_cli`. Every GPU is taken to be the size of `device`'s.
 
     model.gradient_checkpointing auto is resolved here: on CUDA, the mode the plan picks (the least
     recompute that fits the GPU); on CPU, none: there is no GPU memory to fit, and the plan is printed
@@ -751,7 +971,10 @@ def plan_cli(argv: list[str], *, resolve: Resolve) -> str:
     prm, missing = load_prm_arch(cfg, local_only=True, resolve=resolve)
     plan = make_plan(cfg, a, gpus=gpus, gpu_bytes=int(gpu_gib * GiB), engine=engine, prm=prm)
     plan.notes += [missing] if missing else []
-    title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}\n"
+    r = cfg.rollout
+    on = f"GPU{'s' if ',' in r.engine_gpus else ''} {r.engine_gpus}" if r.engine_gpus else "GPU 0"
+    engines = f"; rollout.mode=async: {engines_text(r.engines, engine)} on {on}" if r.mode == "async" else ""
+    title = (f"Memory plan per GPU: {rest[1]} on {gpus} GPUs x {gpu_gib:g} GiB, engine {engine}{engines}\n"
              f"architecture: {source}: {a.params / 1e9:.3f}B parameters, {a.layers} layers, "
              f"hidden {a.hidden}, MLP {a.intermediate}, {a.heads} heads / {a.kv_heads} KV heads x "
              f"{a.head_dim}, vocab {a.vocab}\n"

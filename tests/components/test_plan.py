@@ -1,7 +1,9 @@
 """The memory plan (pspo/training/plan.py): hand-worked static parts, the activation and log-prob estimates
 against what PyTorch really saves / allocates on CPU, the `--plan` command and the start-up check."""
+import dataclasses
 import importlib.util
 import json
+import mmap
 import os
 
 import pytest
@@ -14,10 +16,14 @@ from pspo.training.config import LoraConfig, load_config
 from pspo.training.distributed import Dist
 from pspo.training.logprobs import forward_logprobs
 from pspo.training.micro_batches import UpdateBatch, plan_micro_batches
-from pspo.training.model import build_policy
+from pspo.training.model import build_policy, load_tokenizer
 from pspo.training.token_logprobs import token_logprobs
 from pspo.update import policy_update
 from pspo.engines.decode import bucket
+from pspo.engines.process import EngineSpec, _HFServer
+from pspo.engines.staging import layout, policy_shapes, stage, total_bytes
+from pspo.engines.vllm_engine import full_params
+from pspo.rollout import build_engine
 from pspo.training.plan import GiB, PlanError
 
 
@@ -250,7 +256,9 @@ def plan_commands(tmp_path_factory, forked_commands) -> tuple[dict[str, dict], s
     out = str(tmp / "run")
     cases = {"recipe": ["--gpu_gib=1", f"--train.output_dir={out}"],
              "bad path": ["--model.name_or_path=/no/such/model"],
-             "70B": ["--model.name_or_path=meta-llama/Llama-3.1-70B"]}
+             "70B": ["--model.name_or_path=meta-llama/Llama-3.1-70B"],
+             "async": ["--gpus", "1", "--rollout.mode=async", "--rollout.is_correction=token", "--rollout.engines=2",
+                       "--rollout.engine=hf"]}
     env = {**os.environ, "HF_HOME": str(tmp / "hf"), "HF_HUB_OFFLINE": "1"}
     results = forked_commands([["train", ["--config", RECIPE, "--plan", *args]] for args in cases.values()],
                               str(tmp), env=env)
@@ -272,6 +280,17 @@ def test_plan_cli_on_the_recipe(tmp_path, plan_commands):
     assert proc["exit"] == 0, proc["stderr"]
     assert "verdict:" in proc["stdout"] and "does not fit" in proc["stdout"]
     assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_plan_command_shows_the_async_layout(plan_commands):
+    # `python train.py --config RECIPE --plan --gpus 1 --rollout.mode=async ...`: two hf engines beside trainer
+    # rank 0 on one 80 GiB GPU, each with its own model copy: over, said in the verdict (exit 0: a plan)
+    proc = plan_commands[0]["async"]
+    assert proc["exit"] == 0, proc["stderr"]
+    out = proc["stdout"]
+    assert "rollout.mode=async: 2 hf engines on GPU 0" in out and "GPU 0: trainer rank 0 + 2 hf engines" in out
+    assert "2 x engine: its copy of the model (fp32)" in out and "verdict: peak" in out
 
 
 @pytest.mark.slow
@@ -342,9 +361,12 @@ def test_bucket_hand_worked():
 
 def test_static_cache_counts_buckets_and_spo_continuations():
     # small_config: 2 layers x 2 KV heads x 16; float32 (model.bf16 false): K and V 4 B each ->
-    # 2 x 2 x 2 x 16 x 4 = 512 B per position; the sampler's 8 float32 blocks of vocab 100: 3200 B per row.
+    # 2 x 2 x 2 x 16 x 4 = 512 B per position, the cache holding 1 spare column (decode.SPARE).
     # rollout.batch_size 12: HFEngine.generate runs max(1, 12 // n) inputs x n rows at once, padded to the
     # ladder 12, 6, 3, 2, 1; the cache block is max_prompt_tokens + max_new_tokens = 16 + 32 = 48 positions.
+    # The decoding working set (decode_bytes), float32, H 64, I 128, head_dim 16, vocab 100: per prefill token
+    # 16 x 64 + 8 x 16 + 3 x 4 x 128 + W + 40 = 2728 + W, and 2 W^2 once; per step and row 9 x 4 x 100 = 3600,
+    # and 8 x 100 once; kept per row 12 T + (W + T + 1) + 128, and 64 once.
     a = plan.arch_from_config(small_config())
     base = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
             "--train.prompts_per_step=2", "--algo.beta=0", "--rollout.engine=hf", "--rollout.batch_size=12",
@@ -353,32 +375,36 @@ def test_static_cache_counts_buckets_and_spo_continuations():
     def generate_rows(extra, gpus=1):
         cfg = load_config(None, base + extra, gpus)
         return {k: (b, ph) for k, _, b, ph in plan.make_plan(cfg, a, gpus=gpus, gpu_bytes=80 * GiB, engine="hf").rows}
-    # GRPO: min(2, 6) x 2 = 4 rows -> bucket 6; 48 positions: 512 x 6 x 48 = 147456 B, kept in both phases;
-    # the sampler 6 x 3200 = 19200 B during generation; float32: no weight copies
+    # GRPO: min(2, 6) x 2 = 4 rows -> bucket 6; 48 + 1 positions: 512 x 6 x 49 = 150528 B, kept in both phases;
+    # the prefill of 6 x 16 tokens, 96 x 2744 + 512 = 263936 (the sampler: 6 x 3600 + 800 = 22400), + 6 x (384
+    # + 49 + 128) + 64 = 3430 -> 267366 during generation; float32: no weight copies
     rows = generate_rows([])
-    assert rows["kvcache"] == (147456, "both") and rows["generate"] == (19200, "generation")
+    assert rows["kvcache"] == (150528, "both") and rows["generate"] == (267366, "generation")
     assert "copies" not in rows
     # with the evaluation (builtin:arithmetic, eval.batch_size 256, greedy): min(256, 12) x 1 = 12 rows
-    # -> 512 x 12 x 48 = 294912
-    assert generate_rows(["--data.eval=builtin:arithmetic"])["kvcache"][0] == 294912
+    # -> 512 x 12 x 49 = 301056
+    assert generate_rows(["--data.eval=builtin:arithmetic"])["kvcache"][0] == 301056
     # SPO-chain K = 8, N = 3: 16 states in chunks of 12 // 3 = 4 -> 12 rows of up to 79 positions, i.e.
-    # 2 blocks = 96: 512 x 12 x 96 = 589824; the sampler 12 x 3200 = 38400
+    # 2 blocks = 96 (+ 1): 512 x 12 x 97 = 595968; their prefill 12 x 47 (16 + 31) tokens x 2775 + 2 x 47^2
+    # = 1569518, + 12 x (384 + 80 + 128) + 64 = 7168 -> 1576686
     chain = generate_rows(["--algo.advantage=spo_chain", "--spo.cutpoint_interval=8", "--spo.num_mc=3"])
-    assert chain["kvcache"][0] == 589824 and chain["generate"][0] == 38400
-    # SPO-tree 2,3,4, M = 8: depth 2 has 12 nodes in chunks of 12 // 4 = 3 -> 12 rows of 48: 294912
+    assert chain["kvcache"][0] == 595968 and chain["generate"][0] == 1576686
+    # SPO-tree 2,3,4, M = 8: depth 2 has 12 nodes in chunks of 12 // 4 = 3 -> 12 rows of 48: 301056
     tree = ["--algo.advantage=spo_tree", "--spo.branching=2,3,4", "--spo.segment_tokens=8"]
-    assert generate_rows(tree)["kvcache"][0] == 294912
-    # a branching above batch_size: chunks of max(1, 12 // 16) = 1 input, still 16 rows: 512 x 16 x 48
+    assert generate_rows(tree)["kvcache"][0] == 301056
+    # a branching above batch_size: chunks of max(1, 12 // 16) = 1 input, still 16 rows: 512 x 16 x 49
     wide = ["--algo.advantage=spo_tree", "--spo.branching=2,3,16", "--spo.segment_tokens=8"]
-    assert generate_rows(wide)["kvcache"][0] == 393216
-    # bf16: 2 B per value -> half the cache, 147456 / 2 = 73728, and the bf16 copies 2 x 80704 = 161408 B
+    assert generate_rows(wide)["kvcache"][0] == 401408
+    # bf16: 2 B per value -> half the cache, 150528 / 2 = 75264, and the bf16 copies of the linear layers (the
+    # tied head's own): 2 x (2 x (37120 - 2 x 64) + 100 x 64) = 2 x 80384 = 160768 B
     rows = generate_rows(["--model.bf16=true"])
-    assert rows["kvcache"][0] == 73728 and rows["copies"] == (161408, "both")
+    assert rows["kvcache"][0] == 75264 and rows["copies"] == (160768, "both")
     # 2 GPUs (prompts_per_step 4, 2 each): `generate` on the sharded policy, during generation only:
-    # KV (8 B per value) and sampler of 4 rows x 48: 4 x (48 x 512 + 3200) = 111104, plus the gathered
-    # root and 2 layers, 4 x (6464 + 2 x 37120) = 322816 -> 433920
+    # KV (8 B per value) of 4 rows x 48: 4 x 48 x 512 = 98304; the decoding working set of 4 rows (not
+    # bucketed): the prefill 64 x 2744 + 512 = 176128, + 4 x 561 + 64 = 2308; the gathered root and 2 layers,
+    # 4 x (6464 + 2 x 37120) = 322816 -> 599556
     rows = generate_rows(["--train.prompts_per_step=4"], gpus=2)
-    assert rows["generate"] == (433920, "generation") and "kvcache" not in rows
+    assert rows["generate"] == (599556, "generation") and "kvcache" not in rows
 
 
 def test_vllm_note_counts_the_tree_at_once():
@@ -404,6 +430,181 @@ def test_allocator_cache_term_hand_worked():
     assert p.tensors == max(tensors.values()) and rows["margin"] == (2**28, "update")
     assert rows["allocator"] == (int(0.25 * p.tensors), "both") and rows["overhead"] == (2 * GiB, "both")
     assert p.peak == p.tensors + int(0.25 * p.tensors) + 2 * GiB == plan.device_bytes(p.tensors)
+
+
+ASYNC = ["--data.max_prompt_tokens=16", "--rollout.max_new_tokens=32", "--rollout.num_generations=2",
+         "--train.prompts_per_step=4", "--algo.beta=0", "--rollout.batch_size=12", "--model.bf16=true",
+         "--rollout.mode=async", "--rollout.is_correction=token", "--data.eval=", "--eval.batch_size=12"]
+
+
+def test_async_plan_counts_every_engine_on_each_gpu():
+    # small_config (80704 parameters, 80384 of them in linear layers, the tied head counted as the twin copies
+    # it), bf16: K and V 2 B each -> 2 x 2 x 2 x 16 x 2 = 256 B per position; P_max 16, T 32, G 2, B 4.
+    # Two hf engines, rollout.engine_gpus empty: both on GPU 0 with trainer rank 0. Each generates 2 prompts x G
+    # = 4 rows -> bucket 6 (of 12), 48 + 1 positions:
+    #   its model 4 x 80704 = 322816; its twin's bf16 copies 2 x 80384 = 160768; its KV cache 6 x 49 x 256 = 75264;
+    #   decoding: the prefill, 6 x 16 tokens x (16 x 64 + 8 x 16 + 3 x 2 x 128 + 16 + 40 = 1976) + 2 x 16^2 =
+    #   190208 (the sampler: 6 x 9 x 4 x 100 + 800 = 22400), + 6 x (12 x 32 + 49 + 128) + 64 = 3430 -> 193638;
+    #   752486 each, 1504972 for two, and their allocators' cache 0.25 x that = 376243, contexts 2 x 1 GiB.
+    # The trainer: no training engine; no eval set, so no evaluation engine; the sync check's row sums at
+    # launch, of the largest tensor (an MLP projection, 64 x 128 = 8192): 8 x (8192 + 128 rows) = 66560.
+    a = plan.arch_from_config(small_config())
+    assert (a.linear_params, a.largest_param) == (80384, 8192)
+    cfg = load_config(None, ASYNC + ["--rollout.engines=2"], 1)
+    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf")
+    rows = {key: (b, ph) for key, _, b, ph in p.rows}
+    engine = {key: b for key, (b, ph) in rows.items() if key.startswith("engine") and ph == "both"}
+    assert engine == {"engine_model": 2 * 322816, "engine_copies": 2 * 160768, "engine_kvcache": 2 * 75264,
+                      "engine_generate": 2 * 193638, "engine_allocator": 376243, "engine_overhead": 2 * GiB}
+    assert rows["staging"] == (66560, "generation") and p.where == "GPU 0: trainer rank 0 + 2 hf engines"
+    assert not {"kvcache", "copies", "generate", "vllm"} & set(rows) and not any(k.startswith("eval") for k in rows)
+    # the trainer's tensors (what its allocator is planned for, and torch.cuda.max_memory_allocated reaches) leave
+    # the engines' out; the GPU's peak holds both
+    trainer = {phase: sum(b for k, (b, ph) in rows.items() if not k.startswith("engine") and ph in ("both", phase)
+                          and k not in ("allocator", "overhead")) for phase in ("generation", "update")}
+    assert p.tensors == max(trainer.values()) and rows["allocator"][0] == int(0.25 * p.tensors)
+    assert p.peak == p.tensors + rows["allocator"][0] + 2 * GiB + sum(engine.values())
+    # an eval set: the evaluation engine on the policy, built at the first evaluation: eval.batch_size 12 greedy
+    # rows, its KV cache 12 x 49 x 256 = 150528 and the twin's copies kept, its decoding while it evaluates
+    # (192 x 1976 + 512 + 12 x 561 + 64 = 386700)
+    evaluated = plan.make_plan(load_config(None, ASYNC + ["--data.eval=builtin:arithmetic"], 1), a, gpus=1,
+                               gpu_bytes=80 * GiB, engine="hf")
+    rows = {key: (b, ph) for key, _, b, ph in evaluated.rows}
+    assert (rows["eval_kvcache"], rows["eval_copies"], rows["eval_generate"]) == (
+        (150528, "both"), (160768, "both"), (386700, "generation"))
+    # rollout.engine_gpus: each engine on a GPU of its own, planned apart; GPU 0 holds the trainer alone
+    apart = plan.make_plan(load_config(None, ASYNC + ["--rollout.engines=2", "--rollout.engine_gpus=1,2"], 1), a,
+                           gpus=1, gpu_bytes=80 * GiB, engine="hf")
+    assert not any(key.startswith("engine") for key, *_ in apart.rows) and apart.where == "GPU 0: trainer rank 0"
+    assert [o.where for o in apart.others] == ["GPU 1: 1 hf engine", "GPU 2: 1 hf engine"]
+    assert {key: b for key, _, b, _ in apart.others[0].rows} == {
+        "engine_model": 322816, "engine_copies": 160768, "engine_kvcache": 75264, "engine_generate": 193638,
+        "engine_allocator": int(0.25 * 752486), "engine_overhead": GiB}
+    # vLLM engines: rollout.gpu_memory_utilization of the GPU each, awake in the update (async refuses sleep)
+    shared = plan.make_plan(load_config(None, ASYNC + ["--rollout.engines=2"], 1), a, gpus=1, gpu_bytes=80 * GiB,
+                            engine="vllm")
+    assert {key: (b, ph) for key, _, b, ph in shared.rows}["engine_vllm"] == (2 * int(0.3 * 80 * GiB), "both")
+
+
+def test_async_plan_refuses_in_one_line_naming_the_gpu():
+    # two vLLM engines at 0.5 of GPU 0 each, beside the trainer: over; the line names the layout and what to change
+    a = plan.arch_from_config(small_config())
+    cfg = load_config(None, ASYNC + ["--rollout.engines=2", "--rollout.gpu_memory_utilization=0.5"], 1)
+    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="vllm")
+    assert not p.fits and not p.fits_here
+    with pytest.raises(PlanError) as e:
+        plan.check_fits(p, cfg)
+    line = str(e.value)
+    assert "\n" not in line and "GPU 0: trainer rank 0 + 2 vllm engines" in line and "does not fit" in line
+    assert "rollout.engine_gpus" in line and "rollout.gpu_memory_utilization" in line
+    # an engine's own GPU whose vLLM share cannot hold one sequence: GPU 0 fits, the run does not
+    cfg = load_config(None, ASYNC + ["--rollout.engine_gpus=1", "--rollout.gpu_memory_utilization=0.0000001"], 1)
+    p = plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="vllm")
+    assert p.fits_here and not p.fits and p.others[0].blocker
+    with pytest.raises(PlanError) as e:
+        plan.check_fits(p, cfg)
+    assert "GPU 1: 1 vllm engine: engine_vllm 0.0 GiB; peak" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_plan_cli_shows_the_async_layout():
+    # the 1.5B GRPO recipe, one step off, 2 trainer GPUs and an engine on each of GPUs 2 and 3 (docs/gpu.md's
+    # 4-GPU layout): the trainers' table, then one per engine GPU; vLLM at 0.3 x 80 GiB = 24 GiB each
+    text = plan.plan_cli(["--config", os.path.join(QWEN, "grpo.yaml"), "--plan", "--gpus=2", "--rollout.mode=async",
+                          "--rollout.is_correction=token", "--rollout.engines=2", "--rollout.engine_gpus=2,3"],
+                         resolve=resolve_model_path)
+    assert "rollout.mode=async: 2 vllm engines on GPUs 2,3" in text
+    assert "GPU 0: trainer rank 0; GPU 1: trainer rank 1" in text
+    for gpu in (2, 3):
+        section = text.split(f"GPU {gpu}: 1 vllm engine\n")[1]
+        assert section.splitlines()[1].startswith("engine: vLLM 0.3 x GPU") and "verdict: peak 24.0 GiB" in section
+    # the evaluation engine over 2 GPUs: transformers generate on the sharded policy (no static cache, no twin)
+    assert "eval: generate: KV of 64 x 4096 tokens" in text and "eval: static KV cache" not in text
+    assert "staging the weights: a gathered tensor, its row sums" in text
+
+
+def tiny_engine_config(width: int, new_tokens: int, bf16: bool, *extra: str):
+    """One step off with hf engines on the tiny model: B 4 prompts of `width` tokens, G 3, rows of 12 at once
+    (a row bucket: the plan's shapes are the engine's, uncompiled on CPU)."""
+    return load_config(None, [f"--data.max_prompt_tokens={width}", f"--rollout.max_new_tokens={new_tokens}",
+                              "--rollout.num_generations=3", "--train.prompts_per_step=4", "--rollout.batch_size=12",
+                              f"--model.bf16={str(bf16).lower()}", "--rollout.mode=async", "--rollout.engine=hf",
+                              "--rollout.is_correction=token", "--algo.beta=0", "--data.eval=", *extra], 1)
+
+
+def prompts(count: int, width: int) -> list[list[int]]:
+    return [[5 + (i + j) % 300 for j in range(width)] for i in range(count)]
+
+
+@pytest.mark.parametrize("bf16, width, lora", [(True, 16, 0), (False, 16, 0), (False, 1, 0), (False, 16, 4),
+                                               (True, 16, 4)])
+def test_engine_rows_against_what_an_hf_engine_process_allocates(tiny_model_path, bf16, width, lora):
+    # An hf engine process's server (engines/process.py: _HFServer, as the engine process builds it, on CPU) and
+    # its first request, the step's 4 prompts x G 3 = 12 rows of 24 new tokens: its model (the parameters' and
+    # buffers' storages), then what the request allocates (its twin's bf16 copies, built at the first call, the
+    # KV cache, the decoding's working set: LiveBytes, the peak). The plan's engine rows against them, within the
+    # sync plan's margin (1.0-1.1 x): measured 1.0001 (prefill), 1.0001 (float32), 1.00003 (1-token prompts:
+    # the sampler's step is the larger moment); LoRA rank 4, a base and float32 adapters (the twin copies these):
+    # 1.0001, and 1.07 with a bf16 base, whose residual stream is bf16 where the plan counts float32.
+    cfg = tiny_engine_config(width, 24, bf16, f"--model.lora.rank={lora}")
+    spec = EngineSpec(kind="hf", model_path=tiny_model_path, trust_remote_code=False, max_len=width + 24,
+                      batch_size=12, compile=False, lora=cfg.model.lora if lora else None, bf16=bf16, seed=0,
+                      gpu_memory_utilization=0.3, threads=1)
+    server = _HFServer(spec, mmap.mmap(-1, 4096))
+    lm = server.engine.model.lm
+    model = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                 for t in [*lm.parameters(), *lm.buffers()]}.values())
+    with LiveBytes() as live:
+        server.engine.generate(prompts(4, width), 3, 1.0, 1.0, 24, torch.arange(12))
+        kept = live.now
+    a = plan.arch_from_config(lm.config)
+    rows, _, _ = plan.engine_rows(cfg, a, kind="hf", engines=1, gpu_bytes=80 * GiB)
+    rows = {key: b for key, _, b, _ in rows}
+    # the model: 4 B a parameter, and RoPE's inverse frequencies (two float32 vectors of head_dim / 2)
+    assert model == rows["engine_model"] + 4 * a.head_dim
+    # kept after the call: the copies of the linear layers and the cache (and at most two int64: the cache's
+    # write position, the stop ids)
+    assert 0 <= kept - rows.get("engine_copies", 0) - rows["engine_kvcache"] <= 16
+    predicted = rows["engine_model"] + rows.get("engine_copies", 0) + rows["engine_kvcache"] + rows["engine_generate"]
+    assert 1.0 <= predicted / (model + live.peak) <= 1.1, (predicted, model + live.peak)
+
+
+def test_the_evaluation_engine_holds_nothing_until_it_evaluates(tiny_model_path):
+    # One step off, the trainer evaluates with the transformers engine on its own policy (train.py: setup). Built,
+    # it allocates nothing: its twin's bf16 copies come with its first call, which a run without an eval set never
+    # makes. An evaluation's greedy call of eval.batch_size 12 prompts then holds the plan's eval rows: measured
+    # 1.0004 x (within the sync plan's 1.0-1.1).
+    cfg = tiny_engine_config(16, 24, True, "--data.eval=builtin:arithmetic", "--eval.batch_size=12")
+    policy = build_policy(tiny_model_path, chunk_tokens=2048, bf16=True)             # the trainer's: float32
+    tokenizer = load_tokenizer(tiny_model_path)
+    with LiveBytes() as live:
+        engine = build_engine(dataclasses.replace(cfg.rollout, engine="hf"), policy, tiny_model_path, tokenizer,
+                              max_prompt_len=16, seed=0, world_size=1, bf16=True)
+        built = live.peak
+        engine.generate(prompts(12, 16), 1, 1.0, 1.0, 24, None)
+        kept = live.now
+    assert built == 0
+    a = plan.arch_from_config(policy.lm.config)
+    rows = {key: b for key, _, b, _ in plan.make_plan(cfg, a, gpus=1, gpu_bytes=80 * GiB, engine="hf").rows}
+    assert 0 <= kept - rows["eval_copies"] - rows["eval_kvcache"] <= 16
+    predicted = rows["eval_copies"] + rows["eval_kvcache"] + rows["eval_generate"]
+    assert 1.0 <= predicted / live.peak <= 1.1, (predicted, live.peak)
+
+
+def test_staging_row_against_the_sync_checks_row_sums(tiny_model_path):
+    # A launch with the sync check stages each tensor and takes its row sums (engines/staging.py), one tensor at a
+    # time: on one GPU the int64 copy of the largest, the tiny model's embedding or head (405 x 128), and its 405
+    # sums: 8 x (51840 + 405) = 417960 B, what the plan's staging row says (it takes max(vocab, I) rows).
+    cfg = tiny_engine_config(16, 24, False)
+    policy = build_policy(tiny_model_path, chunk_tokens=2048)
+    entries = layout(policy_shapes(policy.lm, lora=False), torch.float32)
+    flat = torch.empty(total_bytes(entries), dtype=torch.uint8)
+    peaks = []
+    for entry, param in zip(entries, full_params(policy.lm), strict=True):
+        with LiveBytes() as live:
+            stage(flat, iter([param]), [entry], sums=True)
+        peaks.append(live.peak)
+    [(key, _, staged, phase)] = plan.staging_rows(cfg, plan.arch_from_config(policy.lm.config), gpus=1, kind="hf")
+    assert (key, phase, max(peaks)) == ("staging", "generation", 417960) and staged == 417960
 
 
 # the 1.5B recipes' (budget, the mode auto picks there) on one 80 GB GPU; the others inherit grpo.yaml's
