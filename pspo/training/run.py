@@ -14,6 +14,7 @@ import os
 import torch
 
 from pspo.training import checkpoint, distributed
+from pspo.training.compiled import take_counts
 from pspo.training.config import Config, ConfigError, report_sinks, save_config, to_dict
 from pspo.training.distributed import Dist, print0
 from pspo.training.metrics import MetricsLogger, StepClock
@@ -101,7 +102,9 @@ def check_writable(path: str, key: str, *, folder: bool) -> None:
 
 
 def open_folder(cfg: Config, dist_: Dist, step: int) -> MetricsLogger:
-    """The run's first writes, once nothing can refuse it: its config.yaml and its metrics (rank 0)."""
+    """The run's first writes, once nothing can refuse it: its config.yaml and its metrics (rank 0). The
+    metrics' compile counts start here: an earlier run in this process (a test's) counted its own."""
+    take_counts()
     out = cfg.train.output_dir
     if dist_.is_main:
         os.makedirs(out, exist_ok=True)
