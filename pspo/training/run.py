@@ -15,8 +15,8 @@ import torch
 
 from pspo.training import checkpoint, distributed
 from pspo.training.compiled import take_counts
-from pspo.training.config import Config, ConfigError, report_sinks, save_config, to_dict
-from pspo.training.distributed import Dist, print0
+from pspo.training.config import Config, ConfigError, LoraConfig, report_sinks, save_config, to_dict
+from pspo.training.distributed import Dist
 from pspo.training.metrics import MetricsLogger, StepClock
 from pspo.training.lora import BaseReference, load_adapter_weights, trainable_share
 from pspo.training.model import Policy, build_policy, check_packing, configure_scoring
@@ -35,7 +35,8 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
     """The policy from `path` (the base model or the checkpoint resumed) and, when algo.needs_reference
     (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
     rank's device and sharded over the ranks, scoring with the attention `kernels` chosen at start-up.
-    checkpointing: model.gradient_checkpointing resolved (plan.startup_check)."""
+    checkpointing: model.gradient_checkpointing resolved (plan.startup_check). Prints nothing: a load that
+    fails is the run's only line (train.py prints the start-up lines once every load has passed)."""
     m = cfg.model
     lora, resumed = m.lora.rank > 0, path != base_path      # a checkpoint of the same kind (resolve_resume)
     policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
@@ -45,9 +46,6 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
     if lora and resumed:
         load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed
     check_packing(policy, cfg.train)
-    trainable, total = trainable_share(policy)
-    print0(f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
-           + (f", LoRA rank {m.lora.rank} on {m.lora.target_modules}" if lora else ""))
     policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     if lora and dist_.world_size > 1:
         # FSDP2 reads which parameters train at its first forward; the reference's (adapters off) would
@@ -75,8 +73,14 @@ def resume(path: str, *, cfg: Config, dist_: Dist, policy: torch.nn.Module, opti
     scheduler.load_state_dict(state["scheduler"])
     adopt_optim_config(optimizer, scheduler, cfg)
     checkpoint.restore_trainer_state(state, sampler, method_state, cfg, sampler_mode)
-    print0(f"resumed from {path} at step {state['step']}")
     return state["step"], state.get("generated_tokens", 0.0)
+
+
+def trainable_line(policy: torch.nn.Module, lora: LoraConfig) -> str:
+    """The start-up line of the policy's trainable share (sharded or not: a DTensor counts its whole shape)."""
+    trainable, total = trainable_share(policy)
+    return (f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
+            + (f", LoRA rank {lora.rank} on {lora.target_modules}" if lora.rank > 0 else ""))
 
 
 def check_writable(path: str, key: str, *, folder: bool) -> None:
