@@ -1,4 +1,4 @@
-"""torch.compile in pspo: one rule for every compiled path, and the compile metrics (docs/gpu.md, "Compiled paths").
+"""torch.compile in pspo: one rule for every compiled path, and the compile metrics (docs/gpu.md#compiled-paths).
 
 Three paths compile, each by its own setting: the decoding step and sampler (rollout.compile, engines/decode.py),
 the decoder layers for scoring (train.compile, model.compile_layers) and the log-prob head's chunk functions
@@ -33,7 +33,7 @@ from torch._guards import CompileContext
 # dynamo's limit of compiles per code object, raised from its default 8: the layers compile once per kind of
 # pass (about 10 with LoRA and its base as the reference), the decoding step once per cache length
 RECOMPILE_LIMIT = 64
-COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "triton")     # where a compiler's own errors come from
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "triton.")   # where a compiler's own errors come from
 
 
 @dataclass

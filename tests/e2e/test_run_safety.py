@@ -77,6 +77,45 @@ def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, t
 
 
 @pytest.mark.slow
+def test_a_run_whose_compiles_fail_trains_eagerly(tmp_path, tiny_model_path, run_main, monkeypatch):
+    # Every compiled path on (the decoding step, the decoder layers, the log-prob head) and a compiler that
+    # fails every compile (a backend that raises, as a compiler bug would; pspo/training/compiled.py): the
+    # run trains its 2 steps and saves; each of the 4 compiled functions says so once on stderr, and step 1,
+    # which holds every first call (step 0 has no evaluation here), logs the 4 fallbacks, step 2 none
+    import torch._dynamo
+    from pspo.training import model, token_logprobs
+
+    def fresh():
+        torch._dynamo.reset()
+        model._compiled.cache_clear()
+        token_logprobs._compiled.cache_clear()
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("C++ compile failed")
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real(fn, backend=broken_backend,
+                                                                      dynamic=options.get("dynamic")))
+    fresh()
+    try:
+        out = str(tmp_path / "run")
+        ran = run_main("train", *arguments(out, tiny_model_path, "--train.max_steps=2", "--data.eval=",
+                                           "--rollout.compile=always", "--train.compile=always",
+                                           "--model.logprob_head=compiled"))
+    finally:
+        fresh()
+    warned = [line.split(" (RuntimeError")[0] for line in ran.err.splitlines() if line.startswith("warning: torch")]
+    assert sorted(warned) == ["warning: torch.compile failed for the decoder layers (Qwen2DecoderLayer.forward)",
+                              "warning: torch.compile failed for the decoding step",
+                              "warning: torch.compile failed for the log-prob head (_chunk_stats)",
+                              "warning: torch.compile failed for the log-prob head (_grad_logits)"]
+    assert "scoring: decoder layers compiled (train.compile=always), log-prob head compiled" in ran.out
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["compile_fallbacks"]) for r in rows] == [(1, 4), (2, 0)]
+    assert os.path.isdir(os.path.join(out, "checkpoint-2"))
+
+
+@pytest.mark.slow
 def test_non_finite_updates_are_skipped_and_three_in_a_row_stop_the_run(tmp_path, tiny_model_path, run_main):
     # A model with one NaN in its final norm: every loss is NaN. Each update is skipped (the
     # weights and AdamW state untouched), logged, and the third in a row saves and stops with a
