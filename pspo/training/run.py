@@ -3,9 +3,10 @@ folder, and the rules that end a step (timings, when to evaluate and save, when 
 
 A refused run writes nothing: every check that can refuse it (the model, its context, the memory
 plan, the PRM, the data, the sampler, the checkpoint to resume and the engine) runs before
-`open_folder` writes the first file (config.yaml, then the metrics). And a mistake is found before
-anything slow: the checks that need no model (the folder, `check_writable`; the checkpoint to resume;
-the data) run before a model is built or loaded.
+`open_folder` writes the first file (config.yaml, then the metrics). It prints nothing but its one line:
+`load_models` and `resume` print nothing, and train.py prints the start-up lines (`trainable_line` among
+them) once they have loaded. And a mistake is found before anything slow: the checks that need no model
+(the folder, `check_writable`; the checkpoint to resume; the data) run before a model is built or loaded.
 """
 from __future__ import annotations
 
