@@ -3,8 +3,8 @@ path eagerly with one stderr line naming it and the setting that turns it off, c
 `compile_fallbacks`, and the run goes on with the eager values; a function's own error is raised;
 dynamo's recompile limit is such a failure; recompiles are counted per step (`compile_recompiles`).
 A compiler bug is stood for by a backend that raises, as inductor, Triton or the C compiler would
-(dynamo wraps it in BackendCompilerFailed): no inductor compile, so each test here takes at most a few
-seconds (dynamo's tracing; the slow ones ~2-3 s on 2 idle cores)."""
+(dynamo wraps it in BackendCompilerFailed): no inductor compile, only dynamo's tracing (the two marked slow
+took 7 s each on 2 loaded cores, the others 1.3 s together)."""
 import copy
 
 import pytest
@@ -85,7 +85,7 @@ def warnings(err: str) -> list[str]:
 
 
 @pytest.mark.parametrize("failing", [broken_backend, pytest.param(broken_backward, marks=pytest.mark.slow)],
-                         ids=["forward", "backward"])     # backward: AOTAutograd traces both graphs (~3 s)
+                         ids=["forward", "backward"])     # backward: AOTAutograd traces both graphs
 def test_layers_whose_compile_fails_run_eagerly(backend, capsys, failing):
     # train.compile: the decoder layers' compile fails (the forward graph, or only the backward graph, which
     # compiles with the forward: the failure comes in the call, not in the middle of loss.backward()); the
