@@ -62,7 +62,7 @@ from pspo.training.packed_attention import choose_kernels
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
 from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, check_writable, every, load_models,
-                               non_finite_error, open_folder, resume, summary, timings)
+                               non_finite_error, open_folder, resume, summary, timings, trainable_line)
 from pspo.update import policy_update
 
 
@@ -301,10 +301,10 @@ class Run:
 def setup(cfg: Config, dist_: Dist) -> Run:
     """The run's parts, in an order where a mistake is found before anything slow: the checks that need
     no model (the output folder, the checkpoint to resume, the engine, the data, PPS's batch, the PRM's
-    folder) come before a model is built or loaded, with nothing printed before them; those that need
-    its tokenizer alone (the context, the prompts, the sampler) before its weights; and every check that
-    can refuse the run (also the memory plan, the PRM) before anything is written to its folder
-    (training/run.py: open_folder)."""
+    folder) come before a model is built or loaded; those that need its tokenizer alone (the context, the
+    prompts, the sampler) before its weights; the start-up lines once every load has passed (the weights,
+    the checkpoint resumed), so that a refusal is the only line; and every check that can refuse the run
+    (also the memory plan, the PRM) before anything is written to its folder (training/run.py: open_folder)."""
     m, r, out = cfg.model, cfg.rollout, cfg.train.output_dir
     check_writable(out, "train.output_dir", folder=True)
     cores = pin_cores(r.engine_cores)                                       # async on CPU: the trainer's cores
@@ -326,12 +326,9 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     sampler = build_sampler(cfg, [ex.problem for ex in train.examples], cfg.data.train)   # uniform or PPS
     plan_line, checkpointing = startup_check(cfg, base_path, dist_.world_size, dist_.device, kind,
                                              resolve=resolve_model_path)  # PlanError: cannot fit; auto resolved
-    print0(plan_line)
     t = cfg.train
     kernels = choose_kernels(t.attention, device=dist_.device, bf16=m.bf16,     # probed; ConfigError: refused
                              **attention_heads(model_config))
-    print0(micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, kernels))
-    print0(compile_line(t.compile, m.logprob_head, dist_.device))
     prm = load_prm(cfg, dist_.device)
     policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels, checkpointing)
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
@@ -343,6 +340,10 @@ def setup(cfg: Config, dist_: Dist) -> Run:
         step, generated_tokens = resume(resume_from, cfg=cfg, dist_=dist_, policy=policy, optimizer=optimizer,
                                         scheduler=scheduler, sampler=sampler, method_state=method.state,
                                         sampler_mode=sampler_mode(cfg))
+    # every load has passed (weights, tokenizer, checkpoint): a refusal is the run's only line
+    print0("\n".join([plan_line, micro_batch_line(t.micro_batch_size, t.micro_batch_tokens, t.packing, kernels),
+                      compile_line(t.compile, m.logprob_head, dist_.device), trainable_line(policy, m.lora)]
+                     + ([f"resumed from {resume_from} at step {step}"] if resume_from else [])))
     weights = base_path if m.lora.rank or not resume_from else resume_from        # LoRA: the base + adapter
     max_prompt_len = max(len(p) for p in train.ids + evals.ids)
     generation = build_engine(replace(r, engine=engine), policy, weights, tokenizer, max_prompt_len=max_prompt_len,

@@ -26,7 +26,9 @@ graphs). The write position and the sampler's position are 0-dim tensors, and th
 window are dynamic dimensions: one compile serves every (rows, window) shape of a cache length,
 and CUDA graphs record one graph per shape met (a few windows per row bucket) from then on.
 Compaction stops at 2 rows and the cache holds a spare column (SPARE) because a size of 1, or a
-window as wide as the whole cache view, would each compile the step once more.
+window as wide as the whole cache view, would each compile the step once more. A step or sampler whose compile
+fails runs eagerly from then on: the same tokens, more kernel launches (compiled.py's rule; a step repeated
+eagerly writes the same cache column again).
 
 The model run is `policy.lm`'s twin (`decode_twin`): the same modules sharing its parameters,
 except that under bf16 autocast (model.bf16) its linear layers hold bf16 copies, refreshed from
@@ -39,7 +41,6 @@ heads for every query head).
 from __future__ import annotations
 
 import copy
-import sys
 
 import torch
 from torch import Tensor
@@ -47,12 +48,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pspo.engines.sampling import column_keys, draw
+from pspo.training.compiled import Compiled
 from pspo.training.tokens import bucket
 
 STATIC_ATTENTION = "pspo_static"      # the twin's config._attn_implementation
 DONE_CHECK_STEPS = 16                 # on CUDA, look whether every row is done once per this many steps
 SPARE = 1                             # columns the cache and the key mask hold past the cache length
 MIN_ROWS = 2                          # compaction's smallest bucket: torch.compile specializes a size of 1
+COMPILE_OFF = "rollout.compile=never"  # the setting a failed compile's warning names (compiled.py)
 
 
 def static_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -160,9 +163,8 @@ class Decoder:
         if compile:
             cuda = self.device.type == "cuda"
             # rows and window are dynamic dimensions (`_dynamic`): one compile per cache length and variant
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = "reduce-overhead" if cuda else None                      # CUDA graphs on a GPU
-            self.step = torch.compile(self._step, mode=mode, dynamic=False)
+            self.step = Compiled(self._step, path="decoding step", off=COMPILE_OFF, mode=mode, dynamic=False)
             if cuda:
                 # one CUDA graph per (rows, window) met: a few windows per row bucket, each recorded once
                 triton = torch._inductor.config.triton
@@ -170,7 +172,7 @@ class Decoder:
                     triton.cudagraph_dynamic_shape_warn_limit = max(triton.cudagraph_dynamic_shape_warn_limit, 64)
                 # Not on CPU: inductor's vectorized C++ (torch 2.13, AVX-512) miscompiles the int64 hash of
                 # the Gumbel noise (wrong values, heap corruption). bench/rollout.py checks the CUDA build.
-                self.sample = torch.compile(draw, mode=mode, dynamic=False)
+                self.sample = Compiled(draw, path="decoding sampler", off=COMPILE_OFF, mode=mode, dynamic=False)
 
     def shape(self, rows: int, length: int) -> tuple[int, int]:
         """(rows, cache length) a call runs at: bucketed with pad_shapes, else as asked."""
@@ -239,22 +241,6 @@ class Decoder:
                             past_key_values=kv, use_cache=True, logits_to_keep=last)
         return out.logits[:, -1]
 
-    def _call(self, name: str, *args, **kwargs):
-        """self.step or self.sample; when compiling it fails (a compiler bug: inductor, Triton), say so once
-        on stderr and run that function eagerly from then on: the same values, more kernel launches."""
-        try:
-            return getattr(self, name)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - only torch.compile's own errors are caught
-            if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
-                raise
-            eager = {"step": self._step, "sample": draw}[name]
-            if getattr(self, name) is eager:
-                raise
-            print(f"warning: torch.compile failed for the decoding {name} ({type(e).__name__}: "
-                  f"{str(e).strip().splitlines()[-1][:200]}); it runs eagerly", file=sys.stderr)
-            setattr(self, name, eager)
-            return eager(*args, **kwargs)
-
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the policy's current weights into the twin's bf16 copies (nothing to do in float32)."""
@@ -303,11 +289,10 @@ class Decoder:
                 if self.compiled:
                     _dynamic(last, fed, step_valid, dims=(0,))
                     _dynamic(step_valid, dims=(1,))
-                logits = self._call("step", last, fed, step_valid, kv)
+                logits = self.step(last, fed, step_valid, kv)
             if self.compiled:
                 _dynamic(logits, *([] if seeds is None else [seeds]), dims=(0,))
-            choice, logp = self._call("sample", logits, seeds, t, temperature=temperature, top_p=top_p,
-                                      columns=columns)
+            choice, logp = self.sample(logits, seeds, t, temperature=temperature, top_p=top_p, columns=columns)
             last = torch.where(done, pad, choice)                             # generate pads finished rows
             tokens[order, step] = last
             logprobs[order, step] = torch.where(done, 0.0, logp)

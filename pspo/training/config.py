@@ -109,7 +109,8 @@ class ModelConfig:
     gradient_checkpointing: str = "auto"
     logprob_chunk_tokens: int = 2048    # tokens per (chunk x vocab) logits block in the loss
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # the log-prob head's elementwise work: auto (compiled on CUDA, eager elsewhere) | eager | compiled
+    # the log-prob head's elementwise work: auto (compiled on CUDA, eager elsewhere) | eager | compiled; a
+    # failed compile runs it eagerly with one warning (compile_fallbacks), as every compiled path (compiled.py)
     logprob_head: str = "auto"
 
 
@@ -147,7 +148,9 @@ class RolloutConfig:
     top_p: float = 1.0                  # nucleus sampling mass
     max_new_tokens: int = 16            # L_max, tokens per completion
     batch_size: int = 512               # sequences per generate call on one rank (hf engine)
-    compile: str = "auto"               # hf engine: compile the decoding step: auto (CUDA) | always | never
+    # hf engine: compile the decoding step: auto (CUDA) | always | never; a failed compile runs the step
+    # eagerly with one warning and the compile_fallbacks metric, as every compiled path (compiled.py)
+    compile: str = "auto"
     gpu_memory_utilization: float = 0.3  # vllm: fraction of GPU memory for weights + KV cache
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
@@ -292,7 +295,8 @@ class TrainConfig:
     # scoring's attention kernels, chosen once at start-up: auto (probed: varlen for packed rows on CUDA in
     # bf16, else sdpa per sequence; sdpa flash, efficient, else math) | varlen | flash | efficient | math | cudnn
     attention: str = "auto"
-    # compile each decoder layer for scoring and the update: auto (CUDA only) | always | never
+    # compile each decoder layer for scoring and the update: auto (CUDA only) | always | never; a failed
+    # compile runs the layers eagerly with one warning and the compile_fallbacks metric (compiled.py)
     compile: str = "auto"
     eval_steps: int = 0                 # evaluate every N steps (0 = only before/after)
     save_steps: int = 0                 # checkpoint every N steps (0 = only at the end)

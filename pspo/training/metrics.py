@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from pspo.training import distributed
+from pspo.training.compiled import take_counts
 from pspo.training.config import Config, report_sinks
 
 
@@ -130,9 +131,10 @@ class GenerationCounts:
 def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCounts, cfg: Config,
                  device: torch.device) -> tuple[GenerationCounts, UpdateSums, dict[str, float]]:
     """This rank's records summed over ranks (one collective) -> (the generation counts and the update's
-    sums of every rank, the logged means (README, "Metrics") followed by SPO's counts and the generation
-    counts as sums)."""
-    records = [method.rollout, method.advantages, update, counts]
+    sums of every rank, the logged means (README, "Metrics") followed by SPO's counts, the generation
+    counts and this process's compile counts since the last step (compiled.py) as sums)."""
+    compiles = take_counts()
+    records = [method.rollout, method.advantages, update, counts, compiles]
     if method.spo is not None:
         records.append(method.spo)
     gen_s = counts.rollout_gen_s + counts.mc_gen_s
@@ -144,7 +146,7 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         width = len(dataclasses.fields(r))
         summed.append(type(r)(*totals[start:start + width]))
         start += width
-    rollout, adv, update, counts, *spo = summed
+    rollout, adv, update, counts, compiles, *spo = summed
     # a step that trained no completion (dynamic sampling kept no group): its means are not numbers (null)
     n, groups = rollout.completions or math.nan, rollout.groups or math.nan
     iters, tok = cfg.algo.num_iterations, max(update.tokens, 1.0)
@@ -165,7 +167,7 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
     }
     if cfg.reward.overlong_cache:
         metrics["overlong_penalty"] = rollout.overlong / n                # the mean R_length (§9)
-    sums = {**dataclasses.asdict(counts), **(dataclasses.asdict(spo[0]) if spo else {})}
+    sums = {**dataclasses.asdict(counts), **dataclasses.asdict(compiles), **(dataclasses.asdict(spo[0]) if spo else {})}
     metrics.update(sorted(sums.items()))                             # as sums, in key order
     return counts, update, metrics
 

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from pspo.training.compiled import Compiled
 from pspo.training.config import Config, LoraConfig, first_line
 from pspo.training.lora import add_adapters
 from pspo.training.packed_attention import PACKED_ATTENTION, UNPINNED, Kernels, Packed, pin_kernels, scoring_mask
@@ -352,11 +353,10 @@ def compile_layers(lm: torch.nn.Module) -> None:
     by all layers; the attention runs between the compiled graphs, outside them (packed_attention.py).
     Generation (a pass with a KV cache) runs the layer eagerly: its loop compiles its own step
     (rollout.compile), and the decoding twin (engines/decode.py), a deep copy, gets this forward bound
-    to its own layers.
+    to its own layers. A compile that fails runs the layers eagerly from then on (compiled.py's rule). The
+    graphs do not depend on the number of layers (tests/components/test_model.py): graphs per layer would
+    pass dynamo's recompile limit on a deep model.
     """
-    # each kind of pass is one more graph of the same code: past dynamo's default limit (8) it would
-    # silently run eagerly (LoRA with the reference as its base meets about 10 kinds)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for layer in decoder_layers(lm):
         layer.forward = types.MethodType(_scoring_forward, layer)
 
@@ -370,9 +370,10 @@ def _scoring_forward(layer: torch.nn.Module, *args, **kwargs):
 
 
 @functools.cache
-def _compiled(forward):
+def _compiled(forward) -> Compiled:
     """A decoder layer class's forward, compiled once per process (shared by its layers and policies)."""
-    return torch.compile(forward, dynamic=True)
+    return Compiled(forward, path=f"decoder layers ({forward.__qualname__})", off="train.compile=never",
+                    dynamic=True)
 
 
 def compiled_layers(setting: str, device: torch.device) -> bool:

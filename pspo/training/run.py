@@ -3,9 +3,10 @@ folder, and the rules that end a step (timings, when to evaluate and save, when 
 
 A refused run writes nothing: every check that can refuse it (the model, its context, the memory
 plan, the PRM, the data, the sampler, the checkpoint to resume and the engine) runs before
-`open_folder` writes the first file (config.yaml, then the metrics). And a mistake is found before
-anything slow: the checks that need no model (the folder, `check_writable`; the checkpoint to resume;
-the data) run before a model is built or loaded.
+`open_folder` writes the first file (config.yaml, then the metrics). It prints nothing but its one line:
+`load_models` and `resume` print nothing, and train.py prints the start-up lines (`trainable_line` among
+them) once they have loaded. And a mistake is found before anything slow: the checks that need no model
+(the folder, `check_writable`; the checkpoint to resume; the data) run before a model is built or loaded.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import os
 import torch
 
 from pspo.training import checkpoint, distributed
-from pspo.training.config import Config, ConfigError, report_sinks, save_config, to_dict
-from pspo.training.distributed import Dist, print0
+from pspo.training.compiled import take_counts
+from pspo.training.config import Config, ConfigError, LoraConfig, report_sinks, save_config, to_dict
+from pspo.training.distributed import Dist
 from pspo.training.metrics import MetricsLogger, StepClock
 from pspo.training.lora import BaseReference, load_adapter_weights, trainable_share
 from pspo.training.model import Policy, build_policy, check_packing, configure_scoring
@@ -34,7 +36,8 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
     """The policy from `path` (the base model or the checkpoint resumed) and, when algo.needs_reference
     (the k3 loss term or REINFORCE++'s KL reward), the frozen reference from `base_path`, each on the
     rank's device and sharded over the ranks, scoring with the attention `kernels` chosen at start-up.
-    checkpointing: model.gradient_checkpointing resolved (plan.startup_check)."""
+    checkpointing: model.gradient_checkpointing resolved (plan.startup_check). Prints nothing: a load that
+    fails is the run's only line (train.py prints the start-up lines once every load has passed)."""
     m = cfg.model
     lora, resumed = m.lora.rank > 0, path != base_path      # a checkpoint of the same kind (resolve_resume)
     policy = build_policy(base_path if lora else path, trust_remote_code=m.trust_remote_code,
@@ -44,9 +47,6 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
     if lora and resumed:
         load_adapter_weights(policy.peft, path, m.lora)                 # the checkpoint resumed
     check_packing(policy, cfg.train)
-    trainable, total = trainable_share(policy)
-    print0(f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
-           + (f", LoRA rank {m.lora.rank} on {m.lora.target_modules}" if lora else ""))
     policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     if lora and dist_.world_size > 1:
         # FSDP2 reads which parameters train at its first forward; the reference's (adapters off) would
@@ -74,8 +74,14 @@ def resume(path: str, *, cfg: Config, dist_: Dist, policy: torch.nn.Module, opti
     scheduler.load_state_dict(state["scheduler"])
     adopt_optim_config(optimizer, scheduler, cfg)
     checkpoint.restore_trainer_state(state, sampler, method_state, cfg, sampler_mode)
-    print0(f"resumed from {path} at step {state['step']}")
     return state["step"], state.get("generated_tokens", 0.0)
+
+
+def trainable_line(policy: torch.nn.Module, lora: LoraConfig) -> str:
+    """The start-up line of the policy's trainable share (sharded or not: a DTensor counts its whole shape)."""
+    trainable, total = trainable_share(policy)
+    return (f"trainable parameters: {trainable:,} of {total:,} ({trainable / total:.2%})"
+            + (f", LoRA rank {lora.rank} on {lora.target_modules}" if lora.rank > 0 else ""))
 
 
 def check_writable(path: str, key: str, *, folder: bool) -> None:
@@ -101,7 +107,9 @@ def check_writable(path: str, key: str, *, folder: bool) -> None:
 
 
 def open_folder(cfg: Config, dist_: Dist, step: int) -> MetricsLogger:
-    """The run's first writes, once nothing can refuse it: its config.yaml and its metrics (rank 0)."""
+    """The run's first writes, once nothing can refuse it: its config.yaml and its metrics (rank 0). The
+    metrics' compile counts start here: an earlier run in this process (a test's) counted its own."""
+    take_counts()
     out = cfg.train.output_dir
     if dist_.is_main:
         os.makedirs(out, exist_ok=True)

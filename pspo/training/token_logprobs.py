@@ -27,6 +27,7 @@ Two ways to run the elementwise work around the two matmuls (model.logprob_head)
   which inductor fuses: two reads of the block in forward, the entropy in the same pass; in backward
   one read and one write of grad_z, straight in the compute dtype (half the bytes under bf16). The
   numbers are the eager head's up to the order of the float32 sums (tests/math/test_token_logprobs.py).
+  A function whose compile fails runs the same function eagerly from then on (compiled.py's rule).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ import functools
 
 import torch
 from torch import Tensor
+
+from pspo.training.compiled import Compiled
 
 HEADS = ("eager", "compiled")       # model.logprob_head, resolved (model.head_mode)
 
@@ -140,9 +143,10 @@ def _grad_logits(z: Tensor, lse: Tensor, g: Tensor, targets: Tensor, temperature
 
 
 @functools.cache
-def _compiled(fn):
-    """fn compiled once per process, for any chunk length (the last chunk is shorter)."""
-    return torch.compile(fn, dynamic=True)
+def _compiled(fn) -> Compiled:
+    """fn compiled once per process, for any chunk length (the last chunk is shorter); eager from a compile
+    that fails (compiled.py's rule)."""
+    return Compiled(fn, path=f"log-prob head ({fn.__name__})", off="model.logprob_head=eager", dynamic=True)
 
 
 def _chunk_functions(compiled: bool):

@@ -384,32 +384,6 @@ def test_column_keys_are_the_wrapped_products_and_the_same_noise():
     assert torch.equal(gumbel_noise(seeds, 3, 50, sampling.column_keys(50)), gumbel_noise(seeds, 3, 50))
 
 
-class _CompilerBug(RuntimeError):
-    """Stands for inductor's errors (torch._inductor.exc.InductorError): the module is what _call reads."""
-    __module__ = "torch._inductor.exc"
-
-
-def test_a_compile_failure_falls_back_to_the_eager_sampler_once(tiny, capsys):
-    # a compiler bug in the decoding sampler (Triton's int32 index x an int64 constant, seen on torch 2.11)
-    # must not stop a run: one warning, then the eager sampler, the same completions
-    tokenizer, policy, static, _, ids = tiny
-    engine = HFEngine(policy, tokenizer, batch_size=64)
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise _CompilerBug("CompilationError: Scalar -4658895280553007687 is out of range for type int32")
-    engine.decoder.sample = broken
-    seeds = sequence_seeds(7, 0, torch.arange(len(ids)), 2)
-    assert_same_rollout(engine.generate(ids, 2, 1.0, 1.0, 12, seeds), static.generate(ids, 2, 1.0, 1.0, 12, seeds))
-    err = capsys.readouterr().err
-    assert calls == [1] and err.count("warning: torch.compile failed for the decoding sample") == 1
-    assert "out of range for type int32); it runs eagerly" in err
-    engine.decoder.sample = lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("a real bug"))
-    with pytest.raises(ValueError, match="a real bug"):                        # not a compiler error: raised
-        engine.generate(ids, 2, 1.0, 1.0, 12, seeds)
-
-
 def test_compile_setting_resolves_by_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert (compile_enabled("auto", cpu), compile_enabled("auto", cuda)) == (False, True)

@@ -11,8 +11,8 @@ from pspo.training.model import ModelError, check_context, check_plain_head
 
 
 def tiny_qwen2(**overrides) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, **overrides)
+    config = Qwen2Config(**{"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                            "num_attention_heads": 2, "num_key_value_heads": 1, **overrides})
     return Qwen2ForCausalLM(config)
 
 
@@ -211,6 +211,53 @@ def test_compiled_layers_equal_eager_and_do_not_recompile_per_length(tiny_model_
         assert float((grad - want_grad).norm() / want_grad.norm()) < 1e-5
     # the parameters keep their names: checkpoints and the engine sync read the same keys
     assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
+def _layer_compiles(layers: int, monkeypatch, real_compile) -> tuple[list[int], float]:
+    """Dynamo's compiled frames after each pass of a `layers`-layer tiny Qwen2 with compiled layers and full
+    checkpointing: forward and backward (its recompute) at 7 and then 9 tokens, in train mode with grad, then
+    an eval pass without grad; and the recompiles counted (compiled.py). Dynamo's graphs do not depend on
+    the backend: its counting backend stands for inductor (milliseconds, not a C++ compile)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    from pspo.training import model
+    from pspo.training.compiled import take_counts
+    from pspo.training.packed_attention import Kernels
+    torch._dynamo.reset()
+    model._compiled.cache_clear()
+    take_counts()
+    counter = CompileCounter()
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=counter, **options))
+    lm = tiny_qwen2(num_hidden_layers=layers)
+    model.enable_checkpointing(lm, "full")
+    policy = model.Policy(lm, chunk_tokens=64)
+    model.set_scoring(policy, kernels=Kernels("sdpa", "flash"), compiled=True, head="eager")
+    frames = []
+    for length in (7, 9):
+        ids = torch.randint(3, 32, (3, length))
+        logp, _ = policy.train()(ids, torch.ones_like(ids), 3, 1.0)
+        frames.append(counter.frame_count)
+        logp.sum().backward()
+        frames.append(counter.frame_count)
+    with torch.no_grad():
+        policy.eval()(ids, torch.ones_like(ids), 3, 1.0)
+    frames.append(counter.frame_count)
+    model._compiled.cache_clear()                                       # no counting backend left behind
+    torch._dynamo.reset()
+    return frames, take_counts().compile_recompiles
+
+
+@pytest.mark.slow
+def test_compiled_layers_compile_the_same_graphs_for_2_and_4_layers(monkeypatch):
+    # One graph per kind of pass shared by all layers, not one per layer: a 28-layer model with graphs per
+    # layer would pass dynamo's recompile limit and run eagerly. 2 and 4 layers compile the same frames:
+    # 1 for the train pass with grad (its recompute in backward and the next length reuse it), then the eval
+    # pass without grad; the recompiles counted are the same
+    real = torch.compile
+    two, four = (_layer_compiles(layers, monkeypatch, real) for layers in (2, 4))
+    assert two == four
+    frames, recompiles = two
+    assert frames[:4] == [1, 1, 1, 1] and frames[4] > 1 and recompiles == frames[4] - 1
 
 
 @pytest.mark.parametrize("loop", ["static", "generate"])

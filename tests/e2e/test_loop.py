@@ -67,6 +67,8 @@ def test_loop_logs_evaluates_and_saves(tmp_path, tiny_model_path, train):
                 "clip_frac", "entropy", "response_length", "truncation_rate", "grad_norm", "lr", "step_time_s",
                 "gen_tokens_per_s", "loss"):
         assert key in rows[1], key
+    # nothing compiled on CPU (train.compile, rollout.compile and model.logprob_head auto): counted all the same
+    assert [(r["compile_recompiles"], r["compile_fallbacks"]) for r in rows[1:]] == [(0, 0)] * 3
     assert 0 <= rows[1]["accuracy"] <= 1 and rows[1]["grad_norm"] > 0
     assert rows[1]["kl"] == pytest.approx(0, abs=1e-6)      # the first step: policy == reference
     assert rows[3]["kl"] > 0                                  # after updates it has moved

@@ -1,12 +1,15 @@
 """A run survives what clusters and numerics do to it: a preemption signal saves and exits 0 so
 `--train.resume=auto` continues; non-finite updates are skipped and, three in a row, stop the run
 with the weights untouched; a context the model cannot hold stops before any work, in one line; a
-refused run writes nothing to its folder; the ranks of a finished run leave the process group
+refused run (a model whose weights or tokenizer cannot load included) writes nothing to its folder and
+prints nothing but its one line; the ranks of a finished run leave the process group
 together. The preempted run is a subprocess (a signal to it); the refused commands are processes forked
 from one interpreter (conftest's run_commands: their exit code and stderr); the others run in this
 process (conftest's run_main)."""
 import json
 import os
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,6 +74,45 @@ def test_a_preemption_signal_saves_and_exits_0_then_resume_continues(tmp_path, t
         with open(os.path.join(out, "metrics.jsonl")) as f:
             lr = [json.loads(line)["lr"] for line in f][last]            # step last + 1
         assert lr == pytest.approx(5e-4 * lr_lambda(cfg)(last + 1), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_run_whose_compiles_fail_trains_eagerly(tmp_path, tiny_model_path, run_main, monkeypatch):
+    # Every compiled path on (the decoding step, the decoder layers, the log-prob head) and a compiler that
+    # fails every compile (a backend that raises, as a compiler bug would; pspo/training/compiled.py): the
+    # run trains its 2 steps and saves; each of the 4 compiled functions says so once on stderr, and step 1,
+    # which holds every first call (step 0 has no evaluation here), logs the 4 fallbacks, step 2 none
+    import torch._dynamo
+    from pspo.training import model, token_logprobs
+
+    def fresh():
+        torch._dynamo.reset()
+        model._compiled.cache_clear()
+        token_logprobs._compiled.cache_clear()
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("C++ compile failed")
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real(fn, backend=broken_backend,
+                                                                      dynamic=options.get("dynamic")))
+    fresh()
+    try:
+        out = str(tmp_path / "run")
+        ran = run_main("train", *arguments(out, tiny_model_path, "--train.max_steps=2", "--data.eval=",
+                                           "--rollout.compile=always", "--train.compile=always",
+                                           "--model.logprob_head=compiled"))
+    finally:
+        fresh()
+    warned = [line.split(" (RuntimeError")[0] for line in ran.err.splitlines() if line.startswith("warning: torch")]
+    assert sorted(warned) == ["warning: torch.compile failed for the decoder layers (Qwen2DecoderLayer.forward)",
+                              "warning: torch.compile failed for the decoding step",
+                              "warning: torch.compile failed for the log-prob head (_chunk_stats)",
+                              "warning: torch.compile failed for the log-prob head (_grad_logits)"]
+    assert "scoring: decoder layers compiled (train.compile=always), log-prob head compiled" in ran.out
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [(r["step"], r["compile_fallbacks"]) for r in rows] == [(1, 4), (2, 0)]
+    assert os.path.isdir(os.path.join(out, "checkpoint-2"))
 
 
 @pytest.mark.slow
@@ -150,6 +192,17 @@ REFUSED = [
     # a fresh run into the used folder: a model path, a context, data, a sampler, a memory plan that cannot be
     (["--model.name_or_path=/nonexistent/model"],
      "error: model.name_or_path: cannot load a tokenizer from '/nonexistent/model' ("),
+    # the tiny model's copies (bad_models): its weights cut at 100 kB of 3.5 MB, or 5 kB of random bytes; its
+    # tokenizer.json not JSON. The weights load after the memory plan is made: its lines wait for them
+    (["--model.name_or_path={models}/truncated"],
+     "error: model.name_or_path: cannot load a causal LM from '{models}/truncated' (Error while deserializing "
+     "header: incomplete metadata, file not fully covered)"),
+    (["--model.name_or_path={models}/garbage"],
+     "error: model.name_or_path: cannot load a causal LM from '{models}/garbage' (Error while deserializing "
+     "header: header too large)"),
+    (["--model.name_or_path={models}/bad_tokenizer"],
+     "error: model.name_or_path: cannot load a tokenizer from '{models}/bad_tokenizer' (Expecting value: line 1 "
+     "column 1 (char 0))"),
     (["--data.max_prompt_tokens=1000", "--rollout.max_new_tokens=100"],
      "error: data.max_prompt_tokens (1000) + rollout.max_new_tokens (100) = 1100 exceeds the model's "
      "max_position_embeddings (1024); lower one of them"),
@@ -162,22 +215,37 @@ REFUSED = [
 ]
 
 
+def bad_models(tiny_model_path: str, folder) -> None:
+    """Copies of the tiny model in `folder` that cannot load: truncated/ (model.safetensors cut at 100 kB),
+    garbage/ (5 kB of random bytes for it), bad_tokenizer/ (tokenizer.json not JSON)."""
+    for name in ("truncated", "garbage", "bad_tokenizer"):
+        shutil.copytree(tiny_model_path, folder / name)
+    with open(folder / "truncated" / "model.safetensors", "r+b") as f:
+        f.truncate(100_000)
+    (folder / "garbage" / "model.safetensors").write_bytes(random.Random(0).randbytes(5000))
+    (folder / "bad_tokenizer" / "tokenizer.json").write_text("not json\n")
+
+
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory, tiny_model_path, run_main, forked_commands):
     """A finished one-step GRPO run on 8 train prompts (config.yaml, metrics.jsonl, tb/, checkpoint-1), then
     each REFUSED command into its folder as `python train.py ...` (conftest's run_commands: a process of its
     own, forked from one interpreter that imported train.py), the folder's digest taken after each, and a
-    fresh run refused into a new folder: (the folder's digest before, the results, the fresh run's folder)."""
+    fresh run refused into a new folder: (the folder's digest before, the results, the fresh run's folder,
+    the bad models' folder)."""
     tmp = tmp_path_factory.mktemp("refused")
-    out, fresh = str(tmp / "run"), str(tmp / "fresh")
+    out, fresh, models = str(tmp / "run"), str(tmp / "fresh"), tmp / "models"
+    models.mkdir()
+    bad_models(tiny_model_path, models)
     run_main("train", *arguments(out, tiny_model_path, "--train.max_steps=1", "--data.eval=",
                                  "--data.max_train_examples=8"))
     before = folder_digest(out)
     commands = [[SMALL_GPU if overrides == ["SMALL_GPU"] else "train",
                  arguments(out, tiny_model_path, "--data.eval=", "--data.max_train_examples=8",
-                           *[o for o in overrides if o != "SMALL_GPU"])] for overrides, _ in REFUSED]
+                           *[o.format(models=models) for o in overrides if o != "SMALL_GPU"])]
+                for overrides, _ in REFUSED]
     results = forked_commands([*commands, ["train", arguments(fresh, "/nonexistent/model")]], str(tmp), watch=out)
-    return before, results, fresh
+    return before, results, fresh, models
 
 
 @pytest.mark.slow
@@ -185,17 +253,28 @@ def refused(tmp_path_factory, tiny_model_path, run_main, forked_commands):
 def test_a_refused_run_writes_nothing(refused, case):
     # Every check that can refuse a run comes before its first write: the folder's files stay byte for
     # byte as the finished run left them (config.yaml included), with the refusal's one line and exit 2.
-    before, results, _ = refused
+    before, results, _, models = refused
     r = results[case]
     lines = r["stderr"].strip().splitlines()
-    assert r["exit"] == 2 and lines[-1].startswith(REFUSED[case][1]), r["stderr"][-3000:]
+    assert r["exit"] == 2 and lines[-1].startswith(REFUSED[case][1].format(models=models)), r["stderr"][-3000:]
     assert "Traceback" not in r["stderr"]
     assert r["watched"] == before
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(REFUSED)), ids=[" ".join(o) for o, _ in REFUSED])
+def test_a_refused_run_prints_only_its_line(refused, case):
+    # Every check that can refuse a run, loads included (the weights, the tokenizer, the checkpoint resumed),
+    # comes before the start-up lines (the memory plan, the micro-batches, the compiled paths): nothing on
+    # stdout, the refusal alone on stderr
+    _, results, _, _ = refused
+    r = results[case]
+    assert (r["stdout"], len(r["stderr"].strip().splitlines())) == ("", 1), r
+
+
+@pytest.mark.slow
 def test_a_refused_fresh_run_creates_no_folder(refused):
-    _, results, fresh = refused
+    _, results, fresh, _ = refused
     r = results[-1]
     assert r["exit"] == 2 and r["stderr"].strip().splitlines()[-1].startswith(
         "error: model.name_or_path: cannot load a tokenizer from '/nonexistent/model'")
