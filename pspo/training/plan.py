@@ -74,12 +74,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from pspo.engines.decode import SPARE
 from pspo.training.config import (CHECKPOINTING, Config, ConfigError, LoraConfig, error_line, first_line,
                                   load_config, parse_ints)
 from pspo.training.micro_batches import MicroBatch
 from pspo.training.model import load_model_config
 from pspo.training.tokens import bucket
+
+SPARE = 1          # the KV cache's spare column past its length, engines/decode.py's (a test holds them equal)
 
 GiB = 2**30
 Resolve = Callable[[str], str]      # a model name -> its folder (offline/builtin.py: resolve_model_path)
@@ -396,7 +397,7 @@ def kv_bytes_per_token(a: Arch, dtype_bytes: int = 2) -> int:
 
 def static_cache_bytes(a: Arch, rows: int, length: int, bf16: bool) -> int:
     """The static-cache loop's KV cache (decode.py: StaticKV): 2 (K, V) x layers x KV heads x head_dim x bytes
-    (2 under bf16 autocast, else 4) x rows x (positions + decode.SPARE, the spare column it holds)."""
+    (2 under bf16 autocast, else 4) x rows x (positions + SPARE, the spare column it holds)."""
     return kv_bytes_per_token(a, 2 if bf16 else 4) * rows * (length + SPARE)
 
 

@@ -359,9 +359,14 @@ def test_bucket_hand_worked():
     assert [bucket(n, 12) for n in (4, 7, 12, 16)] == [6, 12, 12, 16]                # above the top: itself
 
 
+def test_the_plan_counts_the_spare_column_the_decoder_holds():
+    from pspo.engines import decode
+    assert plan.SPARE == decode.SPARE == 1          # plan.py stands below the engines and keeps its own copy
+
+
 def test_static_cache_counts_buckets_and_spo_continuations():
     # small_config: 2 layers x 2 KV heads x 16; float32 (model.bf16 false): K and V 4 B each ->
-    # 2 x 2 x 2 x 16 x 4 = 512 B per position, the cache holding 1 spare column (decode.SPARE).
+    # 2 x 2 x 2 x 16 x 4 = 512 B per position, the cache holding 1 spare column (plan.SPARE).
     # rollout.batch_size 12: HFEngine.generate runs max(1, 12 // n) inputs x n rows at once, padded to the
     # ladder 12, 6, 3, 2, 1; the cache block is max_prompt_tokens + max_new_tokens = 16 + 32 = 48 positions.
     # The decoding working set (decode_bytes), float32, H 64, I 128, head_dim 16, vocab 100: per prefill token
