@@ -696,9 +696,12 @@ def validate_async(cfg: Config) -> None:
         check(not value or parse_ints(value), key, "integers separated by commas, or empty", value)
     if r.mode != "async":
         return
-    check(r.lag == 0 or r.is_correction != "none", "rollout.is_correction", "token | sequence | token_mask | "
-          "sequence_mask with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without "
-          "the IS weight the update is the gradient of another policy)", r.is_correction)
+    # per token: a sequence-level ratio is the product of a whole optimizer step's change over the completion's
+    # tokens (§7b), which caps or drops nearly every completion
+    check(r.lag == 0 or r.is_correction in ("token", "token_mask"), "rollout.is_correction", "token | token_mask "
+          "with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without the IS weight the "
+          "update is the gradient of another policy, and a sequence-level one, the product of a whole step's "
+          "change over a completion's tokens, caps or drops nearly every completion)", r.is_correction)
     check(a not in ("spo_chain", "spo_tree"), "algo.advantage", "not spo_chain / spo_tree with rollout.mode=async "
           "(their Monte Carlo continuations are generated inside the step and must come from π_old)", a)
     check(not r.dynamic_sampling, "rollout.dynamic_sampling", "false with rollout.mode=async (its extra rounds are "

@@ -216,6 +216,10 @@ ASYNC = ["--rollout.mode=async", "--rollout.is_correction=token"]
     (["--rollout.mode=later"], "rollout.mode", "sync | async"),
     (["--rollout.mode=async"], "rollout.is_correction", "without the IS weight the update is the gradient of "
      "another policy"),
+    (["--rollout.mode=async", "--rollout.is_correction=sequence"], "rollout.is_correction", "token | token_mask "
+     "with rollout.mode=async at rollout.lag=1"),
+    (["--rollout.mode=async", "--rollout.is_correction=sequence_mask"], "rollout.is_correction",
+     "caps or drops nearly every completion"),
     ([*ASYNC, "--rollout.lag=2"], "rollout.lag", "0 or 1 (a fixed lag of one step"),
     ([*ASYNC, "--rollout.engines=0"], "rollout.engines", ">= 1"),
     ([*ASYNC, "--rollout.engine_timeout_s=600"], "rollout.engine_timeout_s", "in (0, 600) seconds"),
@@ -235,9 +239,15 @@ def test_async_refusals_are_one_line_naming_the_key(overrides, key, why):
 
 
 def test_async_accepts_lag_0_without_a_correction():
-    # lag 0 is the synchronous schedule through the engine processes: nothing to correct
+    # lag 0 is the synchronous schedule through the engine processes: nothing to correct, and a sequence-level
+    # ratio is the engine's rounding gap again, as in sync mode
     cfg = load_config(None, ["--rollout.mode=async", "--rollout.lag=0"])
     assert (cfg.rollout.mode, cfg.rollout.lag, cfg.rollout.is_correction) == ("async", 0, "none")
+    for mode in ("sequence", "sequence_mask"):
+        assert load_config(None, ["--rollout.mode=async", "--rollout.lag=0", f"--rollout.is_correction={mode}"])
+        assert load_config(None, [f"--rollout.is_correction={mode}"]).rollout.mode == "sync"
+    for mode in ("token", "token_mask"):
+        assert load_config(None, ["--rollout.mode=async", f"--rollout.is_correction={mode}"]).rollout.lag == 1
 
 
 def test_async_devices_are_checked_against_the_machine_in_one_line():
