@@ -216,7 +216,7 @@ class AlgoConfig:
     # scale_rewards) | rloo (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
     # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
     advantage: str = "grpo"
-    # divide by the group std (GRPO; RLOO as well); false for Dr. GRPO and the paper's RLOO. PPS's priority
+    # divide by the group std (GRPO); false for Dr. GRPO and for RLOO, which refuses it (§1). PPS's priority
     # reads it with any method (the raw GRPO |A|, §3)
     scale_rewards: bool = True
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
@@ -651,6 +651,9 @@ def validate_method(cfg: Config) -> None:
     else:
         check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward "
                "is REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
+    check(a.advantage != "rloo" or not a.scale_rewards, "algo.scale_rewards", "false with algo.advantage=rloo "
+          "(divided by the group std, RLOO's advantage is GRPO's times G/(G-1), a constant that AdamW's update "
+          "cancels: RLOO in name only; algo.advantage=grpo is that run, docs/methods.md §1)", a.scale_rewards)
     check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
           f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
           f"{a.advantage} has none)", cfg.ers.enabled)

@@ -114,12 +114,26 @@ def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
     assert out == ["error: optim.lr: expected float, got 'fast'"]
 
 
+def test_rloo_with_the_std_is_refused_in_one_line_and_its_presets_load():
+    # grpo.yaml divides by the group std (scale_rewards: true); RLOO over it would be GRPO's advantage times
+    # G/(G-1), which AdamW cancels: the run is refused before anything starts, naming the key and the way out
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(ROOT, "configs/grpo.yaml"), ["--algo.advantage=rloo"])
+    line = str(e.value)
+    assert line.startswith("algo.scale_rewards: expected false with algo.advantage=rloo (") and "\n" not in line
+    assert "G/(G-1)" in line and "algo.advantage=grpo" in line and line.endswith("got True")
+    for preset in ("rloo.yaml", "knights/rloo.yaml", "qwen2.5-math-1.5b/rloo.yaml"):
+        cfg = load_config(os.path.join(ROOT, "configs", preset))
+        assert (cfg.algo.advantage, cfg.algo.scale_rewards) == ("rloo", False), preset
+
+
 @pytest.mark.parametrize("advantage, allowed", [
     ("grpo", True), ("rloo", True), ("reinforce_pp_baseline", True),          # a group baseline: ERS smooths it
     ("reinforce_pp", False), ("spo_chain", False), ("spo_tree", False),      # none: one line refuses
 ])
 def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
-    over = [f"--algo.advantage={advantage}", "--ers.enabled=true", "--algo.beta=0"]
+    over = [f"--algo.advantage={advantage}", "--ers.enabled=true", "--algo.beta=0",
+            f"--algo.scale_rewards={advantage != 'rloo'}"]
     over += ["--rollout.num_generations=6", "--spo.segment_tokens=3"] if advantage == "spo_tree" else []
     if allowed:
         assert load_config(None, over).ers.enabled
@@ -205,7 +219,8 @@ def test_dapo_settings_are_refused_in_one_line_where_they_have_no_meaning(overri
 def test_dapo_parts_load_with_every_other_method():
     for advantage in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain"):
         cfg = load_config(None, [f"--algo.advantage={advantage}", "--algo.beta=0", "--rollout.dynamic_sampling=true",
-                                 "--algo.overlong_filter=true", "--rollout.max_sampling_rounds=3"])
+                                 "--algo.overlong_filter=true", "--rollout.max_sampling_rounds=3",
+                                 f"--algo.scale_rewards={advantage != 'rloo'}"])
         assert cfg.rollout.dynamic_sampling and cfg.algo.overlong_filter and cfg.rollout.max_sampling_rounds == 3
 
 
