@@ -165,7 +165,8 @@ class RolloutConfig:
     mode: str = "sync"
     lag: int = 1                        # async: steps between the generating weights and the trainer's, 0 | 1
     engines: int = 1                    # async: engine processes, each generating a contiguous slice of the prompts
-    engine_gpus: str = ""               # async: one CUDA index per engine ("4,5,6,7"); "" = the trainer's GPU or CPU
+    # async: one GPU per engine, an index among the GPUs the trainer sees ("4,5,6,7"); "" = the trainer's GPU or CPU
+    engine_gpus: str = ""
     engine_cores: str = ""              # async on CPU: cores the engines are pinned to ("1"); the trainer the rest
     engine_timeout_s: float = 300.0     # async: longest wait for an engine's start or answer before the run stops
 

@@ -265,6 +265,33 @@ def test_async_accepts_lag_0_without_a_correction():
         assert load_config(None, ["--rollout.mode=async", f"--rollout.is_correction={mode}"]).rollout.lag == 1
 
 
+def test_engine_gpus_count_the_gpus_the_trainer_sees():
+    # rollout.engine_gpus are indices among the visible GPUs, as LOCAL_RANK is; each engine gets the entry they
+    # name as its CUDA_VISIBLE_DEVICES (engines/schedule.py: engine_devices)
+    from pspo.engines.schedule import engine_devices
+    # a job given GPUs 4-7, two trainer ranks on its 0 and 1 (physical 4, 5): its 2 and 3 are physical 6 and 7
+    assert engine_devices("2,3", visible="4,5,6,7", device_count=4, trainer_gpus=2) == ("6", "7")
+    assert engine_devices("3,2", visible=" 4, 5,6 ,7", device_count=4, trainer_gpus=2) == ("7", "6")
+    # unset: every GPU of the machine, index i is GPU i
+    assert engine_devices("4,5,6,7", visible=None, device_count=8, trainer_gpus=4) == ("4", "5", "6", "7")
+    # UUIDs pass through as written (CUDA reads them in the engine as it did in the trainer)
+    assert engine_devices("1", visible="GPU-8a1b,MIG-77c2", device_count=2, trainer_gpus=1) == ("MIG-77c2",)
+    assert engine_devices("", visible="4,5", device_count=2, trainer_gpus=1) == ()
+    for gpus, visible, count, trainer, why in [
+        ("4", "4,5,6,7", 4, 2, "among the 4 GPUs this process sees (0..3; CUDA_VISIBLE_DEVICES=4,5,6,7), got '4'"),
+        ("2,6", "4,5,6,7", 4, 2, "among the 4 GPUs this process sees (0..3; CUDA_VISIBLE_DEVICES=4,5,6,7), "
+                                  "got '2,6'"),
+        ("2", None, 2, 1, "among the 2 GPUs this process sees (0..1; CUDA_VISIBLE_DEVICES unset), got '2'"),
+        # a list naming more devices than CUDA found (one that is not there): only those found count
+        ("3", "4,5,6,7", 3, 2, "among the 3 GPUs this process sees (0..2; CUDA_VISIBLE_DEVICES=4,5,6,7), got '3'"),
+        ("1", "", 0, 1, "among the 0 GPUs this process sees (none; CUDA_VISIBLE_DEVICES=), got '1'"),
+        ("1,2", "4,5,6,7", 4, 2, ">= 2 (GPUs 0..1 hold the trainer ranks), got '1,2'"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            engine_devices(gpus, visible=visible, device_count=count, trainer_gpus=trainer)
+        assert str(e.value) == "rollout.engine_gpus: expected indices " + why
+
+
 def test_async_devices_are_checked_against_the_machine_in_one_line():
     # checked at start-up, before any engine starts or the model is read (engines/schedule.py)
     import torch
