@@ -253,8 +253,7 @@ class _HFServer:
                               bf16=spec.bf16, trainable=spec.lora is not None, lora=spec.lora)   # adapters: so built
         policy.requires_grad_(False)
         policy.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # its GPU (CUDA_VISIBLE_DEVICES)
-        self.tied = bool(getattr(policy.lm.config, "tie_word_embeddings", False))
-        self.params = dict(policy.lm.named_parameters())
+        self.params = dict(policy.lm.named_parameters())                # a tied head: the embedding's, once
         tokenizer = load_tokenizer(spec.model_path, spec.trust_remote_code)
         self.engine = HFEngine(policy, tokenizer, spec.batch_size, compile=spec.compile, max_len=spec.max_len)
         self.flat = torch.frombuffer(buffer, dtype=torch.uint8)
@@ -264,10 +263,9 @@ class _HFServer:
     def load(self, entries: Layout, version: int) -> float:
         start = time.perf_counter()
         for name, tensor in views(self.flat, entries):
-            if name in self.params:
-                self.params[name].copy_(tensor)
-            elif not (self.tied and name == "lm_head.weight"):      # tied: the embedding's, loaded
+            if name not in self.params:
                 raise KeyError(f"the staged weight {name} is not a parameter of the engine's model")
+            self.params[name].copy_(tensor)
         self.version = version
         return time.perf_counter() - start
 
@@ -318,8 +316,8 @@ def stale_rows(expected: dict[str, Tensor], engine: dict[str, Tensor]) -> tuple[
     differ = compared = 0
     for name, ours in expected.items():
         theirs = engine.get(name)
-        if theirs is None:                          # not held: a tied head (once, as the embedding), vLLM's CPU
-            continue                                # backend's packed weights (engine_rows)
+        if theirs is None:                          # not held: vLLM's CPU backend's packed weights (engine_rows)
+            continue
         differ += int((theirs != ours).sum()) if theirs.shape == ours.shape else len(ours)
         compared += len(ours)
     return differ, compared

@@ -131,16 +131,18 @@ def test_tied_embeddings_sync(tmp_path):
     tokenizer, prompts, policy, engine = setup(path)
     assert policy.lm.config.tie_word_embeddings
     names = [n for n, _ in full_params(policy.lm)]
-    assert "lm_head.weight" in names                              # the tied head travels too
+    assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1   # the head, once
     take_a_step(policy)
     # the engine holds the tied head once; the step moves every nonzero weight (this untrained model's biases and
     # padding embedding are 0, where take_a_step's loss has no gradient)
     differ, compared = engine.stale_rows(policy)
     assert 0 < differ <= compared and "lm_head.weight" not in engine.llm.collective_rpc(_engine_row_sums)[0][1]
+    seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
+    stale_max, _ = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     engine.sync_weights(policy)
     assert engine.stale_rows(policy) == (0, compared)
-    seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
-    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
+    # the log-probs are the stepped policy's: vLLM's head, tied to the embedding it reloaded, moved with it
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4 < stale_max
 
 
 @pytest.fixture(scope="module")
