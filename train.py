@@ -296,6 +296,8 @@ class Run:
         self.logger.close()
         self.reward_pool.close()                       # on an error too, when collected (reward_pool.py)
         self.rollouts.close()                          # the engine processes (on an error too, when collected)
+        if self.separate_engine:
+            self.engine.engine.close()                 # vLLM: its adapter folder, before a rank's os._exit
         print0(summary(self.cfg, self.step, self.first_eval, self.last_eval, len(self.evals.examples)))
 
 

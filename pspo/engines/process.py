@@ -31,13 +31,15 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 
@@ -45,6 +47,7 @@ import torch
 from torch import Tensor
 
 from pspo.engines.staging import Layout, row_sums, views
+from pspo.engines.vllm_engine import ADAPTER_PREFIX
 from pspo.training.config import LoraConfig, error_line
 from pspo.training.lora import peft_key
 
@@ -76,6 +79,7 @@ class EngineSpec:
     gpu_memory_utilization: float   # vLLM: its share of the GPU (rollout.gpu_memory_utilization)
     threads: int                    # torch threads: the trainer's, so that the matmuls block alike
     cores: tuple[int, ...] = ()     # cores to pin to (rollout.engine_cores); () = inherited
+    adapter_dir: str = ""           # vLLM with LoRA: where it writes its adapter versions (EngineProcess's folder)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,10 @@ class EngineProcess:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("engine processes start from the main thread (PR_SET_PDEATHSIG is per thread)")
         self.index = index
+        # a vLLM engine's adapter versions (LoRA) go to a folder this process makes and removes (`kill`): the engine
+        # ends with os._exit, or killed, and could remove nothing itself
+        self.adapter_dir = tempfile.mkdtemp(prefix=ADAPTER_PREFIX) if spec.kind == "vllm" and spec.lora else ""
+        spec = replace(spec, adapter_dir=self.adapter_dir)
         self.conn, child = Pipe()
         # PR_SET_PDEATHSIG first, before the seconds of imports; then the trainer must still be its parent
         code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
@@ -177,8 +185,9 @@ class EngineProcess:
         return EngineError(f"{self.name()} {how} while {doing}")
 
     def kill(self) -> None:
-        """SIGKILL to the engine's process group (its children too), then reap it; idempotent. Only while it is not
-        reaped: its pid (its group's id) is then still its own, never another process's."""
+        """SIGKILL to the engine's process group (its children too), then reap it and remove its adapter folder;
+        idempotent. Only while it is not reaped: its pid (its group's id) is then still its own, never another
+        process's."""
         if self.proc.returncode is None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
@@ -186,6 +195,8 @@ class EngineProcess:
                 pass
         self.proc.wait()
         self.conn.close()
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     def stop(self) -> None:
         """Ask it to exit; killed if it has not within STOP_GRACE_S."""
@@ -284,7 +295,7 @@ class _VLLMServer:
         self.engine = VLLMEngine(spec.model_path, load_tokenizer(spec.model_path, spec.trust_remote_code),
                                  max_model_len=spec.max_len, seed=spec.seed, bf16=spec.bf16,
                                  gpu_memory_utilization=spec.gpu_memory_utilization,
-                                 lora_rank=spec.lora.rank if spec.lora else 0)
+                                 lora_rank=spec.lora.rank if spec.lora else 0, lora_dir=spec.adapter_dir)
         self.flat = torch.frombuffer(buffer, dtype=torch.uint8)
         self.version: int | None = None
 

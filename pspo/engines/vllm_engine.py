@@ -51,6 +51,7 @@ from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, sto
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)      # the max_lora_rank values vLLM accepts
+ADAPTER_PREFIX = "pspo-adapter-"                               # a LoRA engine's temporary folder of adapter versions
 
 
 def vllm_available() -> bool:
@@ -110,7 +111,10 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tokenizer, *, max_model_len: int, seed: int,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1,
-                 bf16: bool = False, lora_rank: int = 0):
+                 bf16: bool = False, lora_rank: int = 0, lora_dir: str = ""):
+        """lora_dir (with lora_rank): the folder its adapter versions are written in, made by the caller (an engine
+        process's trainer, which removes it however the process ends); by default a temporary one of its own.
+        Either is removed by `close`, or at the interpreter's exit, which os._exit skips."""
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
@@ -129,12 +133,12 @@ class VLLMEngine:
         # from a fixed list, so its slots are the smallest of them that holds ours
         self.lora_rank, self.lora_version, self.lora_request = lora_rank, 0, None
         self.checked = False                      # sync_engine has checked it once (after the first step)
-        self.lora_dir = tempfile.mkdtemp(prefix="pspo-adapter-") if lora_rank else ""
+        if lora_rank > VLLM_LORA_RANKS[-1]:
+            raise ModelError(f"model.lora.rank: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
+                             f"{lora_rank}; use rollout.engine=hf or a smaller rank")
+        self.lora_dir = (lora_dir or tempfile.mkdtemp(prefix=ADAPTER_PREFIX)) if lora_rank else ""
+        self._remove_adapters = weakref.finalize(self, shutil.rmtree, self.lora_dir, True) if lora_rank else None
         if lora_rank:
-            if lora_rank > VLLM_LORA_RANKS[-1]:
-                raise ModelError(f"model.lora.rank: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
-                                 f"{lora_rank}; use rollout.engine=hf or a smaller rank")
-            weakref.finalize(self, shutil.rmtree, self.lora_dir, True)       # the adapter versions written
             extra.update(enable_lora=True, max_loras=1,
                          max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora_rank))
         try:
@@ -254,6 +258,11 @@ class VLLMEngine:
             more, also = adapter_rows(self.served_adapter(), adapter_params(policy.lm))
             differ, compared = differ + more, compared + also
         return differ, compared
+
+    def close(self) -> None:
+        """Remove the adapter versions' folder (LoRA); the engine serves nothing after it. Idempotent."""
+        if self._remove_adapters is not None:
+            self._remove_adapters()
 
     def release(self) -> None:
         """The step generates nothing more: with rollout.sleep, free the engine's GPU memory (weights

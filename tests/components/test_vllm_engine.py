@@ -316,6 +316,12 @@ def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_
     assert engine.lora_request.lora_int_id == 2 and not os.path.exists(first.lora_path)
     assert engine.llm.llm_engine.list_loras() <= {2}
     assert engine.stale_rows(policy) == (0, 2986 + 224 + 5120)
+    # closed (train.py's Run.close, before a rank's os._exit, which runs no finalizer): no folder is left
+    folder = engine.lora_dir
+    assert os.path.basename(folder).startswith("pspo-adapter-") and os.listdir(folder) == ["v2"]
+    engine.close()
+    assert not os.path.exists(folder)
+    engine.close()                                            # idempotent
 
 
 def test_the_sync_check_can_fail(tmp_path):
