@@ -126,6 +126,30 @@ def test_sync_after_an_optimizer_step(untied):
     assert synced_max < 1e-4 < stale_max and seconds < 5
 
 
+def test_an_idle_step_checks_the_sync_on_the_train_sets_prompts(untied, monkeypatch):
+    # DAPO's dynamic sampling (docs/methods.md §9) can leave a step without a group to train (train.py:
+    # Run.idle_step), whose rows are then empty: on a sync-check step the check takes this rank's prompts of the
+    # train set instead (one rank: the first 4 of the 6), loads the stepped policy and finds it loaded
+    from types import SimpleNamespace
+    import train
+    from pspo.training.config import load_config
+    from pspo.training.distributed import Dist
+    _, prompts, policy, engine = untied
+    cfg = load_config("configs/grpo.yaml", ["--rollout.engine=vllm", "--rollout.sync_check_steps=2",
+                                            "--rollout.max_new_tokens=12"])
+    run = SimpleNamespace(cfg=cfg, separate_engine=True, train=SimpleNamespace(ids=prompts),
+                          engine=SimpleNamespace(engine=engine), policy=policy, step=2,
+                          dist=Dist(rank=0, world_size=1, device=torch.device("cpu")))
+    asked = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ids, *a, **k: asked.append(ids) or generate(ids, *a, **k))
+    take_a_step(policy)                                               # the idle step's optimizer step
+    metrics = train.Run.sync_engine(run, [])
+    assert asked == [prompts[:4]]
+    assert metrics["sync_stale_rows"] == 0 and 0 <= metrics["sync_gap_mean"] <= metrics["sync_gap_max"] < 1e-4
+    assert metrics["weight_sync_s"] > 0
+
+
 def test_tied_embeddings_sync(tmp_path):
     path = ensure_tiny_model(str(tmp_path), tie_word_embeddings=True, warmup_steps=0)
     tokenizer, prompts, policy, engine = setup(path)
