@@ -209,12 +209,15 @@ class Run:
     def sync_engine(self, rows: list[int]) -> dict[str, float]:
         """After the optimizer step: a separate engine wakes and loads the new weights, checked every
         rollout.sync_check_steps on the first four of this rank's prompts (`rows`: the train row of each
-        completion, G per prompt); its metrics. The transformers engine is the policy itself: nothing to sync."""
+        completion, G per prompt; an idle step has none: then four of the train set's); its metrics. The
+        transformers engine is the policy itself: nothing to sync."""
         if self.cfg.rollout.mode == "async":
             return self.rollouts.metrics()                  # the weights are staged at launch (launch_next)
         if not self.separate_engine:
             return {}
         local = rows[::self.cfg.rollout.num_generations]                        # this rank's prompts
+        if not local:                                   # an idle step (§9) trained none: this rank's of the train set
+            local = list(range(self.dist.rank, len(self.train.ids), self.dist.world_size))
         check_ids = [self.train.ids[i] for i in local[:4]]
         return sync_engine(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
                            seed=self.cfg.train.seed, device=self.dist.device)
@@ -295,6 +298,8 @@ class Run:
         self.logger.close()
         self.reward_pool.close()                       # on an error too, when collected (reward_pool.py)
         self.rollouts.close()                          # the engine processes (on an error too, when collected)
+        if self.separate_engine:
+            self.engine.engine.close()                 # vLLM: its adapter folder, before a rank's os._exit
         print0(summary(self.cfg, self.step, self.first_eval, self.last_eval, len(self.evals.examples)))
 
 

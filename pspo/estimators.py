@@ -70,16 +70,17 @@ def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> 
     return grpo_advantages(rewards, *group_statistics(rewards), scale, eps)
 
 
-def rloo_advantages(rewards: Tensor, mean: Tensor, std: Tensor, scale: bool = False, eps: float = 1e-4) -> Tensor:
+def rloo_advantages(rewards: Tensor, mean: Tensor) -> Tensor:
     """RLOO advantage, docs/methods.md §1: r_i minus the mean of the group's other G - 1 rewards,
-    G/(G-1)·(r_i - μ); with ERS's m_q in place of μ, §2. scale divides by std + ε as GRPO does.
+    G/(G-1)·(r_i - μ); with ERS's m_q in place of μ, §2. No std division: with it RLOO is GRPO times
+    G/(G-1), which the config refuses.
 
-    rewards (B, G); mean, std (B,) as `grpo_advantages` -> (B, G). G ≥ 2.
+    rewards (B, G); mean (B,): the group's μ or ERS's m_q -> (B, G). G ≥ 2.
     """
     G = rewards.shape[1]
     if G < 2:
         raise ValueError("rollout.num_generations: RLOO's leave-one-out mean needs G >= 2 completions")
-    return G / (G - 1) * grpo_advantages(rewards, mean, std, scale, eps)
+    return G / (G - 1) * (rewards - mean[:, None])               # (B, G)  r_i - (G·μ - r_i)/(G-1)
 
 
 def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:

@@ -179,10 +179,9 @@ def grpo(s: StepRollouts, ctx: Context) -> MethodOutput:
 
 
 def rloo(s: StepRollouts, ctx: Context) -> MethodOutput:
-    """RLOO, docs/methods.md §1: A_i = r_i - mean_{j≠i} r_j = G/(G-1)·(r_i - μ) (÷ (s + ε) with
-    algo.scale_rewards); ERS's m_q in place of μ, §2. One value per completion, broadcast over its tokens."""
-    a, b = ctx.cfg.algo, s.baseline
-    return per_completion(s, ctx, rloo_advantages(s.rewards, b.mean, b.std, a.scale_rewards, a.adv_eps))
+    """RLOO, docs/methods.md §1: A_i = r_i - mean_{j≠i} r_j = G/(G-1)·(r_i - μ); ERS's m_q in place of μ,
+    §2. One value per completion, broadcast over its tokens."""
+    return per_completion(s, ctx, rloo_advantages(s.rewards, s.baseline.mean))
 
 
 def reinforce_pp(s: StepRollouts, ctx: Context) -> MethodOutput:

@@ -39,20 +39,23 @@ import mmap
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from pspo.engines.staging import Layout, row_sums, views
+from pspo.engines.vllm_engine import ADAPTER_PREFIX
 from pspo.training.config import LoraConfig, error_line
 from pspo.training.lora import peft_key
 
@@ -98,6 +101,7 @@ class EngineSpec:
     gpu_memory_utilization: float   # vLLM: its share of the GPU (rollout.gpu_memory_utilization)
     threads: int                    # torch threads: the trainer's, so that the matmuls block alike
     cores: tuple[int, ...] = ()     # cores to pin to (rollout.engine_cores); () = inherited
+    adapter_dir: str = ""           # vLLM with LoRA: where it writes its adapter versions (EngineProcess's folder)
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,10 @@ class EngineProcess:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("engine processes start from the main thread (PR_SET_PDEATHSIG is per thread)")
         self.index = index
+        # a vLLM engine's adapter versions (LoRA) go to a folder this process makes and removes (`kill`): the engine
+        # ends with os._exit, or killed, and could remove nothing itself
+        self.adapter_dir = tempfile.mkdtemp(prefix=ADAPTER_PREFIX) if spec.kind == "vllm" and spec.lora else ""
+        spec = replace(spec, adapter_dir=self.adapter_dir)
         self.sock, child = socket.socketpair()
         # PR_SET_PDEATHSIG first, before the seconds of imports; then the trainer must still be its parent
         code = (f"import ctypes, os, signal; ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
@@ -242,8 +250,9 @@ class EngineProcess:
         return EngineError(f"{self.name()} {how} while {doing}")
 
     def kill(self) -> None:
-        """SIGKILL to the engine's process group (its children too), then reap it; idempotent. Only while it is not
-        reaped: its pid (its group's id) is then still its own, never another process's."""
+        """SIGKILL to the engine's process group (its children too), then reap it and remove its adapter folder;
+        idempotent. Only while it is not reaped: its pid (its group's id) is then still its own, never another
+        process's."""
         if self.proc.returncode is None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
@@ -251,6 +260,8 @@ class EngineProcess:
                 pass
         self.proc.wait()
         self.sock.close()
+        if self.adapter_dir:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
 
 def stop_all(engines: list[EngineProcess]) -> None:
@@ -326,8 +337,7 @@ class _HFServer:
                               bf16=spec.bf16, trainable=spec.lora is not None, lora=spec.lora)   # adapters: so built
         policy.requires_grad_(False)
         policy.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # its GPU (CUDA_VISIBLE_DEVICES)
-        self.tied = bool(getattr(policy.lm.config, "tie_word_embeddings", False))
-        self.params = dict(policy.lm.named_parameters())
+        self.params = dict(policy.lm.named_parameters())                # a tied head: the embedding's, once
         tokenizer = load_tokenizer(spec.model_path, spec.trust_remote_code)
         self.engine = HFEngine(policy, tokenizer, spec.batch_size, compile=spec.compile, max_len=spec.max_len)
         self.flat = torch.frombuffer(buffer, dtype=torch.uint8)
@@ -337,10 +347,9 @@ class _HFServer:
     def load(self, entries: Layout, version: int) -> float:
         start = time.perf_counter()
         for name, tensor in views(self.flat, entries):
-            if name in self.params:
-                self.params[name].copy_(tensor)
-            elif not (self.tied and name == "lm_head.weight"):      # tied: the embedding's, loaded
+            if name not in self.params:
                 raise KeyError(f"the staged weight {name} is not a parameter of the engine's model")
+            self.params[name].copy_(tensor)
         self.version = version
         return time.perf_counter() - start
 
@@ -359,7 +368,7 @@ class _VLLMServer:
         self.engine = VLLMEngine(spec.model_path, load_tokenizer(spec.model_path, spec.trust_remote_code),
                                  max_model_len=spec.max_len, seed=spec.seed, bf16=spec.bf16,
                                  gpu_memory_utilization=spec.gpu_memory_utilization,
-                                 lora_rank=spec.lora.rank if spec.lora else 0)
+                                 lora_rank=spec.lora.rank if spec.lora else 0, lora_dir=spec.adapter_dir)
         self.flat = torch.frombuffer(buffer, dtype=torch.uint8)
         self.version: int | None = None
 
@@ -391,8 +400,8 @@ def stale_rows(expected: dict[str, Tensor], engine: dict[str, Tensor]) -> tuple[
     differ = compared = 0
     for name, ours in expected.items():
         theirs = engine.get(name)
-        if theirs is None:                          # not held: a tied head (once, as the embedding), vLLM's CPU
-            continue                                # backend's packed weights (engine_rows)
+        if theirs is None:                          # not held: vLLM's CPU backend's packed weights (engine_rows)
+            continue
         differ += int((theirs != ours).sum()) if theirs.shape == ours.shape else len(ours)
         compared += len(ours)
     return differ, compared

@@ -145,7 +145,8 @@ class EngineRollouts:
 
     def __init__(self, *, specs: list[EngineSpec], entries: Layout, policy: torch.nn.Module, lora: bool,
                  train_ids: list[list[int]], sampling: Sampling, count: Callable[[Rollout], None], rank: int,
-                 world: int, lag: int, timeout_s: float, check_every: int, gpus: tuple[int, ...] = ()):
+                 world: int, lag: int, timeout_s: float, check_every: int, gpus: tuple[str, ...] = ()):
+        """gpus: each engine's CUDA_VISIBLE_DEVICES (`engine_devices`), () = inherited."""
         self.entries, self.policy, self.lora, self.train_ids, self.s = entries, policy, lora, train_ids, sampling
         self.count, self.rank, self.world, self.lag, self.timeout_s = count, rank, world, lag, timeout_s
         self.check_every = check_every
@@ -154,7 +155,7 @@ class EngineRollouts:
         self._finalizer = weakref.finalize(self, _kill_all, self.engines, self.buffer)
         if rank == 0:
             self.engines.extend(EngineProcess(spec, i, self.buffer.fd,
-                                              env={"CUDA_VISIBLE_DEVICES": str(gpus[i])} if gpus else None)
+                                              env={"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus else None)
                                 for i, spec in enumerate(specs))
         self.launched_step: int | None = None      # every rank: the step launched and not yet taken
         self.indices: Tensor | None = None         # its (P,) prompts
@@ -406,6 +407,30 @@ def pin_cores(engine_cores: str) -> tuple[int, ...]:
     return cores
 
 
+def engine_devices(engine_gpus: str, *, visible: str | None, device_count: int, trainer_gpus: int) -> tuple[str, ...]:
+    """Each engine's CUDA_VISIBLE_DEVICES from rollout.engine_gpus, whose indices count the GPUs this process
+    sees, as torchrun's LOCAL_RANK does: under CUDA_VISIBLE_DEVICES=4,5,6,7, index 2 is the machine's GPU 6.
+    `visible`: the trainer's CUDA_VISIBLE_DEVICES, None when unset (then every GPU, index i is GPU i); its
+    entries pass through as written, so a UUID ("GPU-…", "MIG-…") names the same device in the engine.
+    `device_count`: the GPUs CUDA found (a visible list longer than that names devices that are not there);
+    `trainer_gpus`: this node's trainer ranks, on indices 0..trainer_gpus-1. ConfigError (one line) for an
+    index outside the visible GPUs or on a trainer rank's."""
+    if not engine_gpus:
+        return ()
+    indices = parse_ints(engine_gpus)
+    seen = ([entry.strip() for entry in visible.split(",") if entry.strip()] if visible is not None
+            else [str(i) for i in range(device_count)])[:device_count]
+    if min(indices) < trainer_gpus:
+        raise ConfigError(f"rollout.engine_gpus: expected indices >= {trainer_gpus} (GPUs 0..{trainer_gpus - 1} "
+                          f"hold the trainer ranks), got {engine_gpus!r}")
+    if max(indices) >= len(seen):
+        where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+        span = f"0..{len(seen) - 1}" if seen else "none"
+        raise ConfigError(f"rollout.engine_gpus: expected indices among the {len(seen)} GPUs this process sees "
+                          f"({span}; {where}), got {engine_gpus!r}")
+    return tuple(seen[i] for i in indices)
+
+
 def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_path: str, train_ids: list[list[int]],
                     sampling: Sampling, count: Callable[[Rollout], None], kind: str, max_len: int,
                     cores: tuple[int, ...], compile: bool, resumed: str | None) -> EngineRollouts:
@@ -414,13 +439,11 @@ def engine_rollouts(cfg: Config, dist_: Dist, *, policy: torch.nn.Module, model_
     checkpoint's step in flight restored. kind: the engines' ("hf" | "vllm", rollout.engine resolved); count:
     counts a step's rollout as generated for training (rollout.py: CountingEngine.count)."""
     r, m = cfg.rollout, cfg.model
-    gpus = parse_ints(r.engine_gpus) if r.engine_gpus else ()
-    if gpus and not torch.cuda.is_available():
+    if r.engine_gpus and not torch.cuda.is_available():
         raise ConfigError(f"rollout.engine_gpus: expected empty on a machine without CUDA, got {r.engine_gpus!r}")
-    if min(gpus, default=dist_.world_size) < dist_.world_size:
-        W = dist_.world_size
-        raise ConfigError(f"rollout.engine_gpus: expected indices >= {W} (GPUs 0..{W - 1} hold the trainer ranks), "
-                          f"got {r.engine_gpus!r}")
+    gpus = engine_devices(r.engine_gpus, visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          device_count=torch.cuda.device_count() if r.engine_gpus else 0,
+                          trainer_gpus=int(os.environ.get("LOCAL_WORLD_SIZE", dist_.world_size)))
     lora = m.lora.rank > 0
     # staged in the engine's dtype, as its loader rounds: vLLM holds bf16 with model.bf16 on a GPU; the hf engine
     # and every adapter are float32

@@ -58,11 +58,9 @@ def layout(shapes: Iterable[tuple[str, tuple[int, ...]]], dtype: torch.dtype) ->
 
 def policy_shapes(lm: torch.nn.Module, *, lora: bool) -> list[tuple[str, tuple[int, ...]]]:
     """(name, global shape) of what the engines load, in the order vllm_engine.full_params (or, with LoRA,
-    adapter_params) yields it: no gather is needed (a DTensor's shape is global)."""
-    names = [(n, tuple(p.shape)) for n, p in lm.named_parameters() if not lora or "lora_" in n]
-    if not lora and getattr(lm.config, "tie_word_embeddings", False) and "lm_head.weight" not in dict(names):
-        names.append(("lm_head.weight", tuple(lm.get_input_embeddings().weight.shape)))
-    return names
+    adapter_params) yields it: no gather is needed (a DTensor's shape is global). A tied head is staged once,
+    as the embedding it is (the engines tie theirs to it)."""
+    return [(n, tuple(p.shape)) for n, p in lm.named_parameters() if not lora or "lora_" in n]
 
 
 def total_bytes(entries: Layout) -> int:

@@ -51,6 +51,7 @@ from pspo.training.tokens import Rollout, batch_inputs, continuation_inputs, sto
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)      # the max_lora_rank values vLLM accepts
+ADAPTER_PREFIX = "pspo-adapter-"                               # a LoRA engine's temporary folder of adapter versions
 
 
 def vllm_available() -> bool:
@@ -68,17 +69,13 @@ def full_params(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(name, full tensor) for each parameter of a transformers model, one at a time.
 
     Under FSDP2 a parameter is a DTensor shard: `full_tensor()` all-gathers just that one, so
-    every rank must consume the iterator in the same order. With tied word embeddings the
-    embedding is also yielded as `lm_head.weight` (vLLM otherwise keeps its old head).
+    every rank must consume the iterator in the same order. A tied head is the embedding's tensor and is
+    yielded once, as the embedding (named_parameters lists a shared parameter once): a transformers engine's
+    model is tied as the trainer's, and VLLMEngine.load_weights hands it to vLLM under both names.
     """
-    names = set()
     for name, param in model.named_parameters():
-        names.add(name)
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         yield name, full.detach()
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
-        embed = model.get_input_embeddings().weight
-        yield "lm_head.weight", (embed.full_tensor() if hasattr(embed, "full_tensor") else embed).detach()
 
 
 @torch.no_grad()
@@ -114,7 +111,10 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tokenizer, *, max_model_len: int, seed: int,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, world_size: int = 1,
-                 bf16: bool = False, lora_rank: int = 0):
+                 bf16: bool = False, lora_rank: int = 0, lora_dir: str = ""):
+        """lora_dir (with lora_rank): the folder its adapter versions are written in, made by the caller (an engine
+        process's trainer, which removes it however the process ends); by default a temporary one of its own.
+        Either is removed by `close`, or at the interpreter's exit, which os._exit skips."""
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB of KV cache on CPU
@@ -133,12 +133,12 @@ class VLLMEngine:
         # from a fixed list, so its slots are the smallest of them that holds ours
         self.lora_rank, self.lora_version, self.lora_request = lora_rank, 0, None
         self.checked = False                      # sync_engine has checked it once (after the first step)
-        self.lora_dir = tempfile.mkdtemp(prefix="pspo-adapter-") if lora_rank else ""
+        if lora_rank > VLLM_LORA_RANKS[-1]:
+            raise ModelError(f"model.lora.rank: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
+                             f"{lora_rank}; use rollout.engine=hf or a smaller rank")
+        self.lora_dir = (lora_dir or tempfile.mkdtemp(prefix=ADAPTER_PREFIX)) if lora_rank else ""
+        self._remove_adapters = weakref.finalize(self, shutil.rmtree, self.lora_dir, True) if lora_rank else None
         if lora_rank:
-            if lora_rank > VLLM_LORA_RANKS[-1]:
-                raise ModelError(f"model.lora.rank: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
-                                 f"{lora_rank}; use rollout.engine=hf or a smaller rank")
-            weakref.finalize(self, shutil.rmtree, self.lora_dir, True)       # the adapter versions written
             extra.update(enable_lora=True, max_loras=1,
                          max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora_rank))
         try:
@@ -155,6 +155,7 @@ class VLLMEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # vLLM adds the generation config's eos itself; these are the tokenizer's and the chat turn's
         self.stop_ids = stop_token_ids(tokenizer, self.llm.get_tokenizer().eos_token_id)
+        self.aliases = self.llm.collective_rpc(_engine_aliases)[0]        # a tied head: under the embedding's name
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -218,8 +219,12 @@ class VLLMEngine:
         return time.perf_counter() - start
 
     def load_weights(self, weights: Iterator[tuple[str, Tensor]]) -> None:
-        """Full weights ((name, full tensor) as full_params yields them) into the engine in place."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        """Full weights ((name, full tensor) as full_params yields them, a tied head once, as the embedding) into
+        the engine in place. A tensor vLLM holds under several names (`aliases`) is handed over under each: its
+        in-place reload processes again only the layers it is sent weights for, and its CPU backend multiplies
+        by the head through a copy packed when the head's layer is processed, so a tied head not named there
+        keeps its old values."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": with_aliases(weights, self.aliases)})
         self.llm.reset_prefix_cache()             # cached KV of shared prefixes came from the old weights
 
     def serve_adapter(self, write: Callable[[str], None]) -> None:
@@ -253,6 +258,11 @@ class VLLMEngine:
             more, also = adapter_rows(self.served_adapter(), adapter_params(policy.lm))
             differ, compared = differ + more, compared + also
         return differ, compared
+
+    def close(self) -> None:
+        """Remove the adapter versions' folder (LoRA); the engine serves nothing after it. Idempotent."""
+        if self._remove_adapters is not None:
+            self._remove_adapters()
 
     def release(self) -> None:
         """The step generates nothing more: with rollout.sleep, free the engine's GPU memory (weights
@@ -300,6 +310,27 @@ def stale_engine(metrics: dict[str, float], step: int) -> SyncError | None:
                      f"{rows} rows (exact checksums, equal when synced): the weight sync did not reach the engine")
 
 
+def _engine_aliases(worker) -> dict[str, list[str]]:
+    """Run in the vLLM worker: the parameters its model holds under several names, each first name -> its other
+    names ({"model.embed_tokens.weight": ["lm_head.weight"]} when the head is tied to the embedding)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in worker.model_runner.get_model().named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.setdefault(first[id(p)], []).append(name)
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def with_aliases(weights: Iterator[tuple[str, Tensor]], aliases: dict[str, list[str]]) -> Iterator[tuple[str, Tensor]]:
+    """`weights` ((name, tensor)), each tensor followed by itself under its other names in `aliases`."""
+    for name, tensor in weights:
+        yield name, tensor
+        for alias in aliases.get(name, ()):
+            yield alias, tensor
+
+
 def _engine_row_sums(worker) -> tuple[dict[str, list[str]], dict[str, tuple[torch.dtype, Tensor]]]:
     """Run in the vLLM worker: its model's fused modules (packed_modules_mapping: qkv_proj -> q_proj, k_proj,
     v_proj) and, by vLLM's name, the dtype and row_sums of every weight it holds (under LoRA a layer's base
@@ -317,8 +348,8 @@ def weight_rows(packed: dict[str, list[str]], engine: dict[str, tuple[torch.dtyp
     row_sums); `packed`: its fused modules) and the trainer's `params` ((name, full tensor); adapters
     skipped), each rounded to the engine's dtype as vLLM's loader rounds it. A fused weight is compared
     with its parts' sums concatenated in order, up to the trainer's rows (vLLM pads the vocabulary). A
-    trainer tensor the engine does not hold is skipped (a tied head, held once; the CPU backend's packed
-    weights); an engine weight the trainer has no parts for raises SyncError: it cannot be checked."""
+    trainer tensor the engine does not hold is skipped (the CPU backend's packed weights); an engine weight
+    the trainer has no parts for raises SyncError: it cannot be checked."""
     ours: dict[str, dict[int, Tensor]] = {}
     for name, tensor in params:
         if "lora_" in name:
@@ -362,8 +393,8 @@ def engine_rows(packed: dict[str, list[str]], engine: dict[str, tuple[torch.dtyp
     """The engine's row sums (`engine`, `packed`: what _engine_row_sums returns) under the trainer's names
     (`shapes`: (name, shape) of the trainer's parameters, staging.policy_shapes): a fused weight's sums cut
     into its parts' rows (row_sums of a concatenation are the parts' concatenated). What the engine holds in no
-    trainer tensor raises SyncError; a trainer tensor the engine does not hold is left out (a tied head, held
-    once; the CPU backend's packed weights), as in weight_rows."""
+    trainer tensor raises SyncError; a trainer tensor the engine does not hold is left out (the CPU backend's
+    packed weights), as in weight_rows."""
     ours: dict[str, dict[int, range]] = {}                  # key -> {part: its rows}
     names: dict[tuple[str, int], str] = {}
     for name, shape in shapes:

@@ -168,7 +168,8 @@ class RolloutConfig:
     mode: str = "sync"
     lag: int = 1                        # async: steps between the generating weights and the trainer's, 0 | 1
     engines: int = 1                    # async: engine processes, each generating a contiguous slice of the prompts
-    engine_gpus: str = ""               # async: one CUDA index per engine ("4,5,6,7"); "" = the trainer's GPU or CPU
+    # async: one GPU per engine, an index among the GPUs the trainer sees ("4,5,6,7"); "" = the trainer's GPU or CPU
+    engine_gpus: str = ""
     engine_cores: str = ""              # async on CPU: cores the engines are pinned to ("1"); the trainer the rest
     engine_timeout_s: float = 300.0     # async: longest wait for an engine's start or answer before the run stops
 
@@ -219,7 +220,7 @@ class AlgoConfig:
     # scale_rewards) | rloo (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
     # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
     advantage: str = "grpo"
-    # divide by the group std (GRPO; RLOO as well); false for Dr. GRPO and the paper's RLOO. PPS's priority
+    # divide by the group std (GRPO); false for Dr. GRPO and for RLOO, which refuses it (§1). PPS's priority
     # reads it with any method (the raw GRPO |A|, §3)
     scale_rewards: bool = True
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
@@ -655,6 +656,9 @@ def validate_method(cfg: Config) -> None:
     else:
         check(a.kl_coef == 0, "algo.kl_coef", f"0 with algo.advantage={a.advantage} (the KL in the reward "
                "is REINFORCE++'s; here the KL is the loss term algo.beta)", a.kl_coef)
+    check(a.advantage != "rloo" or not a.scale_rewards, "algo.scale_rewards", "false with algo.advantage=rloo "
+          "(divided by the group std, RLOO's advantage is GRPO's times G/(G-1), a constant that AdamW's update "
+          "cancels: RLOO in name only; algo.advantage=grpo is that run, docs/methods.md §1)", a.scale_rewards)
     check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
           f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
           f"{a.advantage} has none)", cfg.ers.enabled)
@@ -700,9 +704,12 @@ def validate_async(cfg: Config) -> None:
         check(not value or parse_ints(value), key, "integers separated by commas, or empty", value)
     if r.mode != "async":
         return
-    check(r.lag == 0 or r.is_correction != "none", "rollout.is_correction", "token | sequence | token_mask | "
-          "sequence_mask with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without "
-          "the IS weight the update is the gradient of another policy)", r.is_correction)
+    # per token: a sequence-level ratio is the product of a whole optimizer step's change over the completion's
+    # tokens (§7b), which caps or drops nearly every completion
+    check(r.lag == 0 or r.is_correction in ("token", "token_mask"), "rollout.is_correction", "token | token_mask "
+          "with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without the IS weight the "
+          "update is the gradient of another policy, and a sequence-level one, the product of a whole step's "
+          "change over a completion's tokens, caps or drops nearly every completion)", r.is_correction)
     check(a not in ("spo_chain", "spo_tree"), "algo.advantage", "not spo_chain / spo_tree with rollout.mode=async "
           "(their Monte Carlo continuations are generated inside the step and must come from π_old)", a)
     check(not r.dynamic_sampling, "rollout.dynamic_sampling", "false with rollout.mode=async (its extra rounds are "

@@ -114,12 +114,26 @@ def test_train_py_reports_one_line_and_exit_code_2(tmp_path):
     assert out == ["error: optim.lr: expected float, got 'fast'"]
 
 
+def test_rloo_with_the_std_is_refused_in_one_line_and_its_presets_load():
+    # grpo.yaml divides by the group std (scale_rewards: true); RLOO over it would be GRPO's advantage times
+    # G/(G-1), which AdamW cancels: the run is refused before anything starts, naming the key and the way out
+    with pytest.raises(ConfigError) as e:
+        load_config(os.path.join(ROOT, "configs/grpo.yaml"), ["--algo.advantage=rloo"])
+    line = str(e.value)
+    assert line.startswith("algo.scale_rewards: expected false with algo.advantage=rloo (") and "\n" not in line
+    assert "G/(G-1)" in line and "algo.advantage=grpo" in line and line.endswith("got True")
+    for preset in ("rloo.yaml", "knights/rloo.yaml", "qwen2.5-math-1.5b/rloo.yaml"):
+        cfg = load_config(os.path.join(ROOT, "configs", preset))
+        assert (cfg.algo.advantage, cfg.algo.scale_rewards) == ("rloo", False), preset
+
+
 @pytest.mark.parametrize("advantage, allowed", [
     ("grpo", True), ("rloo", True), ("reinforce_pp_baseline", True),          # a group baseline: ERS smooths it
     ("reinforce_pp", False), ("spo_chain", False), ("spo_tree", False),      # none: one line refuses
 ])
 def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
-    over = [f"--algo.advantage={advantage}", "--ers.enabled=true", "--algo.beta=0"]
+    over = [f"--algo.advantage={advantage}", "--ers.enabled=true", "--algo.beta=0",
+            f"--algo.scale_rewards={advantage != 'rloo'}"]
     over += ["--rollout.num_generations=6", "--spo.segment_tokens=3"] if advantage == "spo_tree" else []
     if allowed:
         assert load_config(None, over).ers.enabled
@@ -205,7 +219,8 @@ def test_dapo_settings_are_refused_in_one_line_where_they_have_no_meaning(overri
 def test_dapo_parts_load_with_every_other_method():
     for advantage in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain"):
         cfg = load_config(None, [f"--algo.advantage={advantage}", "--algo.beta=0", "--rollout.dynamic_sampling=true",
-                                 "--algo.overlong_filter=true", "--rollout.max_sampling_rounds=3"])
+                                 "--algo.overlong_filter=true", "--rollout.max_sampling_rounds=3",
+                                 f"--algo.scale_rewards={advantage != 'rloo'}"])
         assert cfg.rollout.dynamic_sampling and cfg.algo.overlong_filter and cfg.rollout.max_sampling_rounds == 3
 
 
@@ -216,6 +231,10 @@ ASYNC = ["--rollout.mode=async", "--rollout.is_correction=token"]
     (["--rollout.mode=later"], "rollout.mode", "sync | async"),
     (["--rollout.mode=async"], "rollout.is_correction", "without the IS weight the update is the gradient of "
      "another policy"),
+    (["--rollout.mode=async", "--rollout.is_correction=sequence"], "rollout.is_correction", "token | token_mask "
+     "with rollout.mode=async at rollout.lag=1"),
+    (["--rollout.mode=async", "--rollout.is_correction=sequence_mask"], "rollout.is_correction",
+     "caps or drops nearly every completion"),
     ([*ASYNC, "--rollout.lag=2"], "rollout.lag", "0 or 1 (a fixed lag of one step"),
     ([*ASYNC, "--rollout.engines=0"], "rollout.engines", ">= 1"),
     ([*ASYNC, "--rollout.engine_timeout_s=600"], "rollout.engine_timeout_s", "in (0, 600) seconds"),
@@ -235,9 +254,42 @@ def test_async_refusals_are_one_line_naming_the_key(overrides, key, why):
 
 
 def test_async_accepts_lag_0_without_a_correction():
-    # lag 0 is the synchronous schedule through the engine processes: nothing to correct
+    # lag 0 is the synchronous schedule through the engine processes: nothing to correct, and a sequence-level
+    # ratio is the engine's rounding gap again, as in sync mode
     cfg = load_config(None, ["--rollout.mode=async", "--rollout.lag=0"])
     assert (cfg.rollout.mode, cfg.rollout.lag, cfg.rollout.is_correction) == ("async", 0, "none")
+    for mode in ("sequence", "sequence_mask"):
+        assert load_config(None, ["--rollout.mode=async", "--rollout.lag=0", f"--rollout.is_correction={mode}"])
+        assert load_config(None, [f"--rollout.is_correction={mode}"]).rollout.mode == "sync"
+    for mode in ("token", "token_mask"):
+        assert load_config(None, ["--rollout.mode=async", f"--rollout.is_correction={mode}"]).rollout.lag == 1
+
+
+def test_engine_gpus_count_the_gpus_the_trainer_sees():
+    # rollout.engine_gpus are indices among the visible GPUs, as LOCAL_RANK is; each engine gets the entry they
+    # name as its CUDA_VISIBLE_DEVICES (engines/schedule.py: engine_devices)
+    from pspo.engines.schedule import engine_devices
+    # a job given GPUs 4-7, two trainer ranks on its 0 and 1 (physical 4, 5): its 2 and 3 are physical 6 and 7
+    assert engine_devices("2,3", visible="4,5,6,7", device_count=4, trainer_gpus=2) == ("6", "7")
+    assert engine_devices("3,2", visible=" 4, 5,6 ,7", device_count=4, trainer_gpus=2) == ("7", "6")
+    # unset: every GPU of the machine, index i is GPU i
+    assert engine_devices("4,5,6,7", visible=None, device_count=8, trainer_gpus=4) == ("4", "5", "6", "7")
+    # UUIDs pass through as written (CUDA reads them in the engine as it did in the trainer)
+    assert engine_devices("1", visible="GPU-8a1b,MIG-77c2", device_count=2, trainer_gpus=1) == ("MIG-77c2",)
+    assert engine_devices("", visible="4,5", device_count=2, trainer_gpus=1) == ()
+    for gpus, visible, count, trainer, why in [
+        ("4", "4,5,6,7", 4, 2, "among the 4 GPUs this process sees (0..3; CUDA_VISIBLE_DEVICES=4,5,6,7), got '4'"),
+        ("2,6", "4,5,6,7", 4, 2, "among the 4 GPUs this process sees (0..3; CUDA_VISIBLE_DEVICES=4,5,6,7), "
+                                  "got '2,6'"),
+        ("2", None, 2, 1, "among the 2 GPUs this process sees (0..1; CUDA_VISIBLE_DEVICES unset), got '2'"),
+        # a list naming more devices than CUDA found (one that is not there): only those found count
+        ("3", "4,5,6,7", 3, 2, "among the 3 GPUs this process sees (0..2; CUDA_VISIBLE_DEVICES=4,5,6,7), got '3'"),
+        ("1", "", 0, 1, "among the 0 GPUs this process sees (none; CUDA_VISIBLE_DEVICES=), got '1'"),
+        ("1,2", "4,5,6,7", 4, 2, ">= 2 (GPUs 0..1 hold the trainer ranks), got '1,2'"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            engine_devices(gpus, visible=visible, device_count=count, trainer_gpus=trainer)
+        assert str(e.value) == "rollout.engine_gpus: expected indices " + why
 
 
 def test_async_devices_are_checked_against_the_machine_in_one_line():

@@ -40,7 +40,7 @@ def standin(index: int, writes: list[tuple[float, bytes]], then: str = SILENT) -
     """An EngineProcess whose process writes each (time.monotonic(), bytes) of `writes`, then runs `then`
     (Python): the trainer's side (its non-blocking end of the pipe, send, wait_for, kill) is the real one."""
     e = object.__new__(EngineProcess)
-    e.index = index
+    e.index, e.adapter_dir = index, ""
     e.sock, child = socket.socketpair()
     code = STANDIN.format(fd=child.fileno(), writes=writes, then=then)
     e.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(child.fileno(),), start_new_session=True)

