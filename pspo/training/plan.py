@@ -92,10 +92,12 @@ ALLOCATOR_SLACK = 0.25
 # batch, the loss's per-token tensors, the norms' fp32 temporaries): the gap the moments left below the
 # measured peak of bench/RESULTS.md §24 (0.1-0.3 GiB)
 UPDATE_MARGIN = 2**28
-# the sampler's working set per generated row at its peak, the Gumbel noise's hash: 9 float32 (vocab,) blocks (the
-# logits, logits/T and their log_softmax, three int64 blocks of the hash), as measured on CPU, eager
-# (tests/components/test_plan.py); a compiled sampler fuses the hash
-SAMPLER_BLOCKS = 9
+# the sampler's working set per generated row at its peak, the Gumbel noise's hash: 11 float32 (vocab,) blocks (the
+# logits, logits/T and their log_softmax, four int64 blocks of the hash), as measured on CPU, eager
+# (tests/components/test_plan.py). Three int64 blocks in a fresh process; four after a compile failed in the
+# process (the eager fallback): dynamo's frame evaluator, left installed, makes a caller hold the hash's argument
+# through the call. A compiled sampler fuses the hash.
+SAMPLER_BLOCKS = 11
 # an engine process's memory outside PyTorch's allocator: its own CUDA context (~0.5 GiB) and cuBLAS workspaces
 # (no NCCL): a rough figure, like OVERHEAD_GIB
 ENGINE_OVERHEAD_GIB = 1.0
