@@ -7,12 +7,12 @@ does both), and are skipped with a reason otherwise.
 
 End-to-end tests run train.py and eval.py in the test's own process through `run_main` (below):
 about 5 s less per run than a fresh interpreter, which re-imports torch and transformers. What
-needs a process of its own stays a subprocess: torchrun and other multi-process runs, a signal
+needs a process of its own stays a subprocess: the torchrun launcher (the two-node test), a signal
 sent to a run, a hard kill, a fresh interpreter's imports, vLLM (its state is per process), and
 the exit code and stderr line of a user mistake (one test per way out of a script). Where many
 commands need only their exit code and output, they fork from one interpreter that imported the
-scripts once (`forked_commands`); two-rank checks of a function fork their ranks from the test's
-process (`forked_ranks`)."""
+scripts once (`forked_commands`); two-rank checks of a function, and train.py's ranks as torchrun
+would start them (`launch_train`), fork their ranks from the test's process (`forked_ranks`)."""
 import contextlib
 import dataclasses
 import functools
@@ -313,20 +313,35 @@ def forked_commands():
     return _forked_commands
 
 
+def _train_rank(rank: int, nproc: int, port: int, args: list[str]) -> None:
+    """Rank `rank` of `torchrun --standalone --nproc_per_node=nproc train.py args`: torchrun's environment for
+    it, then train.py as `python train.py` runs it, which ends the rank (a rank of a group: os._exit with its
+    exit code, distributed.finish)."""
+    import runpy
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(nproc),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(ROOT)
+    sys.argv = ["train.py", *args]
+    runpy.run_path("train.py", run_name="__main__")
+
+
 def _launch_train(args: list[str], nproc: int = 1):
-    """train.py with these arguments: in this process (`_run_main`; a user mistake raises its error)
-    or, nproc > 1, under torchrun, which must exit 0."""
+    """train.py with these arguments: in this process (`_run_main`; a user mistake raises its error) or,
+    nproc > 1, as torchrun's nproc ranks on one node, which must all exit 0 within 600 s. The ranks are forked
+    from this process (`_forked_ranks`), which imported train.py once: a torchrun rank's fresh interpreter
+    spends ~5 s importing it (tests/e2e/test_loop.py's two-node test runs the real launcher)."""
     if nproc == 1:
         return _run_main("train", *args)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={nproc}", "train.py", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import socket
+    with socket.socket() as s:                            # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _forked_ranks(_train_rank, (nproc, port, list(args)), nprocs=nproc, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def launch_train():
-    """`launch_train(args, nproc=1)`: train.py in this process, or under torchrun with nproc ranks."""
+    """`launch_train(args, nproc=1)`: train.py in this process, or as torchrun's nproc ranks (forked)."""
     return _launch_train
 
 
@@ -339,22 +354,30 @@ def _one_thread(rank: int, fn, *args) -> None:
     fn(rank, *args)
 
 
-def _forked_ranks(fn, args: tuple, nprocs: int = 2) -> None:
-    """fn(rank, *args) on nprocs ranks as torch.multiprocessing.spawn runs them (a rank's error is raised here),
-    in processes forked from this one: a rank starts with this process's imports instead of a fresh
+def _forked_ranks(fn, args: tuple, nprocs: int = 2, timeout: float = 600) -> None:
+    """fn(rank, *args) on nprocs ranks as torch.multiprocessing.spawn runs them (a rank's error or exit code
+    other than 0 is raised here; ranks still running after `timeout` seconds are killed, a failure), in
+    processes forked from this one: a rank starts with this process's imports instead of a fresh
     interpreter's (torch, transformers, the test module: ~5 s a rank). Spawned where this process holds a
     process group (vLLM's world of one, from an earlier test), which a forked rank would inherit."""
+    import time
     import torch.distributed as dist
     import torch.multiprocessing as mp
     if dist.is_available() and dist.is_initialized():
-        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+        ranks = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     else:
-        mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, start_method="fork")
+        ranks = mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise AssertionError(f"{fn.__name__}: ranks still running after {timeout:g} s, killed")
 
 
 @pytest.fixture(scope="session")
 def forked_ranks():
-    """`forked_ranks(fn, args, nprocs=2)`: fn(rank, *args) on nprocs forked ranks (see _forked_ranks)."""
+    """`forked_ranks(fn, args, nprocs=2, timeout=600)`: fn(rank, *args) on nprocs forked ranks (see _forked_ranks)."""
     return _forked_ranks
 
 

@@ -264,14 +264,11 @@ def test_engine_logprobs_are_the_previous_weights(tiny_model_path, uninterrupted
     assert gaps[0] < 1e-4 and gaps[1] > 1e-2, gaps
 
 
-def test_two_ranks_match_one(tmp_path, tiny_model_path, uninterrupted):
+def test_two_ranks_match_one(tmp_path, tiny_model_path, uninterrupted, launch_train):
     # FSDP2 over 2 gloo ranks, one engine: rank 0 stages and hands each rank its rows; the update is
-    # rank-invariant up to the order of the gradient sums (as in sync mode, test_loop.test_two_processes_match_one)
+    # rank-invariant up to the order of the gradient sums (as in sync mode, test_loop.test_two_nodes_match_one_process)
     out = str(tmp_path / "two")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *args(tiny_model_path, out, *LAG1)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch_train(args(tiny_model_path, out, *LAG1), nproc=2)
     assert_same(metrics(uninterrupted), metrics(out), rel=1e-4, aside=("rollout_calls", "padding_frac"))
     # (a call per rank; each rank pads its own micro-batches)
 
