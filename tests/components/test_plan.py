@@ -716,52 +716,56 @@ def test_micro_batch_shape_hand_worked():
     assert text.startswith("activations: 5000 positions, checkpointing selective, at the ")
 
 
-def skewed_update(vocab: int, equal: bool) -> tuple[torch.Tensor, ...]:
-    """input_ids, attention (4, 512) left-padded; mask (4, 256): equal (4 sequences of 255 + 256 tokens, so
-    that the two packed micro-batches of a 1024 budget have 1022 tokens each) or skewed (prompts 8-255,
-    completions 8-255)."""
+def skewed_update(vocab: int, equal: bool, width: int) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention (4, 2 width) left-padded; mask (4, width): equal (4 sequences of width - 1 + width
+    tokens, so that the two packed micro-batches of a budget of 4 width have 4 width - 2 tokens each) or skewed
+    (prompts and completions of 8 to width - 1 tokens)."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (4, 512), generator=g)
-    attention, mask = torch.zeros(4, 512, dtype=torch.long), torch.zeros(4, 256)
+    ids = torch.randint(0, vocab, (4, 2 * width), generator=g)
+    attention, mask = torch.zeros(4, 2 * width, dtype=torch.long), torch.zeros(4, width)
     for i in range(4):
-        p, c = (255, 256) if equal else (int(torch.randint(8, 256, (1,), generator=g)),
-                                         int(torch.randint(8, 256, (1,), generator=g)))
-        attention[i, 256 - p:256 + c] = 1
+        p, c = (width - 1, width) if equal else (int(torch.randint(8, width, (1,), generator=g)),
+                                                 int(torch.randint(8, width, (1,), generator=g)))
+        attention[i, width - p:width + c] = 1
         mask[i, :c] = 1
     return ids, attention, mask
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, vocab, equal", [("selective", 1000, False), ("full", 65536, True)])
-def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equal):
+@pytest.mark.parametrize("mode, vocab, equal, width", [("selective", 1000, False, 256), ("full", 65536, True, 64)])
+def test_update_peak_bounds_a_measured_update_on_cpu(tmp_path, mode, vocab, equal, width):
     # A whole policy_update (2 packed micro-batches, AdamW fused as on a GPU, float32) of 2 decoder layers at
     # the 1.5B's widths: update_peak less UPDATE_MARGIN (the CUDA workspaces it stands for are not on CPU)
     # against the most bytes alive: the weights and AdamW state (12 B per parameter, made before the tracker)
-    # plus the tracker's peak. Vocab 1000: a layer's backward peaks; 65536 (tied): the embedding's backward
-    # (3 x 384 MiB vocab x hidden gradients at once). Skewed lengths: one micro-batch of 951 tokens, which
-    # starts without gradients. Measured on a 2-core x86 CPU: the plan 1.003-1.056 x what was alive, in every
-    # mode; two cases run here (each mode's per-layer bytes are checked against saved tensors above). The AdamW
-    # state (and whatever a first update makes once) comes from an update of 4 x 8 tokens, which measured the
-    # same peak to the byte as a first update of the whole batch, for a fifth of its time.
+    # plus the tracker's peak. Vocab 1000, skewed lengths (prompts and completions of 8-255 tokens, a budget of
+    # 1024): a layer's backward peaks, in a first micro-batch of 951 tokens, which starts without gradients.
+    # Vocab 65536 (tied): the embedding's backward (3 x 384 MiB vocab x hidden gradients at once), which does
+    # not depend on the tokens: 4 sequences of 63 + 64 tokens (a budget of 256: micro-batches of 254) peak there
+    # as 4 of 255 + 256 do (the plan's moment 1896 MiB against 1905), for a fifth of the time, and a plan that
+    # left out one of the three blocks would fall 9% short. Measured on a 2-core x86 CPU: the plan 1.0007-1.056
+    # x what was alive, in every mode; two cases run here (each mode's per-layer bytes are checked against saved
+    # tensors above). The AdamW state (and whatever a first update makes once) comes from an update of 4 x 8
+    # tokens, which measured the same peak to the byte as a first update of the whole batch, for a fifth of its
+    # time.
     config = real_width_config(2, vocab)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     policy = build_policy(str(tmp_path), chunk_tokens=2048, gradient_checkpointing=mode)
-    ids, attention, mask = skewed_update(vocab, equal)
-    cfg = load_config(None, ["--train.micro_batch_tokens=1024", "--train.packing=true",
-                             "--rollout.max_new_tokens=256", "--algo.beta=0"])
+    ids, attention, mask = skewed_update(vocab, equal, width)
+    cfg = load_config(None, [f"--train.micro_batch_tokens={4 * width}", "--train.packing=true",
+                             f"--rollout.max_new_tokens={width}", "--algo.beta=0"])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    batch = UpdateBatch(ids, attention, mask, mask, torch.randn(4, 1).expand(4, 256).contiguous())
+    batch = UpdateBatch(ids, attention, mask, mask, torch.randn(4, 1).expand(4, width).contiguous())
     short_attention, short_mask = torch.zeros_like(attention), torch.zeros_like(mask)
-    short_attention[:, 252:260], short_mask[:, :4] = 1, 1                  # 4 prompt + 4 completion tokens a row
+    short_attention[:, width - 4:width + 4], short_mask[:, :4] = 1, 1      # 4 prompt + 4 completion tokens a row
     short = UpdateBatch(ids, short_attention, short_mask, short_mask, batch.advantages)
     policy_update(policy, optimizer, scheduler, short, cfg, Dist(0, 1, torch.device("cpu")))     # AdamW state
     with LiveBytes() as live:
         policy_update(policy, optimizer, scheduler, batch, cfg, Dist(0, 1, torch.device("cpu")))
     a = plan.arch_from_config(config)
     measured = 12 * a.params + live.peak
-    sizes = plan.micro_batch_sizes(plan_micro_batches(attention, mask, 4, 1024, True))
+    sizes = plan.micro_batch_sizes(plan_micro_batches(attention, mask, 4, 4 * width, True))
     predicted = plan.update_peak(a, sizes, bf16=False, checkpointing=mode, chunk_tokens=2048) - plan.UPDATE_MARGIN
     assert 1.0 <= predicted / measured <= 1.1, (predicted / GiB, measured / GiB, sizes)
 
