@@ -21,6 +21,7 @@ from pspo.training.config import load_config
 from pspo.tasks.knights import KNIGHTS_INSTRUCTION, builtin_knights, warmup_examples
 from pspo.tasks.knights_reward import knights_people, knights_reward
 from pspo.offline.builtin import TINY_KNIGHTS_MODEL, TINY_KNIGHTS_QUICK, resolve_model_path
+from pspo.offline.tiny import build_once
 from pspo.offline.tiny_knights import (FIXED_TEXT, QUICK_STEPS, STUDY_STEPS, TAGS,
                                        build_knights_tokenizer, ensure_tiny_knights_model,
                                        greedy_accuracy_by_size, knights_completion, lr_factor,
@@ -97,33 +98,30 @@ def test_a_second_caller_waits_for_the_build_in_progress(tmp_path):
     assert result == [path] and not any(m.startswith("building") for m in logged)
 
 
-def test_a_build_runs_on_one_thread_and_restores_the_callers_count(tmp_path):
+def test_a_build_runs_on_one_thread_and_restores_the_callers_count(tmp_path, monkeypatch):
     # tiny.build_once runs every offline build on one thread (tiny.one_thread), then gives the caller
-    # (train.py, a test) back its own thread count, also when the build fails
-    # A fresh process: an in-process vLLM engine earlier in a test worker leaves torch's thread pool
-    # capped at one thread, where this check could not tell a restored count from a lost one.
-    code = """
-import os, sys, torch
-from pspo.offline.tiny import build_once
-path, seen = os.path.join(sys.argv[1], "model"), []
-def build():
-    seen.append(torch.get_num_threads())
-    os.makedirs(path)
-    return path
-def broken():
-    raise RuntimeError("build failed")
-torch.set_num_threads(2)
-assert build_once(path, build, log=lambda _: None) == path and seen == [1], seen
-assert torch.get_num_threads() == 2, torch.get_num_threads()
-try:
-    build_once(os.path.join(sys.argv[1], "other"), broken, log=lambda _: None)
-except RuntimeError as e:
-    assert str(e) == "build failed"
-else:
-    raise AssertionError("the failing build did not raise")
-assert torch.get_num_threads() == 2, torch.get_num_threads()
-"""
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, check=True, timeout=120)
+    # (train.py, a test) back its own thread count, also when the build fails.
+    # torch's thread count is stood for by a recorder: an in-process vLLM engine earlier in a test worker
+    # leaves torch's own pool capped at one thread, where this check could not tell a restored count from a
+    # lost one (a fresh interpreter to avoid that cost ~5 s of imports). What is checked is one_thread's use of
+    # torch.get_num_threads / set_num_threads, which it calls through the torch module.
+    threads = [2]                                           # the caller's count
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.__setitem__(0, n))
+    path, seen = str(tmp_path / "model"), []
+
+    def build():
+        seen.append(torch.get_num_threads())
+        os.makedirs(path)
+        return path
+
+    def broken():
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("build failed")
+    assert build_once(path, build, log=lambda _: None) == path and seen == [1] and threads == [2]
+    with pytest.raises(RuntimeError, match="build failed"):
+        build_once(str(tmp_path / "other"), broken, log=lambda _: None)
+    assert seen == [1, 1] and threads == [2]
 
 
 @pytest.mark.slow
