@@ -189,8 +189,6 @@ def _run_main(script: str, *argv: str) -> Ran:
     SummaryWriter.__init__ = writer_init
     for writer in writers:
         writer.close()                               # idempotent: a finished run closed its own
-    if error is not None:                            # its reward pool: a finished run closed its own
-        gc.collect()                                 # (a collection takes ~0.3 s: not after every run)
     os.chdir(cwd)
     sys.argv[:] = argv0
     for key in set(os.environ) - set(environ):
@@ -206,6 +204,9 @@ def _run_main(script: str, *argv: str) -> Ran:
     sys.stdout.write(out.getvalue())
     sys.stderr.write(err.getvalue())
     left = _child_pids() - children
+    if left and error is not None:                   # its reward pool's workers: a finished run closed its own,
+        gc.collect()                                 # a failed one's closes when collected (a collection takes
+        left = _child_pids() - children              # ~0.3 s: not after every run, nor every error)
     new_group = not grouped and dist.is_available() and dist.is_initialized()
     if new_group:
         dist.destroy_process_group()
