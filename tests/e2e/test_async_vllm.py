@@ -3,15 +3,17 @@ stages the adapter alone, the engine serves it as a new version each step, the s
 (it fails the run with exit 2 when an engine's adapter differs from the trainer's), and the log-probs the engine
 returns are those of the previous step's adapter (engine_gap > 0 from step 1; ~1e-6 at step 0, where both are
 the base)."""
+import importlib.util
 import json
 import os
 import tempfile
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")
-
-pytestmark = pytest.mark.slow        # end to end: a real run with a vLLM engine process
+# end to end: a real run with a vLLM engine process. Skipped without vLLM, which is not imported here: importing it
+# (~1.5 s) would cost every test process that collects this file, the fast tests' too.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not "
+                                                   "installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")]
 
 
 def test_async_lora_run_with_a_vllm_engine_process(tmp_path, tiny_model_path, run_main, monkeypatch):
