@@ -9,12 +9,11 @@ after one interpreter imported them once: seconds for every case, not an import 
 model.name_or_path a folder that does not exist, so that a check made after the model is loaded fails
 with the model's line instead. And in this process (conftest's run_main) with the default `builtin:tiny` and an
 empty model cache ($PSPO_CACHE), where its builder is replaced by one that fails the test: a check that came after
-the build fails at once.
+the build fails at once. Three cases also run as the scripts with the real builder and an empty cache, forked
+too (`test_the_script_prints_one_line_and_exits_2_with_the_cache_empty`): nothing is built.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -219,22 +218,43 @@ def test_the_command_prints_one_line_and_exits_2(commands, case):
     assert not (runs / str(case)).exists() and os.listdir(cache) == []
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script, overrides, message", [
+# the real scripts with the real builder and the default builtin:tiny, its cache empty
+WITH_THE_BUILDER = [
     ("train", ["--data.train={f}/none.jsonl"], TRAIN[0][1]),
     ("train", ["--data.train={f}/broken.jsonl"], TRAIN[3][1]),     # datasets' own report of it: not shown
     ("eval", ["--data.eval_split=validation"], EVAL[1][1]),
-])
-def test_the_script_prints_one_line_and_exits_2_with_the_cache_empty(files, tmp_path, script, overrides, message):
+]
+# `python -c WITH_CACHE CACHE SCRIPT ARGV...`: `python SCRIPT.py ARGV...` with PSPO_CACHE=CACHE, a new folder
+WITH_CACHE = ("import os, runpy, sys; cache, script = sys.argv[1:3]; os.makedirs(cache); os.environ['PSPO_CACHE'] = "
+              "cache; sys.argv = [script + '.py', *sys.argv[3:]]; runpy.run_path(script + '.py', run_name='__main__')")
+
+
+@pytest.fixture(scope="module")
+def with_the_builder(tmp_path_factory, forked_commands):
+    """WITH_THE_BUILDER's commands, forked from one fresh interpreter (conftest's run_commands), each with an
+    empty model cache of its own: (results, files' folder, runs' folder, caches' folder)."""
+    tmp = tmp_path_factory.mktemp("builder")
+    f, runs, caches = tmp / "in", tmp / "runs", tmp / "caches"
+    for folder in (f, runs, caches):
+        folder.mkdir()
+    bad_inputs(f)
+    commands = [[WITH_CACHE, [str(caches / str(i)), script,
+                              *arguments(script, runs / str(i), [o.format(f=f) for o in overrides])]]
+                for i, (script, overrides, _) in enumerate(WITH_THE_BUILDER)]
+    return forked_commands(commands, str(tmp)), f, runs, caches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(WITH_THE_BUILDER)),
+                         ids=[f"{s}:{' '.join(o)}" for s, o, _ in WITH_THE_BUILDER])
+def test_the_script_prints_one_line_and_exits_2_with_the_cache_empty(with_the_builder, case):
     # the real scripts, with the real builder: exit code 2, nothing on stdout, one line on stderr, and
     # the empty cache still empty (no build started)
-    cache, out = tmp_path / "cache", tmp_path / "run"
-    cache.mkdir()
-    overrides = [o.format(f=files) for o in overrides]
-    proc = subprocess.run([sys.executable, f"{script}.py", *arguments(script, out, overrides)], cwd=ROOT,
-                          env={**os.environ, "PSPO_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
-    assert (proc.returncode, proc.stdout, proc.stderr.splitlines()) == (2, "", [f"error: {message.format(f=files)}"])
-    assert os.listdir(cache) == [] and not out.exists()
+    results, f, runs, caches = with_the_builder
+    _, _, message = WITH_THE_BUILDER[case]
+    r = results[case]
+    assert (r["exit"], r["stdout"], r["stderr"].splitlines()) == (2, "", [f"error: {message.format(f=f)}"]), r
+    assert os.listdir(caches / str(case)) == [] and not (runs / str(case)).exists()
 
 
 def test_check_writable_names_the_key_and_what_it_expected(tmp_path, monkeypatch):

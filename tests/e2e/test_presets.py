@@ -10,7 +10,8 @@ offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do 
   data.max_prompt_tokens, and architecture; random weights, built in seconds where the quick base
   takes about a minute, and tests/components/test_tiny_knights.py builds and checks it); a GPU recipe's model
   becomes the stand-in built from the real config.json shipped beside it as model_config.json
-  (pspo/offline/standin.py: the real vocab, positions, tied embeddings and GQA ratio, widths shrunk);
+  (pspo/offline/standin.py: the real positions, tied embeddings and GQA ratio, widths shrunk), its
+  vocabulary cut to REHEARSAL_VOCAB ids (below);
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
 - the process reward model: a PRM folder or hub id (reward.prm != 0) becomes builtin:tiny-prm (built in
   seconds, pspo/offline/tiny_prm.py);
@@ -46,6 +47,12 @@ SAMPLES = {                                  # hub dataset -> local copy in the 
     "HuggingFaceH4/MATH-500": "data/samples/math500.jsonl",
 }
 STEPS = 2
+# The GPU recipes' stand-ins keep every limit of the real config.json but its vocabulary, cut to 1024 ids (above the
+# stand-in tokenizer's 405): the real 151936 (152064 untied, the 7B's) made the head, the sampler's noise over it,
+# AdamW's step and the checkpoint most of a rehearsal's time (~5x), and a recipe's settings do not depend on it. The
+# real vocabulary runs through train.py in the GPU check's --small recipe (tests/checks/test_gpu_check.py: the
+# 1.5B's grpo.yaml) and through eval.py in test_eval_benchmarks_on_gpu_recipe here.
+REHEARSAL_VOCAB = 1024
 
 
 def _sample(name: str) -> str:
@@ -55,8 +62,23 @@ def _sample(name: str) -> str:
     return path
 
 
-def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_path: str) -> dict[str, str]:
-    """The few overrides that fit `config` on a 2-core CPU (see the module docstring)."""
+def standin(real_config: str, folder: str, vocab: int | None) -> str:
+    """The stand-in (ensure_standin_model) of a real config.json with `vocab` ids (None: its own vocabulary), built
+    from a copy of the config written in `folder` (the stand-in's cache key is the config's content)."""
+    if vocab is None:
+        return ensure_standin_model(real_config)
+    with open(real_config) as f:
+        real = json.load(f)
+    path = os.path.join(folder, f"vocab{vocab}-{os.path.basename(real_config)}")
+    with open(path, "w") as f:
+        json.dump({**real, "vocab_size": vocab}, f)
+    return ensure_standin_model(path)
+
+
+def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_path: str,
+                        vocab: int | None = REHEARSAL_VOCAB) -> dict[str, str]:
+    """The few overrides that fit `config` on a 2-core CPU (see the module docstring); a GPU recipe's stand-in with
+    `vocab` ids (None: the real vocabulary)."""
     cfg = load_config(os.path.join(ROOT, config))
     over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
             "train.output_dir": output_dir, "train.prompts_per_step": str(min(cfg.train.prompts_per_step, 2)),
@@ -72,7 +94,7 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
     real_config = os.path.join(ROOT, os.path.dirname(config), "model_config.json")
     assert os.path.isfile(real_config), f"{config}: a GPU recipe needs its model's config.json beside it " \
                                         "as model_config.json (the stand-in is built from it)"
-    over["model.name_or_path"] = ensure_standin_model(real_config)
+    over["model.name_or_path"] = standin(real_config, os.path.dirname(output_dir), vocab)
     over.update(_short_completions(cfg))
     for key in ("train", "eval"):
         name = getattr(cfg.data, key)
@@ -245,10 +267,13 @@ def test_7b_preset_matches_the_seed():
 
 @pytest.mark.slow
 def test_eval_benchmarks_on_gpu_recipe(tmp_path, tiny_model_path, run):
-    # eval.py --benchmarks on the PSPO recipe, MATH-500 from its local sample, the stand-in model
+    # eval.py --benchmarks on the PSPO recipe, MATH-500 from its local sample, the stand-in model with the real
+    # vocabulary (151936: the rehearsals' stand-ins cut it)
     config = "configs/qwen2.5-math-1.5b/pspo.yaml"
     keep = ("model.name_or_path", "rollout.engine", "rollout.max_new_tokens", "train.progress")
-    over = {k: v for k, v in rehearsal_overrides(config, str(tmp_path / "run"), tiny_model_path, "").items() if k in keep}
+    over = {k: v for k, v in rehearsal_overrides(config, str(tmp_path / "run"), tiny_model_path, "", vocab=None).items()
+            if k in keep}
+    assert AutoConfig.from_pretrained(over["model.name_or_path"]).vocab_size == 151936
     over["eval.output"] = str(tmp_path / "bench.json")
     math500 = _sample("HuggingFaceH4/MATH-500")
     run("eval", config, over, f"--benchmarks=math500={math500}")
