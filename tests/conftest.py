@@ -242,18 +242,18 @@ def folder_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def run_commands(commands_file: str, results_file: str, watch: str = "") -> None:
+def run_commands(commands_file: str, results_file: str, watch: str = "", imports: str = "") -> None:
     """Each command of `commands_file` (JSON: [program, argv] pairs) in a process of its own, from the
     repository root, as `python train.py argv` (program "train"), `python eval.py argv` ("eval") or
     `python -c program argv` (any other program: Python code) would run it: forked from this process,
-    which imported the scripts (and datasets) once, with its stdout and stderr in files. `results_file`
-    gets each one's exit code, stdout and stderr, and, with `watch`, folder_digest(watch) after it. Run
-    in an interpreter of its own (forked_commands)."""
+    which imported the scripts (and datasets, and the comma-separated modules `imports`) once, with its
+    stdout and stderr in files. `results_file` gets each one's exit code, stdout and stderr, and, with
+    `watch`, folder_digest(watch) after it. Run in an interpreter of its own (forked_commands)."""
     import runpy
     import tempfile
     import datasets  # noqa: F401 - what reading a data file imports, once
-    for script in ("train", "eval"):
-        importlib.import_module(script)
+    for module in ("train", "eval", *filter(None, imports.split(","))):
+        importlib.import_module(module)
     with open(commands_file) as f:
         commands = json.load(f)
     results = []
@@ -292,17 +292,19 @@ def run_commands(commands_file: str, results_file: str, watch: str = "") -> None
         json.dump(results, f)
 
 
-def _forked_commands(commands: list, folder: str, env: dict | None = None, watch: str = "") -> list[dict]:
+def _forked_commands(commands: list, folder: str, env: dict | None = None, watch: str = "",
+                     imports: tuple[str, ...] = ()) -> list[dict]:
     """run_commands on these [program, argv] pairs in a fresh interpreter (its files in `folder`), which
     must exit 0: [{"exit", "stdout", "stderr"(, "watched")}], one per command. A command pays its own
-    work, not the ~7 s of importing torch and transformers a `python train.py` pays."""
+    work, not the ~7 s of importing torch and transformers a `python train.py` pays (nor, for the modules
+    in `imports`, theirs: vLLM's ~1.5 s)."""
     commands_file, results_file = os.path.join(folder, "commands.json"), os.path.join(folder, "results.json")
     with open(commands_file, "w") as f:
         json.dump(commands, f)
     driver = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
               "import conftest; conftest.run_commands(*sys.argv[1:])")
-    proc = subprocess.run([sys.executable, "-c", driver, commands_file, results_file, watch], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", driver, commands_file, results_file, watch, ",".join(imports)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(results_file) as f:
         return json.load(f)
@@ -310,7 +312,7 @@ def _forked_commands(commands: list, folder: str, env: dict | None = None, watch
 
 @pytest.fixture(scope="module")
 def forked_commands():
-    """`forked_commands(commands, folder, env=None, watch="")`: see _forked_commands."""
+    """`forked_commands(commands, folder, env=None, watch="", imports=())`: see _forked_commands."""
     return _forked_commands
 
 

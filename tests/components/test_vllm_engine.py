@@ -8,8 +8,6 @@ for real; without vLLM they skip, saying so."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,16 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vll
                                                    "installed (PSPO_WITH_VLLM=1 bash scripts/test.sh installs it)")]
 
 T = 0.7
-
-
-def train_with_vllm(out, model_path: str, *overrides: str) -> subprocess.CompletedProcess:
-    """train.py on the tiny model with the vLLM engine: 4 prompts x 4 completions a step, no evaluation."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return subprocess.run([sys.executable, "train.py", "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-                           f"--model.name_or_path={model_path}", "--rollout.engine=vllm",
-                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--data.eval=",
-                           "--train.progress=false", *overrides],
-                          cwd=root, capture_output=True, text=True, timeout=600)
 
 
 def setup(path):
@@ -62,6 +50,51 @@ def take_a_step(policy, lr=1e-2):
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def _full_params_on_rank(rank, init_file, path, out_dir):
+    """Two FSDP2 ranks (gloo) shard the tiny policy, moved off its saved weights, and gather it back
+    one parameter at a time through full_params, as sync_weights does after a step."""
+    import torch.distributed as dist
+    from pspo.training import distributed
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    policy = build_policy(path, chunk_tokens=2048)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))                # the same move on both ranks
+    plain = {name: t.clone() for name, t in full_params(policy.lm)}
+    policy = distributed.shard(policy, 2)
+    assert any(hasattr(p, "full_tensor") for p in policy.parameters())   # DTensor shards
+    gathered = [(name, t.clone()) for name, t in full_params(policy.lm)]
+    torch.save({"gathered": gathered, "plain": plain}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path, forked_ranks):
+    # full_params on FSDP2 shards gives, on every rank in the same order, the names and full tensors of
+    # the unsharded model; vLLM's reload_weights takes exactly that stream, and the engine then
+    # samples with the moved weights (the trainer's log-probs match it to float32 noise). The ranks first,
+    # forked from this process while it holds no vLLM engine (this file's first test: an engine's world of one
+    # would have them spawned, a fresh interpreter each); then its own engine: one built before another engine
+    # of this process was dropped no longer generates (vLLM's parallel state is per process).
+    path = tiny_model_path
+    forked_ranks(_full_params_on_rank, (str(tmp_path / "init"), path, str(tmp_path)))
+    tokenizer, prompts, policy, engine = setup(path)
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    names = [n for n, _ in r0["gathered"]]
+    assert names == [n for n, _ in r1["gathered"]] == list(r0["plain"])
+    for name, t in r0["gathered"]:
+        assert torch.equal(t, r0["plain"][name]) and torch.equal(t, dict(r1["gathered"])[name])
+    moved = build_policy(path, chunk_tokens=2048)
+    moved.lm.load_state_dict(r0["plain"], strict=False)
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(r0["gathered"])})
+    engine.llm.reset_prefix_cache()
+    seeds = sequence_seeds(4, 0, torch.arange(len(prompts)), 1)
+    assert sync_gap(engine, moved, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
+    assert engine.stale_rows(moved)[0] == 0
+    differ, compared = engine.stale_rows(policy)                          # not the saved weights any more
+    assert differ == compared > 0
 
 
 def test_engine_logprobs_match_the_trainer_and_rollout_shape(untied):
@@ -172,40 +205,59 @@ def test_tied_embeddings_sync(tmp_path):
     assert sync_gap(engine, policy, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4 < stale_max
 
 
+# train.py with the vLLM engine on the tiny model: 4 prompts x 4 completions a step, no evaluation, the weight sync
+# checked after step 1 and every 2 steps, under weight decay from the first step
+VLLM_RUN = ["--config", "configs/grpo.yaml", "--rollout.engine=vllm", "--train.prompts_per_step=4",
+            "--rollout.num_generations=4", "--data.eval=", "--train.progress=false", "--rollout.sync_check_steps=2",
+            "--optim.warmup_steps=0", "--optim.weight_decay=0.1"]
+# train.py with a weight sync that reaches nothing (VLLMEngine.sync_weights replaced by a no-op)
+NO_SYNC = ("import runpy, sys; from pspo.engines.vllm_engine import VLLMEngine; "
+           "VLLMEngine.sync_weights = lambda self, policy: 0.0; "
+           "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')")
+SYNC_CHECK = ("import runpy, sys; sys.argv = ['bench/sync_check.py', *sys.argv[1:]]; "
+              "runpy.run_path('bench/sync_check.py', run_name='__main__')")
+
+
 @pytest.fixture(scope="module")
-def synced_run(tiny_model_path, tmp_path_factory) -> list[dict]:
-    """The metrics of one train.py run with the vLLM engine, 2 steps, read by two tests (a vLLM process's
-    start costs ~20 s): the weight sync checked after step 1 and every 2 steps, under weight decay from the
-    first step (the no-sync run's settings), and token-level TIS with rollout.sleep (skipped on CPU)."""
-    out = tmp_path_factory.mktemp("vllm") / "synced"
-    proc = train_with_vllm(out, tiny_model_path, "--train.max_steps=2", "--rollout.sync_check_steps=2",
-                           "--optim.warmup_steps=0", "--optim.weight_decay=0.1", "--rollout.is_correction=token",
-                           "--rollout.sleep=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+def vllm_runs(tiny_model_path, tmp_path_factory, forked_commands) -> tuple[dict, str]:
+    """The commands that start a vLLM engine of their own, each in a process of its own (vLLM's state is per
+    process), forked from one interpreter that imported the scripts and vLLM once (a fresh interpreter each cost
+    ~8 s of imports): ({name: its result}, their folder).
+    - synced: 2 steps, with token-level TIS and rollout.sleep (skipped on CPU);
+    - no_sync: 4 steps with the no-op sync;
+    - sync_check: bench/sync_check.py."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = f"--model.name_or_path={tiny_model_path}"
+    commands = {"synced": ["train", [*VLLM_RUN, model, f"--train.output_dir={tmp / 'synced'}", "--train.max_steps=2",
+                                     "--rollout.is_correction=token", "--rollout.sleep=true"]],
+                "no_sync": [NO_SYNC, [*VLLM_RUN, model, f"--train.output_dir={tmp / 'no_sync'}",
+                                      "--train.max_steps=4"]],
+                "sync_check": [SYNC_CHECK, ["--json", str(tmp / "sync.json")]]}
+    results = forked_commands(list(commands.values()), str(tmp), imports=("vllm",))
+    return dict(zip(commands, results)), tmp
 
 
-def test_training_stops_when_the_sync_does_not_reach_the_engine(tmp_path, tiny_model_path, synced_run):
+@pytest.fixture(scope="module")
+def synced_run(vllm_runs) -> list[dict]:
+    """The metrics of the synced train.py run (vllm_runs), read by two tests."""
+    results, tmp = vllm_runs
+    assert results["synced"]["exit"] == 0, results["synced"]["stderr"][-3000:]
+    return [json.loads(line) for line in open(tmp / "synced" / "metrics.jsonl")]
+
+
+def test_training_stops_when_the_sync_does_not_reach_the_engine(vllm_runs, synced_run):
     # train.py with a weight sync that reaches nothing (VLLMEngine.sync_weights replaced by a no-op): the check
     # after the first step finds the engine's weights differing from the stepped trainer's (weight decay moves
     # every weight but the padding token's embedding, 0: 2,985 of the 2,986 rows the CPU engine holds), so the run
     # saves its state, then stops with one line naming the setting, exit code 2
-    out = tmp_path / "run"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    no_sync = ("import runpy, sys; from pspo.engines.vllm_engine import VLLMEngine; "
-               "VLLMEngine.sync_weights = lambda self, policy: 0.0; "
-               "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", no_sync, "--config", "configs/grpo.yaml", f"--train.output_dir={out}",
-                           f"--model.name_or_path={tiny_model_path}", "--rollout.engine=vllm", "--data.eval=",
-                           "--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.progress=false",
-                           "--train.max_steps=4", "--rollout.sync_check_steps=2", "--optim.warmup_steps=0",
-                           "--optim.weight_decay=0.1"], cwd=root, capture_output=True, text=True, timeout=600)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    results, tmp = vllm_runs
+    r = results["no_sync"]
+    lines = r["stderr"].strip().splitlines()
+    assert r["exit"] == 2, r["stderr"][-2000:]
+    assert "Traceback" not in r["stderr"]
     assert lines[-1].startswith("error: rollout.sync_check_steps: at step 1 the engine's weights differ from the "
                                 "trainer's in 2985 rows")
-    assert os.path.isdir(out / "checkpoint-1")
+    assert os.path.isdir(tmp / "no_sync" / "checkpoint-1")
     # the same run with the sync (synced_run): the check (after step 1, then every 2 steps) finds nothing
     rows = synced_run
     assert [r["sync_stale_rows"] for r in rows] == [0, 0] and all(r["sync_gap_mean"] < 1e-4 for r in rows)
@@ -248,51 +300,6 @@ def test_gpu_settings_reach_vllm_and_sleep_is_skipped_on_cpu(tiny_model_path):
     with pytest.raises(Exception) as e:
         LLM(model=tiny_model_path, enable_sleep_mode=True, max_model_len=128, enforce_eager=True)
     assert "Sleep mode is not supported on current platform" in startup_reason(e.value)
-
-
-def _full_params_on_rank(rank, init_file, path, out_dir):
-    """Two FSDP2 ranks (gloo) shard the tiny policy, moved off its saved weights, and gather it back
-    one parameter at a time through full_params, as sync_weights does after a step."""
-    import torch.distributed as dist
-    from pspo.training import distributed
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    policy = build_policy(path, chunk_tokens=2048)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.05 * torch.randn_like(p))                # the same move on both ranks
-    plain = {name: t.clone() for name, t in full_params(policy.lm)}
-    policy = distributed.shard(policy, 2)
-    assert any(hasattr(p, "full_tensor") for p in policy.parameters())   # DTensor shards
-    gathered = [(name, t.clone()) for name, t in full_params(policy.lm)]
-    torch.save({"gathered": gathered, "plain": plain}, f"{out_dir}/rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-def test_weight_sync_from_fsdp2_shards(tiny_model_path, tmp_path):
-    # full_params on FSDP2 shards gives, on every rank in the same order, the names and full tensors of
-    # the unsharded model; vLLM's reload_weights takes exactly that stream, and the engine then
-    # samples with the moved weights (the trainer's log-probs match it to float32 noise). Its own
-    # engine: one built before another engine of this process was dropped no longer generates
-    # (vLLM's parallel state is per process).
-    import torch.multiprocessing as mp
-    path = tiny_model_path
-    tokenizer, prompts, policy, engine = setup(path)
-    mp.spawn(_full_params_on_rank, args=(str(tmp_path / "init"), path, str(tmp_path)), nprocs=2)
-    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
-    names = [n for n, _ in r0["gathered"]]
-    assert names == [n for n, _ in r1["gathered"]] == list(r0["plain"])
-    for name, t in r0["gathered"]:
-        assert torch.equal(t, r0["plain"][name]) and torch.equal(t, dict(r1["gathered"])[name])
-    moved = build_policy(path, chunk_tokens=2048)
-    moved.lm.load_state_dict(r0["plain"], strict=False)
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(r0["gathered"])})
-    engine.llm.reset_prefix_cache()
-    seeds = sequence_seeds(4, 0, torch.arange(len(prompts)), 1)
-    assert sync_gap(engine, moved, prompts, temperature=T, max_new_tokens=12, seeds=seeds)[0] < 1e-4
-    assert engine.stale_rows(moved)[0] == 0
-    differ, compared = engine.stale_rows(policy)                          # not the saved weights any more
-    assert differ == compared > 0
 
 
 def test_run_with_the_correction_logs_the_mismatch(synced_run):
@@ -351,18 +358,16 @@ def test_lora_engine_serves_the_current_adapter_and_catches_a_skipped_sync(tiny_
     engine.close()                                            # idempotent
 
 
-def test_the_sync_check_can_fail(tmp_path):
+def test_the_sync_check_can_fail(vllm_runs):
     # bench/sync_check.py (the GPU check's vllm section runs it on the 1.5B): two AdamW steps at lr 1e-5 without a
     # sync. The checksums are exact: 0 rows differ when synced, on any machine's build; the check fires at 1 row,
     # and the stale engine differs in 2,985 of the 2,986 rows (AdamW's weight decay alone, a factor 1 - 1e-7 per
     # step at lr 1e-5, more than half a float32 ulp, changes every nonzero element: every row but the padding
     # token's embedding, which is 0). The log-prob gap (logged) in float32: ~5e-7 synced, ~5e-2 stale.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / "sync.json"
-    proc = subprocess.run([sys.executable, "bench/sync_check.py", "--json", str(out)], cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    figures = json.loads(out.read_text())
+    results, tmp = vllm_runs
+    r = results["sync_check"]
+    assert r["exit"] == 0, r["stdout"][-2000:] + r["stderr"][-2000:]
+    figures = json.loads((tmp / "sync.json").read_text())
     rows = figures["rows"]
     assert figures["check_can_fail"] and figures["mean_sampled_token_prob"] > 0.5
     assert rows["synced"] == rows["resynced"] == [0, 2986] and rows["stale"][0] >= 2986 // 2
