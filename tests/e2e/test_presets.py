@@ -18,7 +18,7 @@ offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do 
 - the size: 2 steps of at most 2 prompts each (the arithmetic presets' 64 prompts x 8 completions made the
   update most of a rehearsal's time), 8 new tokens for a model with random weights (a GPU recipe's
   stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2; DAPO's L_cache its share
-  of them), the first 4 eval problems (14 puzzles, 2 per size, when the eval set is builtin:knights);
+  of them), the first 4 eval problems (7 puzzles, one of each size, when the eval set is builtin:knights);
 - the hf engine, no progress bar, the output under tmp_path.
 Everything else is the config's own: bf16 autocast, gradient checkpointing, rewards, ERS/PPS,
 optimizer, system prompt, max_prompt_tokens. The resolved config the run saved is compared with
@@ -82,7 +82,7 @@ def rehearsal_overrides(config: str, output_dir: str, tiny_path: str, knights_pa
     cfg = load_config(os.path.join(ROOT, config))
     over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
             "train.output_dir": output_dir, "train.prompts_per_step": str(min(cfg.train.prompts_per_step, 2)),
-            "data.max_eval_examples": "14" if cfg.data.eval == "builtin:knights" else "4"}
+            "data.max_eval_examples": "7" if cfg.data.eval == "builtin:knights" else "4"}
     if cfg.reward.prm and not cfg.prm.model.startswith("builtin:"):
         over["prm.model"] = TINY_PRM
     if cfg.model.name_or_path == TINY_MODEL:
@@ -188,7 +188,7 @@ def test_knights_preset_on_the_base_it_names(tmp_path, run):
     resolve_model_path(TINY_KNIGHTS_QUICK)
     out = tmp_path / "run"
     over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
-            "train.output_dir": str(out), "train.prompts_per_step": "2", "data.max_eval_examples": "14"}
+            "train.output_dir": str(out), "train.prompts_per_step": "2", "data.max_eval_examples": "7"}
     run("train", "configs/knights/grpo.yaml", over)                # an error raises: the test fails with it
     with open(out / "config.yaml") as f:
         assert yaml.safe_load(f)["model"]["name_or_path"] == TINY_KNIGHTS_QUICK
