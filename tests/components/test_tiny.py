@@ -28,9 +28,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One 5-step build (~3 s) shared by the tests below, and what it logged."""
+    """One 2-step build (~2 s; its cost is the steps) shared by the tests below, and what it logged."""
     cache, logs = str(tmp_path_factory.mktemp("cache")), []
-    return ensure_tiny_model(cache_dir=cache, warmup_steps=5, log=logs.append), cache, logs
+    return ensure_tiny_model(cache_dir=cache, warmup_steps=2, log=logs.append), cache, logs
 
 
 def test_tokenizer_reloads_identically_through_autotokenizer(tokenizer, tmp_path):
@@ -74,7 +74,7 @@ def test_built_folder_loads_and_generates(built):
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "pspo_build.json"):
         assert os.path.isfile(os.path.join(path, name)), name
-    assert json.load(open(os.path.join(path, "pspo_build.json")))["warmup_steps"] == 5
+    assert json.load(open(os.path.join(path, "pspo_build.json")))["warmup_steps"] == 2
     assert any("building" in line for line in logs)
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -93,14 +93,14 @@ def test_second_call_returns_the_cached_folder_without_building(built):
     path, cache, _ = built
     stamp = os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns
     logs = []
-    assert ensure_tiny_model(cache_dir=cache, warmup_steps=5, log=logs.append) == path
+    assert ensure_tiny_model(cache_dir=cache, warmup_steps=2, log=logs.append) == path
     assert logs == [] and os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == stamp
 
 
 @pytest.mark.slow
 def test_build_is_deterministic_and_a_lost_race_uses_the_winner(built, tmp_path, monkeypatch):
     path, _, _ = built
-    winner = tiny_model_path(str(tmp_path), warmup_steps=5)
+    winner = tiny_model_path(str(tmp_path), warmup_steps=2)
     real_rename, ours = os.rename, {}
 
     def rename_after_another_process(src, dst):
@@ -111,7 +111,7 @@ def test_build_is_deterministic_and_a_lost_race_uses_the_winner(built, tmp_path,
 
     monkeypatch.setattr(os, "rename", rename_after_another_process)
     logs = []
-    assert ensure_tiny_model(cache_dir=str(tmp_path), warmup_steps=5, log=logs.append) == winner
+    assert ensure_tiny_model(cache_dir=str(tmp_path), warmup_steps=2, log=logs.append) == winner
     assert os.listdir(tmp_path) == [os.path.basename(winner)]             # our temporary folder is gone
     assert any("another process" in line for line in logs)
     # same seed and steps -> bit-identical weights in the two builds
