@@ -25,7 +25,7 @@ import yaml
 from pspo.estimators import WHITENINGS
 from pspo.is_correction import IS_CORRECTIONS
 from pspo.loss import AGGREGATIONS
-from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.priority_sampler import BETA_PRIORITIES, IS_NORMS, PRIORITIES
 
 
 class ConfigError(ValueError):
@@ -263,10 +263,12 @@ class PPSConfig:
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
     mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
-    priority: str = "mean_abs"          # |A^GRPO| statistic mean_abs | max_abs | last_abs, or posterior (§3b)
+    # |A^GRPO| statistic mean_abs | max_abs | last_abs, or from Beta counts learnability | thompson (§3b)
+    priority: str = "mean_abs"
     is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
     uniform_mix: float = 0.0            # u: P' = (1-u)·P + u/N, no prompt below u/N (§3b)
-    posterior_decay: float = 0.9        # λ of priority=posterior: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    posterior_decay: float = 0.9        # λ of the Beta counts at a visit: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    prior_reversion: float = 0.0        # r: each step a <- 1 + (1-r)(a-1), b likewise, toward the prior (§3b)
     skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
     skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
     skip_min: float = 0.01              # s_min
@@ -564,11 +566,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(p.beta >= 0, "pps.beta", ">= 0", p.beta)
     check(p.beta_end == -1 or p.beta_end >= 0, "pps.beta_end", ">= 0, or -1 for a constant β", p.beta_end)
     check(p.eps > 0, "pps.eps", "> 0", p.eps)
+    check(p.priority != "posterior", "pps.priority", "learnability, the name of the p̂(1-p̂) priority once called "
+          "posterior (docs/methods.md §3b)", p.priority)
     check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
     check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
     check(p.mode in PPS_MODES, "pps.mode", " | ".join(PPS_MODES), p.mode)
     check(0 <= p.uniform_mix < 1, "pps.uniform_mix", "in [0, 1)", p.uniform_mix)
     check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
+    check(0 <= p.prior_reversion < 1, "pps.prior_reversion", "in [0, 1)", p.prior_reversion)
+    check(p.prior_reversion == 0 or p.priority in BETA_PRIORITIES, "pps.prior_reversion", "0 with pps.priority="
+          f"{p.priority} (it moves the Beta counts of {' and '.join(BETA_PRIORITIES)})", p.prior_reversion)
     check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
     check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
     check(not (p.replacement and p.skip), "pps.replacement", "false with pps.skip (a skipped prompt is replaced "

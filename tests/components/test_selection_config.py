@@ -1,0 +1,49 @@
+"""Config of the prompt-selection methods: the Beta priorities (pps.priority learnability | thompson,
+pps.prior_reversion), MaxRL (algo.advantage maxrl) and the random-reward control (reward.kind random):
+their presets load, and each mistake is one line naming the key."""
+import os
+
+import pytest
+
+from pspo.training.config import Config, ConfigError, load_config, save_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def refused(overrides: list[str], path: str | None = None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_the_old_priority_name_is_refused_naming_the_new_one(tmp_path):
+    expected = "pps.priority: expected learnability, the name of the p̂(1-p̂) priority once called posterior"
+    assert refused(["--pps.enabled=true", "--pps.priority=posterior"]).startswith(expected)
+    # a run's own saved config.yaml, as a resume would read it (train.py --config runs/x/config.yaml)
+    cfg = Config()
+    cfg.pps.enabled, cfg.pps.priority = True, "posterior"
+    saved = str(tmp_path / "config.yaml")
+    save_config(cfg, saved)
+    assert refused(["--train.resume=auto"], saved).startswith(expected)
+
+
+def test_beta_priority_options():
+    cfg = load_config(None, ["--pps.enabled=true", "--pps.priority=thompson", "--pps.prior_reversion=0.01"])
+    assert (cfg.pps.priority, cfg.pps.prior_reversion) == ("thompson", 0.01)
+    assert Config().pps.prior_reversion == 0.0                          # off by default
+    assert refused(["--pps.prior_reversion=1"]) == "pps.prior_reversion: expected in [0, 1), got 1.0"
+    assert refused(["--pps.prior_reversion=-0.1"]) == "pps.prior_reversion: expected in [0, 1), got -0.1"
+    assert refused(["--pps.prior_reversion=0.1"]).startswith(
+        "pps.prior_reversion: expected 0 with pps.priority=mean_abs (it moves the Beta counts of learnability "
+        "and thompson)")
+
+
+def test_beta_priority_presets():
+    learn = load_config(os.path.join(ROOT, "configs/pps_learnability.yaml"))
+    thompson = load_config(os.path.join(ROOT, "configs/pps_thompson.yaml"))
+    skip = load_config(os.path.join(ROOT, "configs/pps_skip.yaml"))
+    assert (learn.pps.enabled, learn.pps.priority, learn.pps.posterior_decay, learn.pps.is_norm) == \
+        (True, "learnability", 0.9, "mean")
+    assert (thompson.pps.priority, thompson.pps.posterior_decay, thompson.pps.is_norm) == ("thompson", 0.9, "mean")
+    assert (skip.pps.priority, skip.pps.skip) == ("learnability", True)
