@@ -76,9 +76,10 @@ SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any ot
 # The names each setting accepts. A name the math implements is the math module's (imported above:
 # those modules import nothing of the project, and raise on a name they do not know); the others
 # live here, since the modules that pick by them (methods, sampler) import this one.
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+ADVANTAGES = ("grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline", "spo_chain",
+              "spo_tree")                                                   # methods.method_for
 # the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
-GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUP_BASELINES = ("grpo", "rloo", "maxrl", "reinforce_pp_baseline")
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
 
 
@@ -217,7 +218,7 @@ class PRMConfig:
 @dataclass
 class AlgoConfig:
     # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO through
-    # scale_rewards) | rloo (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
+    # scale_rewards) | rloo | maxrl (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
     # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
     advantage: str = "grpo"
     # divide by the group std (GRPO); false for Dr. GRPO and for RLOO, which refuses it (§1). PPS's priority
@@ -666,6 +667,13 @@ def validate_method(cfg: Config) -> None:
     check(a.advantage != "rloo" or not a.scale_rewards, "algo.scale_rewards", "false with algo.advantage=rloo "
           "(divided by the group std, RLOO's advantage is GRPO's times G/(G-1), a constant that AdamW's update "
           "cancels: RLOO in name only; algo.advantage=grpo is that run, docs/methods.md §1)", a.scale_rewards)
+    if a.advantage == "maxrl":                    # it divides by the group's mean reward, its success rate
+        for key in ("cosine", "knights", "overlong_cache"):
+            check(getattr(cfg.reward, key) == 0, f"reward.{key}", "0 with algo.advantage=maxrl (it divides by the "
+                  "group's mean reward, which needs rewards >= 0; this one can be negative)", getattr(cfg.reward, key))
+        for key in ("accuracy", "format", "prm"):
+            check(getattr(cfg.reward, key) >= 0, f"reward.{key}", ">= 0 with algo.advantage=maxrl (it divides by "
+                  "the group's mean reward, which needs rewards >= 0)", getattr(cfg.reward, key))
     check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
           f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
           f"{a.advantage} has none)", cfg.ers.enabled)

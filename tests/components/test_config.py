@@ -129,7 +129,7 @@ def test_rloo_with_the_std_is_refused_in_one_line_and_its_presets_load():
 
 
 @pytest.mark.parametrize("advantage, allowed", [
-    ("grpo", True), ("rloo", True), ("reinforce_pp_baseline", True),          # a group baseline: ERS smooths it
+    ("grpo", True), ("rloo", True), ("maxrl", True), ("reinforce_pp_baseline", True),   # a group baseline: ERS
     ("reinforce_pp", False), ("spo_chain", False), ("spo_tree", False),      # none: one line refuses
 ])
 def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
@@ -142,7 +142,7 @@ def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
     with pytest.raises(ConfigError) as e:
         load_config(None, over)
     assert str(e.value) == (f"ers.enabled: expected false with algo.advantage={advantage} (ERS smooths a group "
-                            f"baseline's mean and std: grpo, rloo, reinforce_pp_baseline have one, {advantage} has "
+                            f"baseline's mean and std: grpo, rloo, maxrl, reinforce_pp_baseline have one, {advantage} has "
                             "none), got True")
 
 

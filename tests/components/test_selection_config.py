@@ -47,3 +47,17 @@ def test_beta_priority_presets():
         (True, "learnability", 0.9, "mean")
     assert (thompson.pps.priority, thompson.pps.posterior_decay, thompson.pps.is_norm) == ("thompson", 0.9, "mean")
     assert (skip.pps.priority, skip.pps.skip) == ("learnability", True)
+
+
+def test_maxrl_needs_rewards_that_are_never_negative():
+    cfg = load_config(os.path.join(ROOT, "configs/maxrl.yaml"))
+    grpo = load_config(os.path.join(ROOT, "configs/grpo.yaml"))
+    assert cfg.algo.advantage == "maxrl" and (cfg.reward, cfg.pps, cfg.ers) == (grpo.reward, grpo.pps, grpo.ers)
+    assert load_config(None, ["--algo.advantage=maxrl", "--ers.enabled=true"]).ers.enabled   # a group baseline
+    assert refused(["--algo.advantage=maxrl", "--reward.cosine=2"]).startswith(
+        "reward.cosine: expected 0 with algo.advantage=maxrl (it divides by the group's mean reward")
+    assert refused(["--algo.advantage=maxrl", "--reward.knights=1"]).startswith("reward.knights: expected 0 with")
+    assert refused(["--algo.advantage=maxrl", "--reward.overlong_cache=2"]).startswith(
+        "reward.overlong_cache: expected 0 with")
+    assert refused(["--algo.advantage=maxrl", "--reward.format=-1"]).startswith(
+        "reward.format: expected >= 0 with algo.advantage=maxrl")
