@@ -142,8 +142,8 @@ def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
     with pytest.raises(ConfigError) as e:
         load_config(None, over)
     assert str(e.value) == (f"ers.enabled: expected false with algo.advantage={advantage} (ERS smooths a group "
-                            f"baseline's mean and std: grpo, rloo, maxrl, reinforce_pp_baseline have one, {advantage} has "
-                            "none), got True")
+                            "baseline's mean and std: grpo, rloo, maxrl, reinforce_pp_baseline have one, "
+                            f"{advantage} has none), got True")
 
 
 @pytest.mark.parametrize("yaml_text, overrides, message", [
