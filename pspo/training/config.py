@@ -187,6 +187,10 @@ class RewardConfig:
     # rollout.max_new_tokens = L_max lower the reward linearly from 0 to -1 (0 = off)
     overlong_cache: int = 0
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
+    # the training reward: verified (the weighted sum of the rewards above) | random (a control, docs/methods.md
+    # §5: accuracy · b, b ~ Bernoulli(random_rate) seeded per completion; the logged accuracy stays the verified one)
+    kind: str = "verified"
+    random_rate: float = 0.0            # reward.kind=random: P(b = 1), the task's measured base rate (required)
     # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
     # threads)
     workers: int = -1
@@ -611,6 +615,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
            "the training threads)", cfg.reward.workers)
     validate_prm(cfg.prm, cfg.reward.prm)
+    validate_random_reward(cfg)
     check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
@@ -700,6 +705,28 @@ def validate_dapo(cfg: Config) -> None:
           f"{r.max_new_tokens}) tokens (0 = off)", cache)
     check(cache == 0 or a not in ("spo_chain", "spo_tree"), "reward.overlong_cache", f"0 with algo.advantage={a} "
           "(its continuations are scored from their text alone, without their token counts)", cache)
+
+
+REWARD_KINDS = ("verified", "random")
+
+
+def validate_random_reward(cfg: Config) -> None:
+    """reward.kind=random, the control of docs/methods.md §5: the accuracy's term alone, replaced by a Bernoulli
+    draw at reward.random_rate; every other reward refused, so that the training reward is that draw."""
+    r = cfg.reward
+    check(r.kind in REWARD_KINDS, "reward.kind", " | ".join(REWARD_KINDS), r.kind)
+    if r.kind != "random":
+        check(r.random_rate == 0, "reward.random_rate", "0 (unset) with reward.kind=verified", r.random_rate)
+        return
+    check(0 < r.random_rate < 1, "reward.random_rate", "the task's measured base rate in (0, 1) with reward.kind="
+          "random (the logged accuracy of one step over the train set: docs/methods.md §5)", r.random_rate)
+    check(r.accuracy != 0, "reward.accuracy", "a non-zero weight with reward.kind=random (the random reward "
+          "replaces the accuracy's term)", r.accuracy)
+    for key in ("format", "cosine", "knights", "prm", "overlong_cache"):
+        check(getattr(r, key) == 0, f"reward.{key}", "0 with reward.kind=random (the control's reward is the "
+              "random draw alone)", getattr(r, key))
+    check(cfg.algo.advantage not in ("spo_chain", "spo_tree"), "reward.kind", f"verified with algo.advantage="
+          f"{cfg.algo.advantage} (its continuations are scored by the verifier inside the step)", r.kind)
 
 
 ROLLOUT_MODES = ("sync", "async")

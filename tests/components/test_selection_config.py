@@ -61,3 +61,24 @@ def test_maxrl_needs_rewards_that_are_never_negative():
         "reward.overlong_cache: expected 0 with")
     assert refused(["--algo.advantage=maxrl", "--reward.format=-1"]).startswith(
         "reward.format: expected >= 0 with algo.advantage=maxrl")
+
+
+def test_random_reward_control_settings():
+    cfg = load_config(os.path.join(ROOT, "configs/grpo_random_reward.yaml"))
+    assert (cfg.reward.kind, cfg.reward.random_rate, cfg.reward.accuracy) == ("random", 0.21, 1.0)
+    assert (Config().reward.kind, Config().reward.random_rate) == ("verified", 0.0)
+    assert refused(["--reward.kind=spurious"]) == "reward.kind: expected verified | random, got 'spurious'"
+    assert refused(["--reward.random_rate=0.3"]) == \
+        "reward.random_rate: expected 0 (unset) with reward.kind=verified, got 0.3"
+    assert refused(["--reward.kind=random"]).startswith(
+        "reward.random_rate: expected the task's measured base rate in (0, 1) with reward.kind=random")
+    assert refused(["--reward.kind=random", "--reward.random_rate=1"]).startswith("reward.random_rate: expected")
+    rand = ["--reward.kind=random", "--reward.random_rate=0.2"]
+    assert refused([*rand, "--reward.accuracy=0", "--reward.format=1"]).startswith(
+        "reward.accuracy: expected a non-zero weight with reward.kind=random")
+    for key, value in (("format", "1"), ("cosine", "2"), ("overlong_cache", "2")):
+        assert refused([*rand, f"--reward.{key}={value}"]).startswith(
+            f"reward.{key}: expected 0 with reward.kind=random (the control's reward is the random draw alone)")
+    assert refused([*rand, "--algo.advantage=spo_chain", "--algo.beta=0"]).startswith(
+        "reward.kind: expected verified with algo.advantage=spo_chain")
+    assert load_config(None, [*rand, "--algo.advantage=maxrl"]).reward.kind == "random"   # 0/1 · weight >= 0
