@@ -16,7 +16,8 @@ does; §3 measures the error); the weights are normalized by the batch max (the 
 `is_norm: none` keeps them so, `mean` divides by the batch mean);
 the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
 reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
-Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
+Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried (Thompson's
+are drawn from the prior like the others).
 
 The fixes of docs/methods.md §3b, each off by default (the paper's method):
   uniform_mix u    P'(q) = (1-u)·P(q) + u/N: no prompt falls below u/N. Drawn as P' ∝ p_q + c with
