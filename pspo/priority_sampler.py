@@ -72,9 +72,10 @@ class PrioritySampler:
     """PPS over `num_prompts` prompts; the options are the pps section's (config.py), by keyword.
 
     alpha α, beta β (at the first step) and beta_end (at step total_steps; None keeps β), eps ε_p;
-    priority (PRIORITIES) and, for BETA_PRIORITIES, posterior_decay λ and prior_reversion r; is_norm (IS_NORMS); uniform_mix u; skip with
-    skip_rho ρ and skip_min s_min; replacement (B independent draws); seed of the draws; scale_rewards and
-    adv_eps: the algo section's, for the raw GRPO |A| a group's rewards give (docs/methods.md §1).
+    priority (PRIORITIES) and, for BETA_PRIORITIES, posterior_decay λ and prior_reversion r; is_norm (IS_NORMS);
+    uniform_mix u; skip with skip_rho ρ and skip_min s_min; replacement (B independent draws); seed of the
+    draws; scale_rewards and adv_eps: the algo section's, for the raw GRPO |A| a group's rewards give
+    (docs/methods.md §1).
     """
 
     def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
