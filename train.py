@@ -41,7 +41,7 @@ from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, check_prm_path, load_prm, prm_metrics
-from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty
+from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty, with_random_reward
 from pspo.engines.process import EngineError
 from pspo.engines.schedule import INFLIGHT, EngineRollouts, LocalRollouts, Sampling, engine_rollouts, pin_cores
 from pspo.rollout import CountingEngine, build_engine, compile_enabled, engine_name
@@ -160,6 +160,8 @@ class Run:
         indices, rows, seeds, rollout = drawn.indices, drawn.rows, drawn.seeds, drawn.rollout   # (P,) (N,) (N,)
         with clock("reward_s"):
             scored = self.score(rows, rollout.texts)                            # this rank's, (N,) each
+            if cfg.reward.kind == "random":                                     # the control of §5
+                scored = with_random_reward(scored, seeds, cfg.reward.random_rate, cfg.reward.accuracy)
             if cfg.reward.overlong_cache:                                       # + R_length (§9)
                 scored = with_overlong_penalty(scored, rollout.mask.sum(1), r.max_new_tokens,
                                                cfg.reward.overlong_cache)

@@ -7,6 +7,7 @@ trains, with this rank's statistics (`MethodOutput`):
 
     grpo                   GRPO / Dr. GRPO, per completion                            docs/methods.md §1
     rloo                   RLOO: r_i - the mean of the other G - 1, per completion    docs/methods.md §1
+    maxrl                  MaxRL: (r_i - μ)/(μ + ε), weighs a prompt ∝ 1/p, per completion  docs/methods.md §1
     reinforce_pp           REINFORCE++, per token, KL in the reward, batch-whitened   docs/related.md §A
     reinforce_pp_baseline  the same from R_i - the mean of its group                  docs/related.md §A
     spo_chain              SPO-chain: Monte Carlo values at cut points, per segment   docs/related.md §B
@@ -59,7 +60,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pspo.estimators import group_statistics, grpo_advantages, reinforce_pp_advantages, rloo_advantages, zero_variance
+from pspo.estimators import (group_statistics, grpo_advantages, maxrl_advantages, reinforce_pp_advantages,
+                             rloo_advantages, zero_variance)
 from pspo.training import distributed
 from pspo.training.config import GROUP_BASELINES, Config, RolloutConfig
 from pspo.training.distributed import Dist
@@ -184,6 +186,12 @@ def rloo(s: StepRollouts, ctx: Context) -> MethodOutput:
     return per_completion(s, ctx, rloo_advantages(s.rewards, s.baseline.mean))
 
 
+def maxrl(s: StepRollouts, ctx: Context) -> MethodOutput:
+    """MaxRL, docs/methods.md §1: A_i = (r_i - μ)/(μ + ε), the group's mean in place of its std (ERS's m_q, §2).
+    One value per completion, broadcast over its tokens."""
+    return per_completion(s, ctx, maxrl_advantages(s.rewards, s.baseline.mean, ctx.cfg.algo.adv_eps))
+
+
 def reinforce_pp(s: StepRollouts, ctx: Context) -> MethodOutput:
     """REINFORCE++, docs/related.md §A: r_t = -kl_coef·(logπ_old - logπ_ref)_t + [t = last]·clip(R),
     G_t = Σ_{t'≥t} r_t', whitened over every valid token of every rank."""
@@ -233,7 +241,7 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
     kl = cfg.algo.kl_coef > 0                            # REINFORCE++'s KL reward (config.py: its methods only)
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None     # config.py: with GROUP_BASELINES only
     # the methods computed from the step's rewards (REINFORCE++'s KL reward: and π_old, π_ref), generating nothing
-    from_rewards = {"grpo": grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+    from_rewards = {"grpo": grpo, "rloo": rloo, "maxrl": maxrl, "reinforce_pp": reinforce_pp,
                     "reinforce_pp_baseline": reinforce_pp_baseline}
     if name in from_rewards:
         return Method(name, from_rewards[name], T, MethodState(ers=ers), reads_old=kl, reads_ref=kl)

@@ -25,7 +25,7 @@ import yaml
 from pspo.estimators import WHITENINGS
 from pspo.is_correction import IS_CORRECTIONS
 from pspo.loss import AGGREGATIONS
-from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.priority_sampler import BETA_PRIORITIES, IS_NORMS, PRIORITIES
 
 
 class ConfigError(ValueError):
@@ -76,9 +76,10 @@ SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any ot
 # The names each setting accepts. A name the math implements is the math module's (imported above:
 # those modules import nothing of the project, and raise on a name they do not know); the others
 # live here, since the modules that pick by them (methods, sampler) import this one.
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+ADVANTAGES = ("grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline", "spo_chain",
+              "spo_tree")                                                   # methods.method_for
 # the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
-GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUP_BASELINES = ("grpo", "rloo", "maxrl", "reinforce_pp_baseline")
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
 
 
@@ -186,6 +187,10 @@ class RewardConfig:
     # rollout.max_new_tokens = L_max lower the reward linearly from 0 to -1 (0 = off)
     overlong_cache: int = 0
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
+    # the training reward: verified (the weighted sum of the rewards above) | random (a control, docs/methods.md
+    # §5: accuracy · b, b ~ Bernoulli(random_rate) seeded per completion; the logged accuracy stays the verified one)
+    kind: str = "verified"
+    random_rate: float = 0.0            # reward.kind=random: P(b = 1), the task's measured base rate (required)
     # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
     # threads)
     workers: int = -1
@@ -217,7 +222,7 @@ class PRMConfig:
 @dataclass
 class AlgoConfig:
     # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO through
-    # scale_rewards) | rloo (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
+    # scale_rewards) | rloo | maxrl (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
     # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
     advantage: str = "grpo"
     # divide by the group std (GRPO); false for Dr. GRPO and for RLOO, which refuses it (§1). PPS's priority
@@ -263,10 +268,12 @@ class PPSConfig:
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
     mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
-    priority: str = "mean_abs"          # |A^GRPO| statistic mean_abs | max_abs | last_abs, or posterior (§3b)
+    # |A^GRPO| statistic mean_abs | max_abs | last_abs, or from Beta counts learnability | thompson (§3b)
+    priority: str = "mean_abs"
     is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
     uniform_mix: float = 0.0            # u: P' = (1-u)·P + u/N, no prompt below u/N (§3b)
-    posterior_decay: float = 0.9        # λ of priority=posterior: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    posterior_decay: float = 0.9        # λ of the Beta counts at a visit: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    prior_reversion: float = 0.0        # r: each step a <- 1 + (1-r)(a-1), b likewise, toward the prior (§3b)
     skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
     skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
     skip_min: float = 0.01              # s_min
@@ -564,11 +571,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(p.beta >= 0, "pps.beta", ">= 0", p.beta)
     check(p.beta_end == -1 or p.beta_end >= 0, "pps.beta_end", ">= 0, or -1 for a constant β", p.beta_end)
     check(p.eps > 0, "pps.eps", "> 0", p.eps)
+    check(p.priority != "posterior", "pps.priority", "learnability, the name of the p̂(1-p̂) priority once called "
+          "posterior (docs/methods.md §3b)", p.priority)
     check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
     check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
     check(p.mode in PPS_MODES, "pps.mode", " | ".join(PPS_MODES), p.mode)
     check(0 <= p.uniform_mix < 1, "pps.uniform_mix", "in [0, 1)", p.uniform_mix)
     check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
+    check(0 <= p.prior_reversion < 1, "pps.prior_reversion", "in [0, 1)", p.prior_reversion)
+    check(p.prior_reversion == 0 or p.priority in BETA_PRIORITIES, "pps.prior_reversion", "0 with pps.priority="
+          f"{p.priority} (it moves the Beta counts of {' and '.join(BETA_PRIORITIES)})", p.prior_reversion)
     check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
     check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
     check(not (p.replacement and p.skip), "pps.replacement", "false with pps.skip (a skipped prompt is replaced "
@@ -603,6 +615,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
            "the training threads)", cfg.reward.workers)
     validate_prm(cfg.prm, cfg.reward.prm)
+    validate_random_reward(cfg)
     check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
@@ -659,6 +672,13 @@ def validate_method(cfg: Config) -> None:
     check(a.advantage != "rloo" or not a.scale_rewards, "algo.scale_rewards", "false with algo.advantage=rloo "
           "(divided by the group std, RLOO's advantage is GRPO's times G/(G-1), a constant that AdamW's update "
           "cancels: RLOO in name only; algo.advantage=grpo is that run, docs/methods.md §1)", a.scale_rewards)
+    if a.advantage == "maxrl":                    # it divides by the group's mean reward, its success rate
+        for key in ("cosine", "knights", "overlong_cache"):
+            check(getattr(cfg.reward, key) == 0, f"reward.{key}", "0 with algo.advantage=maxrl (it divides by the "
+                  "group's mean reward, which needs rewards >= 0; this one can be negative)", getattr(cfg.reward, key))
+        for key in ("accuracy", "format", "prm"):
+            check(getattr(cfg.reward, key) >= 0, f"reward.{key}", ">= 0 with algo.advantage=maxrl (it divides by "
+                  "the group's mean reward, which needs rewards >= 0)", getattr(cfg.reward, key))
     check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
           f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
           f"{a.advantage} has none)", cfg.ers.enabled)
@@ -685,6 +705,28 @@ def validate_dapo(cfg: Config) -> None:
           f"{r.max_new_tokens}) tokens (0 = off)", cache)
     check(cache == 0 or a not in ("spo_chain", "spo_tree"), "reward.overlong_cache", f"0 with algo.advantage={a} "
           "(its continuations are scored from their text alone, without their token counts)", cache)
+
+
+REWARD_KINDS = ("verified", "random")
+
+
+def validate_random_reward(cfg: Config) -> None:
+    """reward.kind=random, the control of docs/methods.md §5: the accuracy's term alone, replaced by a Bernoulli
+    draw at reward.random_rate; every other reward refused, so that the training reward is that draw."""
+    r = cfg.reward
+    check(r.kind in REWARD_KINDS, "reward.kind", " | ".join(REWARD_KINDS), r.kind)
+    if r.kind != "random":
+        check(r.random_rate == 0, "reward.random_rate", "0 (unset) with reward.kind=verified", r.random_rate)
+        return
+    check(0 < r.random_rate < 1, "reward.random_rate", "the task's measured base rate in (0, 1) with reward.kind="
+          "random (the logged accuracy of one step over the train set: docs/methods.md §5)", r.random_rate)
+    check(r.accuracy != 0, "reward.accuracy", "a non-zero weight with reward.kind=random (the random reward "
+          "replaces the accuracy's term)", r.accuracy)
+    for key in ("format", "cosine", "knights", "prm", "overlong_cache"):
+        check(getattr(r, key) == 0, f"reward.{key}", "0 with reward.kind=random (the control's reward is the "
+              "random draw alone)", getattr(r, key))
+    check(cfg.algo.advantage not in ("spo_chain", "spo_tree"), "reward.kind", f"verified with algo.advantage="
+          f"{cfg.algo.advantage} (its continuations are scored by the verifier inside the step)", r.kind)
 
 
 ROLLOUT_MODES = ("sync", "async")
