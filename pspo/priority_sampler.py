@@ -26,6 +26,8 @@ The fixes of docs/methods.md §3b, each off by default (the paper's method):
                    group lowers it without abandoning the prompt. r̂ is the accuracy in [0, 1].
                    λ applies when the prompt is scored (old evidence counts less than new); an
                    unvisited prompt keeps its counts (decaying all N every step would cost O(N)).
+  priority single_stream   the same counts, p_q = (sqrt(p̂(1-p̂)) + ε_p)^α: Single-stream PO's
+                   prioritized sampling (docs/methods.md §10; its paper: α = 1, ε_p = 0.05, β = 0).
   skip             a drawn prompt whose last k ≥ 1 groups all had zero variance is kept with
                    probability max(ρ^k, s_min), else skipped before any rollout and replaced by
                    another draw (GRESO-style); the skips are counted.
@@ -48,7 +50,9 @@ from torch import Tensor
 
 from pspo.estimators import group_advantages
 
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: a statistic of |A| | p̂(1-p̂)
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior",   # pps.priority: a statistic of |A| | p̂(1-p̂)
+              "single_stream")                                     # | sqrt(p̂(1-p̂))
+BETA_PRIORITIES = ("posterior", "single_stream")   # the priorities from the decayed Beta counts of the accuracy
 IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
 
 
@@ -105,6 +109,8 @@ class PrioritySampler:
         self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)
         # posterior: every prompt starts at the prior's learnability .25, the largest possible
         self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
+        if priority == "single_stream":                                         # sqrt(.25) = .5, likewise
+            self.max_priority = (0.5 + eps) ** alpha
         self.steps = 0                                                          # steps drawn so far
         # the last draw (`sample`): its raw weights (N·P')^-β (B,) float64, the one source of its w, and its
         # statistics; part of the state, since at one step off the draw is observed after the checkpoint
@@ -287,13 +293,13 @@ class PrioritySampler:
 
         indices (B,) as `sample` drew them; rewards and accuracy (B, G) of every rank. The priority
         comes from the raw GRPO |A| of each group (whatever advantage the method trains on, ERS's
-        included), or from the accuracy r̂ in [0, 1] with priority = posterior. Returns (B, G): the
+        included), or from the accuracy r̂ in [0, 1] with priority = posterior or single_stream. Returns (B, G): the
         weights the draw gave, one per completion, which multiply the policy-gradient term; normalized
         False: the raw (N·P')^-β (float64), for a step that trains groups of several draws and
         normalizes them together (`normalize`; dynamic sampling, docs/methods.md §9).
         """
         abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
-        weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority == "posterior" else None)
+        weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority in BETA_PRIORITIES else None)
         if normalized:
             return weights
         raw = self.draw["raw_weights"] if self.draw is not None else torch.ones(len(indices), dtype=torch.float64)
@@ -313,16 +319,16 @@ class PrioritySampler:
         """Set the scored prompts' priorities and return the batch's IS weights per completion (B, G).
 
         abs_advantages (B, G) ≥ 0, the raw GRPO |A|: p_q = (stat_i |A_i| + ε)^α; `successes` (B, G)
-        in [0, 1] (the accuracy) feed the posterior instead when priority = posterior. Zero-variance
-        groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it. A prompt
+        in [0, 1] (the accuracy) feed the Beta counts instead when priority = posterior or single_stream.
+        Zero-variance groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it. A prompt
         in the batch twice (pps.replacement) has its groups scored one after the other, in batch order.
         """
         a = abs_advantages.detach().double().cpu()
         indices = indices.cpu().long()
         # checked before any change
         weights = self._weights_for(len(indices), a.shape[1])                  # (B, G)
-        if self.priority == "posterior" and successes is None:
-            raise ValueError("pps.priority=posterior: set_priorities needs the completions' successes")
+        if self.priority in BETA_PRIORITIES and successes is None:
+            raise ValueError(f"pps.priority={self.priority}: set_priorities needs the completions' successes")
         earlier = occurrence(indices)                                          # (B,) rows of the same prompt before
         for k in range(int(earlier.max()) + 1 if len(indices) else 0):         # one pass when all are distinct
             rows = earlier == k
@@ -331,12 +337,14 @@ class PrioritySampler:
 
     def _score(self, indices: Tensor, a: Tensor, successes: Tensor | None) -> None:
         """set_priorities for distinct indices (B',): |A| rows a (B', G) float64, successes (B', G)."""
-        if self.priority == "posterior":                                         # §3b: decayed Beta counts
+        if self.priority in BETA_PRIORITIES:                                     # §3b: decayed Beta counts
             r = successes.detach().double().cpu().clamp(0, 1)                   # (B, G)
             self.posterior_a[indices] = self.decay * self.posterior_a[indices] + r.sum(1)
             self.posterior_b[indices] = self.decay * self.posterior_b[indices] + (1 - r).sum(1)
             mean = self.posterior_a[indices] / (self.posterior_a[indices] + self.posterior_b[indices])
             stat = mean * (1 - mean)                                            # p̂(1 - p̂) ≤ .25
+            if self.priority == "single_stream":                                # §10: its square root
+                stat = stat.sqrt()
         else:
             stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1),
                     "last_abs": lambda: a[:, -1]}[self.priority]()
