@@ -27,7 +27,7 @@ The fixes of docs/methods.md §3b, each off by default (the paper's method):
                    λ applies when the prompt is scored (old evidence counts less than new); an
                    unvisited prompt keeps its counts (decaying all N every step would cost O(N)).
   priority single_stream   the same counts, p_q = (sqrt(p̂(1-p̂)) + ε_p)^α: Single-stream PO's
-                   prioritized sampling (docs/methods.md §10; its paper: α = 1, ε_p = 0.05, β = 0).
+                   prioritized sampling (docs/methods.md §10; its recipe: α = 1, ε_p = 0.05, β = 0).
   skip             a drawn prompt whose last k ≥ 1 groups all had zero variance is kept with
                    probability max(ρ^k, s_min), else skipped before any rollout and replaced by
                    another draw (GRESO-style); the skips are counted.

@@ -46,7 +46,7 @@ def test_refusals_name_the_key(config, overrides, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-def test_the_gpu_preset_has_the_papers_values():
+def test_the_gpu_preset_has_the_recipes_values():
     # the authors' verl recipe (recipe/spo: train.sh, spo_trainer.yaml, spo_ray_trainer.py): n = 1 with 8x the GRPO
     # batch, ρ clipped to [clip_lower 0.875, 0.96], D_half 0.06, offline_N 8, priority sqrt(p̂(1-p̂)) + 0.05, no
     # KL, (A - mean)/(std + 1e-8), verl's token-mean loss; the binary reward

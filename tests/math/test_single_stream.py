@@ -202,7 +202,7 @@ def test_sampler_single_stream_priority_hand_worked():
     s.set_priorities(torch.tensor([1]), torch.zeros(1, 1), torch.tensor([[0.0]]))
     assert (s.posterior_a[1].item(), s.posterior_b[1].item()) == (0.75, 1.25)
     assert s.priorities()[1].item() == pytest.approx(0.534123, abs=1e-6)
-    # observe hands it the accuracy; with β = 0 every importance weight is 1 (the paper has none)
+    # observe hands it the accuracy; with β = 0 every importance weight is 1 (the recipe applies none)
     t = PrioritySampler(4, alpha=1.0, eps=0.05, beta=0.0, priority="single_stream", posterior_decay=0.5, seed=0)
     drawn = t.sample(2)
     weights = t.observe(drawn, torch.tensor([[1.0], [0.0]]), torch.tensor([[1.0], [0.0]]))
