@@ -293,10 +293,11 @@ class PrioritySampler:
 
         indices (B,) as `sample` drew them; rewards and accuracy (B, G) of every rank. The priority
         comes from the raw GRPO |A| of each group (whatever advantage the method trains on, ERS's
-        included), or from the accuracy r̂ in [0, 1] with priority = posterior or single_stream. Returns (B, G): the
-        weights the draw gave, one per completion, which multiply the policy-gradient term; normalized
-        False: the raw (N·P')^-β (float64), for a step that trains groups of several draws and
-        normalizes them together (`normalize`; dynamic sampling, docs/methods.md §9).
+        included), or from the accuracy r̂ in [0, 1] with priority = posterior or single_stream.
+        Returns (B, G): the weights the draw gave, one per completion, which multiply the
+        policy-gradient term; normalized False: the raw (N·P')^-β (float64), for a step that trains
+        groups of several draws and normalizes them together (`normalize`; dynamic sampling,
+        docs/methods.md §9).
         """
         abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
         weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority in BETA_PRIORITIES else None)
@@ -320,8 +321,9 @@ class PrioritySampler:
 
         abs_advantages (B, G) ≥ 0, the raw GRPO |A|: p_q = (stat_i |A_i| + ε)^α; `successes` (B, G)
         in [0, 1] (the accuracy) feed the Beta counts instead when priority = posterior or single_stream.
-        Zero-variance groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it. A prompt
-        in the batch twice (pps.replacement) has its groups scored one after the other, in batch order.
+        Zero-variance groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets
+        it. A prompt in the batch twice (pps.replacement) has its groups scored one after the other, in
+        batch order.
         """
         a = abs_advantages.detach().double().cpu()
         indices = indices.cpu().long()

@@ -552,7 +552,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     """Impossible values and combinations, each reported as one line naming the key."""
     r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
     check(r.engine in ENGINES, "rollout.engine", " | ".join(ENGINES), r.engine)
-    check(r.num_generations >= 1, "rollout.num_generations", ">= 1", r.num_generations)
+    check(r.num_generations >= 2 or (r.num_generations == 1 and a.advantage == "single_stream"),
+          "rollout.num_generations", "G >= 2 (a group needs two samples; G = 1 is algo.advantage=single_stream's "
+          "alone)", r.num_generations)
     check(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
     check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
@@ -750,7 +752,8 @@ def validate_async(cfg: Config) -> None:
 
 def validate_single_stream(cfg: Config) -> None:
     """The single_stream section (docs/methods.md §10) beside algo.advantage, and what a group of one
-    (rollout.num_generations = 1, Single-stream PO's default) refuses, each saying why."""
+    (rollout.num_generations = 1, Single-stream PO's default, `validate` allows it with that method alone)
+    refuses, each saying why."""
     s, r, p, a = cfg.single_stream, cfg.rollout, cfg.pps, cfg.algo.advantage
     chosen = a == "single_stream"
     default = SingleStreamConfig()
@@ -758,8 +761,6 @@ def validate_single_stream(cfg: Config) -> None:
         value = getattr(s, f.name)
         check(chosen or value == getattr(default, f.name), f"single_stream.{f.name}",
               f"{getattr(default, f.name)!r} (unset) unless algo.advantage=single_stream", value)
-    check(r.num_generations >= 2 or chosen, "rollout.num_generations", f"G >= 2 with algo.advantage={a} (a group "
-          "needs two samples; a group of one is Single-stream PO's, algo.advantage=single_stream)", r.num_generations)
     check(not chosen or cfg.algo.scale_rewards, "algo.scale_rewards", "true with algo.advantage=single_stream (its "
           "advantages are always normalised over the batch, docs/methods.md §10)", cfg.algo.scale_rewards)
     check(not (chosen and r.dynamic_sampling), "rollout.dynamic_sampling", "false with algo.advantage=single_stream "

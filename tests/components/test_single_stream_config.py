@@ -15,11 +15,13 @@ def test_the_presets_load_with_a_group_of_one():
     # a group of one also takes the posterior priority, and G > 1 is Single-stream PO too
     load_config("configs/single_stream.yaml", ["--pps.priority=posterior"])
     load_config("configs/grpo.yaml", ["--algo.advantage=single_stream", "--single_stream.rho=constant"])
+    # its prioritized sampling is a sampler option of any method
+    assert load_config("configs/pspo.yaml", ["--pps.priority=single_stream"]).pps.priority == "single_stream"
 
 
 @pytest.mark.parametrize("config, overrides, message", [
-    ("grpo", ["--rollout.num_generations=1"], "rollout.num_generations: expected G >= 2 with algo.advantage=grpo "
-     "(a group needs two samples; a group of one is Single-stream PO's, algo.advantage=single_stream), got 1"),
+    ("grpo", ["--rollout.num_generations=1"], "rollout.num_generations: expected G >= 2 (a group needs two samples; "
+     "G = 1 is algo.advantage=single_stream's alone), got 1"),
     ("grpo", ["--single_stream.rho_min=0.5"], "single_stream.rho_min: expected 0.875 (unset) unless "
      "algo.advantage=single_stream, got 0.5"),
     ("single_stream", ["--rollout.num_generations=4", "--rollout.dynamic_sampling=true"],

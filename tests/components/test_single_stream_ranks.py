@@ -16,7 +16,8 @@ TRAIN_IDS = [[1, 2], [3], [4], [5, 6], [7], [8, 9]]
 COMPLETIONS = torch.tensor([[2, 2, 2], [6, 0, 0], [3, 3, 0], [5, 0, 0]])      # (B, T) the same ids every step
 MASK = torch.tensor([[1.0, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]])
 # step 2: rank 0's prompts 0, 1 are revisits, rank 1's 4, 5 are not (its stand-in row); step 3 mixes both
-STEPS = [([0, 1, 2, 3], [1.0, 0, 1, 1], 0.1), ([0, 1, 4, 5], [0.0, 1, 1, 0], 0.11), ([2, 4, 0, 3], [1.0, 1, 0, 0], 0.13)]
+STEPS = [([0, 1, 2, 3], [1.0, 0, 1, 1], 0.1), ([0, 1, 4, 5], [0.0, 1, 1, 0], 0.11),
+         ([2, 4, 0, 3], [1.0, 1, 0, 0], 0.13)]
 
 
 class LinearLogprobs(torch.nn.Module):

@@ -191,7 +191,7 @@ def test_the_tracker_clips_rho_and_folds_a_prompt_drawn_twice_in_batch_order():
 
 
 def test_sampler_single_stream_priority_hand_worked():
-    # pps.priority single_stream: the posterior's Beta counts (a = b = 1 at the start), p_q = (sqrt(p̂(1-p̂)) + ε)^α.
+    # pps.priority single_stream: the posterior's Beta counts (a = b = 1 at the start), p = (sqrt(p̂(1-p̂)) + ε)^α.
     # α = 1, ε = .05, λ = .5, G = 1. Unseen: p̂ = .5 -> .5 + .05 = .55, the largest possible.
     # Visit 1, success: a = .5 + 1 = 1.5, b = .5, p̂ = .75 -> sqrt(.1875) + .05 = .483013
     # Visit 2, failure: a = .75, b = .25 + 1 = 1.25, p̂ = .375 -> sqrt(.234375) + .05 = .534123
