@@ -340,7 +340,8 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels, checkpointing)
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
     lockstep = dist_.world_size > 1 and engine == "hf"
-    method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep)   # the one choice of method
+    problems = [ex.problem for ex in train.examples]
+    method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep, problems)   # the one choice of method
     optimizer, scheduler = build_optimizer(policy, cfg)
     step, generated_tokens = 0, 0.0
     if resume_from:
@@ -367,7 +368,6 @@ def setup(cfg: Config, dist_: Dist) -> Run:
         rollouts = LocalRollouts(counter.generate, train.ids, sampling, dist_.rank, dist_.world_size)
     score = reward_scorer(cfg.reward, train, reward_pool, prm)
     B_local = cfg.train.prompts_per_step // dist_.world_size
-    problems = [ex.problem for ex in train.examples]
     context = Context(cfg=cfg, policy=policy, ref=ref, engine=counter, train_ids=train.ids, problems=problems,
                       dist=dist_, mine=slice(dist_.rank * B_local, (dist_.rank + 1) * B_local),
                       lockstep=lockstep, score=score, distinct_problems=len(set(problems)),

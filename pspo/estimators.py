@@ -15,6 +15,9 @@ REINFORCE++ (docs/related.md §A), one value per token:
     G_t = Σ_{t'≥t} r_t'                         (γ = 1)
     A_t = (G_t - mean) / sqrt(var + 1e-8)       mean, var over every valid token of the global batch
 b_i = 0 (REINFORCE++), or the mean of R_i's group (REINFORCE++-baseline; ERS: m_q).
+
+Single-stream PO (docs/methods.md §10), one value per completion, from the prompt's tracked value v̂(x):
+    A = r - v̂(x),  then  (A - mean) / (std + ε)     mean, sample std over every completion of the batch
 """
 from __future__ import annotations
 
@@ -93,6 +96,18 @@ def maxrl_advantages(rewards: Tensor, mean: Tensor, eps: float = 1e-4) -> Tensor
     exactly (`group_statistics`' μ is then its first reward).
     """
     return (rewards - mean[:, None]) / (mean[:, None] + eps)      # (B, G)
+
+
+def single_stream_advantages(rewards: Tensor, values: Tensor, eps: float = 1e-8) -> Tensor:
+    """Single-stream PO's advantage, docs/methods.md §10: A = r - v̂(x), the prompt's tracked value before
+    this visit, normalised over every completion of the batch: (A - mean) / (std + ε), the sample std.
+
+    rewards (B, G) every rank's; values (B,) v̂ -> (B, G). One completion in all has no spread: A = 0.
+    """
+    centered = rewards - values[:, None]                             # (B, G)  r - v̂
+    if centered.numel() < 2:
+        return torch.zeros_like(centered)
+    return (centered - centered.mean()) / (centered.std() + eps)
 
 
 def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:

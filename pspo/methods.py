@@ -13,19 +13,22 @@ trains, with this rank's statistics (`MethodOutput`):
     spo_chain              SPO-chain: Monte Carlo values at cut points, per segment   docs/related.md §B
     spo_tree               SPO-tree: trees grown from the step's completions,         docs/related.md §B
                            replayed edges
+    single_stream          Single-stream PO: r - the prompt's tracked value v̂,        docs/methods.md §10
+                           normalised over the batch, per completion
 
 Besides the rewards, a method reads what it declares in `method_for` (`Method`): π_old / π_ref of the
 step's completions (`reads_old`, `reads_ref`) and its group's reward statistics (`reads_group`: the
 methods of config.GROUP_BASELINES, whose baseline is the group; ERS may smooth them); and it says
 whether it generates (`generates`). The math lives in estimators.py, ema_stats.py (ERS) and
 related/spo_segments.py (pure tensor functions); SPO's extra generation in related/spo.py (imported
-when an SPO method is chosen). The loop (train.py) makes the shared calls, once each, in this order:
+when an SPO method is chosen), Single-stream PO's value tracker in related/single_stream.py (likewise).
+The loop (train.py) makes the shared calls, once each, in this order:
 1. `engine.release()` (rollout.py) as soon as the step generates nothing more: before the method,
    or after it for a method that generates (SPO-chain's Monte Carlo continuations, SPO-tree's
    branches);
 2. `score_first`: the π_old / π_ref of the step's completions that the method reads:
    REINFORCE++'s KL reward reads both (with algo.kl_coef > 0, docs/related.md §A), SPO-chain's cuts
-   read π_old (p_t, §B chain 2);
+   read π_old (p_t, §B chain 2), Single-stream PO's tracker stores it (π_then, docs/methods.md §10);
 3. `group_baseline`, ERS's step (docs/methods.md §2), for a method that reads its group: each
    prompt's reward mean and std, its group's (μ, s), or with ers.enabled the smoothed (m_q, sqrt(v_q))
    after this step's visit; the method centres (and scales) by whichever it is handed;
@@ -61,7 +64,7 @@ import torch
 from torch import Tensor
 
 from pspo.estimators import (group_statistics, grpo_advantages, maxrl_advantages, reinforce_pp_advantages,
-                             rloo_advantages, zero_variance)
+                             rloo_advantages, single_stream_advantages, zero_variance)
 from pspo.training import distributed
 from pspo.training.config import GROUP_BASELINES, Config, RolloutConfig
 from pspo.training.distributed import Dist
@@ -74,6 +77,7 @@ from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import TokenRows, UpdateBatch
 
 if TYPE_CHECKING:                 # SPO's machinery is imported by the SPO methods alone, when they run
+    from pspo.related.single_stream import ValueTracker
     from pspo.related.spo import SPOTree
 
 
@@ -107,21 +111,26 @@ class StepRollouts:
 @dataclass
 class MethodState:
     """What a method keeps across steps, replicated on every rank and saved in checkpoints: ERS's
-    statistics (ers.enabled, any method that reads its group, docs/methods.md §2) and SPO-tree's replay
-    buffer (spo_tree, docs/related.md §B). A method with state of its own adds a field here and to the
-    two functions below; train.py and checkpoint.py hand the object on as it is."""
+    statistics (ers.enabled, any method that reads its group, docs/methods.md §2), SPO-tree's replay
+    buffer (spo_tree, docs/related.md §B) and Single-stream PO's value tracker (single_stream, docs/methods.md
+    §10). A method with state of its own adds a field here and to the two functions below; train.py and
+    checkpoint.py hand the object on as it is."""
     ers: EMAStats | None = None
     tree: SPOTree | None = None
+    single_stream: ValueTracker | None = None
 
     def state_dict(self) -> dict:
         return {"ers": self.ers.state_dict() if self.ers is not None else None,
-                "spo_tree": self.tree.state_dict() if self.tree is not None else None}
+                "spo_tree": self.tree.state_dict() if self.tree is not None else None,
+                "single_stream": self.single_stream.state_dict() if self.single_stream is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         if self.ers is not None:
             self.ers.load_state_dict(state["ers"])
         if self.tree is not None and state.get("spo_tree") is not None:
             self.tree.load_state_dict(state["spo_tree"])
+        if self.single_stream is not None:
+            self.single_stream.load_state_dict(state["single_stream"])
 
 
 @dataclass(kw_only=True)
@@ -232,11 +241,24 @@ def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     return MethodOutput(grown.advantages, grown.loss_mask, stats, rows=grown.rows, old_logp=grown.old_logp)
 
 
+def single_stream(s: StepRollouts, ctx: Context) -> MethodOutput:
+    """Single-stream PO, docs/methods.md §10: A = r - v̂(x), the prompt's tracked value before this visit,
+    normalised over every completion of the batch; then the tracker folds the visit in, its decay from how far
+    the policy moved since the prompt's last visit (related/single_stream.py; π_old read first)."""
+    tracker = ctx.state.single_stream
+    advantages = single_stream_advantages(s.rewards, tracker.values(s.indices), ctx.cfg.algo.adv_eps)   # (B, G)
+    out = per_completion(s, ctx, advantages)
+    out.metrics = tracker.visit(ctx.policy, indices=s.indices, mine=ctx.mine, rewards=s.rewards, rollout=s.rollout,
+                                old_logp=s.old_logp)
+    return out
+
+
 # ---- the one place a method is chosen ----
 
-def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool) -> Method:
+def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool,
+               problems: list[str] | None = None) -> Method:
     """The method named by algo.advantage, with its generation budget, its replicated state, and what
-    it reads first or generates."""
+    it reads first or generates. `problems`: the train rows' texts (Single-stream PO's offline prior)."""
     name, T = cfg.algo.advantage, cfg.rollout.max_new_tokens
     kl = cfg.algo.kl_coef > 0                            # REINFORCE++'s KL reward (config.py: its methods only)
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None     # config.py: with GROUP_BASELINES only
@@ -251,6 +273,10 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
         from pspo.related.spo import SPOTree
         tree = SPOTree(cfg, train_ids, pad_id, dist_, lockstep)
         return Method(name, spo_tree, cfg.spo.segments[0], MethodState(tree=tree), generates=True)
+    if name == "single_stream":                          # its tracker's drift reads π_old (rho = kl)
+        from pspo.related.single_stream import ValueTracker
+        tracker = ValueTracker(cfg, train_ids, pad_id, dist_, problems)
+        return Method(name, single_stream, T, MethodState(single_stream=tracker), reads_old=tracker.kl)
     raise ValueError(f"algo.advantage: no method named {name!r}")   # config.py validates the name first
 
 

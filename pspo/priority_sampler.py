@@ -28,6 +28,8 @@ The fixes of docs/methods.md §3b, each off by default (the paper's method):
                    λ applies when the prompt is scored (old evidence counts less than new).
   priority thompson    the same counts; each step draws θ_q ~ Beta(a_q, b_q) for every prompt (a numpy
                    generator seeded from the sampler's) and sets p_q = (θ_q(1-θ_q) + ε_p)^α.
+  priority single_stream   the same counts, p_q = (sqrt(p̂(1-p̂)) + ε_p)^α: Single-stream PO's
+                   prioritized sampling (docs/methods.md §10; its recipe: α = 1, ε_p = 0.05, β = 0).
   prior_reversion r    each step, before its draw, every prompt's counts move a share r back to the prior:
                    a <- 1 + (1-r)·(a-1), b likewise, so an abandoned prompt's learnability rises back.
                    Thompson's draw and the reversion rescore all N leaves and rebuild the tree: O(N)
@@ -54,9 +56,9 @@ from torch import Tensor
 
 from pspo.estimators import group_advantages
 
-# pps.priority: a statistic of |A| | p̂(1-p̂) | θ(1-θ), θ ~ Beta(a, b) drawn each step
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "learnability", "thompson")
-BETA_PRIORITIES = ("learnability", "thompson")   # read the Beta counts of the accuracy (pps.prior_reversion)
+# pps.priority: a statistic of |A| | p̂(1-p̂) | θ(1-θ), θ ~ Beta(a, b) drawn each step | sqrt(p̂(1-p̂))
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "learnability", "thompson", "single_stream")
+BETA_PRIORITIES = ("learnability", "thompson", "single_stream")   # read the Beta counts of the accuracy
 IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
 
 
@@ -115,6 +117,8 @@ class PrioritySampler:
         self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)
         # Beta priorities: every prompt starts at the prior's learnability .25, the largest possible
         self.max_priority = (0.25 + eps) ** alpha if priority in BETA_PRIORITIES else 1.0
+        if priority == "single_stream":                                         # sqrt(.25) = .5, likewise
+            self.max_priority = (0.5 + eps) ** alpha
         self.steps = 0                                                          # steps drawn so far
         # the last draw (`sample`): its raw weights (N·P')^-β (B,) float64, the one source of its w, and its
         # statistics; part of the state, since at one step off the draw is observed after the checkpoint
@@ -225,8 +229,8 @@ class PrioritySampler:
     def _rescore(self) -> None:
         """The Beta priorities' pass before a step's draw (docs/methods.md §3b): the counts revert a share r
         toward the prior, a <- 1 + (1-r)·(a-1) and b likewise (pps.prior_reversion), then every leaf is
-        rescored as (x(1-x) + ε_p)^α from x = p̂ = a/(a+b) (learnability) or x = θ ~ Beta(a, b) (thompson),
-        and the tree rebuilt: O(N) vectorised."""
+        rescored as (x(1-x) + ε_p)^α from x = p̂ = a/(a+b) (learnability; single_stream: (sqrt(x(1-x)) + ε_p)^α)
+        or x = θ ~ Beta(a, b) (thompson), and the tree rebuilt: O(N) vectorised."""
         a, b, r = self.posterior_a, self.posterior_b, self.reversion
         if r > 0:
             a.sub_(1).mul_(1 - r).add_(1)
@@ -236,7 +240,10 @@ class PrioritySampler:
             x = torch.from_numpy(np.random.default_rng(seed).beta(a.numpy(), b.numpy()))   # (N,) θ
         else:
             x = a / (a + b)                                                     # (N,) p̂
-        self.tree[self.size:self.size + self.num_prompts] = (x * (1 - x) + self.eps) ** self.alpha
+        stat = x * (1 - x)
+        if self.priority == "single_stream":                                    # §10: its square root
+            stat = stat.sqrt()
+        self.tree[self.size:self.size + self.num_prompts] = (stat + self.eps) ** self.alpha
         self._rebuild()
 
     @property
@@ -371,6 +378,8 @@ class PrioritySampler:
                 return
             mean = self.posterior_a[indices] / (self.posterior_a[indices] + self.posterior_b[indices])
             stat = mean * (1 - mean)                                            # p̂(1 - p̂) ≤ .25
+            if self.priority == "single_stream":                                # §10: its square root
+                stat = stat.sqrt()
         else:
             stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1),
                     "last_abs": lambda: a[:, -1]}[self.priority]()

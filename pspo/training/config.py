@@ -6,8 +6,9 @@ mistake is one `ConfigError` line naming the key (train.py turns it into exit co
 A YAML file may start with `base: other.yaml` (relative to itself) to inherit from a preset.
 
 The sections: model, data, rollout, reward, prm (PSPO*'s process reward, docs/related.md §C), algo,
-ers, pps, optim, train, eval, and spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
-checks in `validate_spo`). `ConfigError`, `check`, `first_line` and `error_line` are also how the
+ers, pps, optim, train, eval, spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
+checks in `validate_spo`) and single_stream (Single-stream PO's tracker, docs/methods.md §10, with its
+own checks in `validate_single_stream`). `ConfigError`, `check`, `first_line` and `error_line` are also how the
 components that turn a library's exception into one line (model loading, the PRM, the memory plan,
 data loading, checkpoints, vLLM) report it.
 """
@@ -77,7 +78,7 @@ SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any ot
 # those modules import nothing of the project, and raise on a name they do not know); the others
 # live here, since the modules that pick by them (methods, sampler) import this one.
 ADVANTAGES = ("grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline", "spo_chain",
-              "spo_tree")                                                   # methods.method_for
+              "spo_tree", "single_stream")                                  # methods.method_for
 # the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
 GROUP_BASELINES = ("grpo", "rloo", "maxrl", "reinforce_pp_baseline")
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
@@ -144,7 +145,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"                # vllm | hf (transformers generate) | auto (vllm on a GPU, hf on CPU)
-    num_generations: int = 8            # G, completions per prompt
+    num_generations: int = 8            # G, completions per prompt (1: algo.advantage=single_stream only)
     temperature: float = 1.0            # T; also divides the logits in the loss (§1)
     top_p: float = 1.0                  # nucleus sampling mass
     max_new_tokens: int = 16            # L_max, tokens per completion
@@ -223,7 +224,8 @@ class PRMConfig:
 class AlgoConfig:
     # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO through
     # scale_rewards) | rloo | maxrl (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
-    # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
+    # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section) | single_stream
+    # (Single-stream PO, docs/methods.md §10, per completion, the single_stream section)
     advantage: str = "grpo"
     # divide by the group std (GRPO); false for Dr. GRPO and for RLOO, which refuses it (§1). PPS's priority
     # reads it with any method (the raw GRPO |A|, §3)
@@ -234,7 +236,7 @@ class AlgoConfig:
     eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
     eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
-    adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
+    adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε); single_stream: in (A - mean) / (std + ε)
     # REINFORCE++ (docs/related.md §A): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref)
     # (PaddleNLP's: 1e-3)
     kl_coef: float = 0.0
@@ -268,7 +270,8 @@ class PPSConfig:
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
     mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
-    # |A^GRPO| statistic mean_abs | max_abs | last_abs, or from Beta counts learnability | thompson (§3b)
+    # |A^GRPO| statistic mean_abs | max_abs | last_abs, or from Beta counts learnability | thompson (§3b) |
+    # single_stream (§10)
     priority: str = "mean_abs"
     is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
     uniform_mix: float = 0.0            # u: P' = (1-u)·P + u/N, no prompt below u/N (§3b)
@@ -400,6 +403,25 @@ def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> Non
     check(s.edges_per_step >= 0, "spo.edges_per_step", ">= 0 (0 = every drawn edge)", s.edges_per_step)
 
 
+RHOS = ("kl", "constant")                       # single_stream.rho
+
+
+@dataclass
+class SingleStreamConfig:
+    """Single-stream PO's value tracker, docs/methods.md §10: only with algo.advantage=single_stream. The defaults
+    are the authors' verl recipe's (recipe/spo: spo_trainer.yaml, spo_ray_trainer.py)."""
+    # the tracker's decay ρ per visit: kl (2^(-D/d_half) clipped to [rho_min, rho_max], D the drift of the prompt's
+    # last completion since its last visit) | constant (rho_value)
+    rho: str = "kl"
+    rho_value: float = 0.875            # ρ with rho=constant
+    rho_min: float = 0.875              # ρ_min; also N_init = 1/(1 - ρ_min), the offline prior's weight
+    rho_max: float = 0.96               # ρ_max, the decay of a first visit (D = 0)
+    d_half: float = 0.06                # D_half: the drift D (mean |Δ log π| per token) at which ρ = 1/2
+    # JSON {problem text: [offline rewards]} for the prior α0, β0 ("" = α0 = β0 = 0.5 for every prompt)
+    prior_file: str = ""
+    prior_samples: int = 8              # N_eff: at most this many of a prompt's offline rewards are counted
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -411,6 +433,7 @@ class Config:
     ers: ERSConfig = field(default_factory=ERSConfig)
     pps: PPSConfig = field(default_factory=PPSConfig)
     spo: SPOConfig = field(default_factory=SPOConfig)
+    single_stream: SingleStreamConfig = field(default_factory=SingleStreamConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -534,8 +557,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     """Impossible values and combinations, each reported as one line naming the key."""
     r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
     check(r.engine in ENGINES, "rollout.engine", " | ".join(ENGINES), r.engine)
-    check(r.num_generations >= 2, "rollout.num_generations", "G >= 2 (a group needs two samples)",
-           r.num_generations)
+    check(r.num_generations >= 2 or (r.num_generations == 1 and a.advantage == "single_stream"),
+          "rollout.num_generations", "G >= 2 (a group needs two samples; G = 1 is algo.advantage=single_stream's "
+          "alone)", r.num_generations)
     check(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
     check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
@@ -684,6 +708,7 @@ def validate_method(cfg: Config) -> None:
           f"{a.advantage} has none)", cfg.ers.enabled)
     validate_dapo(cfg)
     validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
+    validate_single_stream(cfg)
     validate_async(cfg)
 
 
@@ -763,6 +788,38 @@ def validate_async(cfg: Config) -> None:
     check(not gpus or len(gpus) == r.engines, "rollout.engine_gpus", f"one CUDA index per engine "
           f"(rollout.engines={r.engines})", r.engine_gpus)
     check(len(set(gpus)) == len(gpus), "rollout.engine_gpus", "distinct indices", r.engine_gpus)
+
+
+def validate_single_stream(cfg: Config) -> None:
+    """The single_stream section (docs/methods.md §10) beside algo.advantage, and what a group of one
+    (rollout.num_generations = 1, Single-stream PO's default, `validate` allows it with that method alone)
+    refuses, each saying why."""
+    s, r, p, a = cfg.single_stream, cfg.rollout, cfg.pps, cfg.algo.advantage
+    chosen = a == "single_stream"
+    default = SingleStreamConfig()
+    for f in dataclasses.fields(SingleStreamConfig):
+        value = getattr(s, f.name)
+        check(chosen or value == getattr(default, f.name), f"single_stream.{f.name}",
+              f"{getattr(default, f.name)!r} (unset) unless algo.advantage=single_stream", value)
+    check(not chosen or cfg.algo.scale_rewards, "algo.scale_rewards", "true with algo.advantage=single_stream (its "
+          "advantages are always normalised over the batch, docs/methods.md §10)", cfg.algo.scale_rewards)
+    check(not (chosen and r.dynamic_sampling), "rollout.dynamic_sampling", "false with algo.advantage=single_stream "
+          "(it sets aside groups by their spread, and the tracker would never see their rewards)", r.dynamic_sampling)
+    if r.num_generations == 1 and p.enabled:      # a group of one has |A| = 0: only the Beta counts mean anything
+        check(p.mode == "paper", "pps.mode", "paper with rollout.num_generations=1 (the released code's priority "
+              "is the |A| of a group, 0 for a group of one)", p.mode)
+        check(p.priority in BETA_PRIORITIES, "pps.priority", f"{' or '.join(BETA_PRIORITIES)} with "
+              "rollout.num_generations=1 (the |A| of a group of one is 0)", p.priority)
+        check(not p.skip, "pps.skip", "false with rollout.num_generations=1 (every group of one has zero variance)",
+              p.skip)
+    check(s.rho in RHOS, "single_stream.rho", " | ".join(RHOS), s.rho)
+    check(0 < s.rho_value <= 1, "single_stream.rho_value", "in (0, 1]", s.rho_value)
+    check(0 < s.rho_min < 1, "single_stream.rho_min", "in (0, 1) (N_init = 1/(1 - rho_min))", s.rho_min)
+    check(s.rho_min <= s.rho_max <= 1, "single_stream.rho_max", f"in [rho_min = {s.rho_min}, 1]", s.rho_max)
+    check(s.d_half > 0, "single_stream.d_half", "> 0", s.d_half)
+    check(s.prior_samples >= 1, "single_stream.prior_samples", ">= 1", s.prior_samples)
+    check(not s.prior_file or os.path.isfile(s.prior_file), "single_stream.prior_file", "a JSON file of "
+          "{problem: [offline rewards]}, or \"\" for the prior 0.5, 0.5", s.prior_file)
 
 
 def validate_prm(p: PRMConfig, weight: float) -> None:

@@ -156,7 +156,8 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         "accuracy": rollout.accuracy / n, "format_rate": rollout.format / n,
         "adv_abs_mean": adv.adv_abs / max(adv.adv_count, 1.0),      # SPO: over M, which may be empty
         "adv_std": math.sqrt(max(adv.adv_sq / max(adv.adv_count, 1.0), 0.0)),
-        "zero_std_frac": rollout.zero_std_groups / groups,
+        # a group of one (G = 1, Single-stream PO) has no spread to lack: null rather than 1
+        "zero_std_frac": rollout.zero_std_groups / groups if cfg.rollout.num_generations > 1 else math.nan,
         "loss": update.pg_loss / iters, "kl": update.kl / tok, "clip_frac": update.clipped_tokens / tok,
         "entropy": update.entropy / tok, "response_length": rollout.completion_tokens / n,
         "truncation_rate": rollout.truncated / n, "grad_norm": update.grad_norm / iters,

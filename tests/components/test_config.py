@@ -57,8 +57,8 @@ def test_base_inheritance_and_presets():
     ("", ["--reward.accuracy=0"], "reward: expected at least one non-zero weight"),
     ("", ["--reward.prm=nan"], "reward.prm: expected a finite weight, got nan"),
     ("ers:\n  alpha: 0\n", [], "ers.alpha: expected in (0, 1], got 0.0"),
-    ("", ["--pps.priority=last"],
-     "pps.priority: expected mean_abs | max_abs | last_abs | learnability | thompson, got 'last'"),
+    ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs | learnability | thompson | "
+     "single_stream, got 'last'"),
     ("", ["--pps.beta_end=-0.5"], "pps.beta_end: expected >= 0, or -1 for a constant β"),
     ("", ["--pps.eps=0"], "pps.eps: expected > 0"),
     ("", ["--pps.is_norm=max"], "pps.is_norm: expected batch_max | mean | none, got 'max'"),

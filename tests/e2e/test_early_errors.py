@@ -123,7 +123,8 @@ TRAIN = [
     (["--rollout.temperature=0"], "rollout.temperature: expected > 0, got 0.0"),
     # the methods' settings
     (["--algo.advantage=rloo", "--rollout.num_generations=1"],
-     "rollout.num_generations: expected G >= 2 (a group needs two samples), got 1"),
+     "rollout.num_generations: expected G >= 2 (a group needs two samples; G = 1 is algo.advantage=single_stream's "
+     "alone), got 1"),
     (["--algo.advantage=reinforce_pp", "--ers.enabled=true"],
      "ers.enabled: expected false with algo.advantage=reinforce_pp (ERS smooths a group baseline's mean and std: "),
     (["--rollout.is_correction=mask"],

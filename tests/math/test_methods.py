@@ -112,8 +112,11 @@ def test_every_configured_name_has_its_method(advantage):
     # the step's generation budget: SPO-tree generates the trees' first level, M0 tokens
     assert method.max_new_tokens == (3 if advantage == "spo_tree" else cfg.rollout.max_new_tokens)
     assert (method.state.tree is not None) == (advantage == "spo_tree") and method.state.ers is None
-    # SPO generates in its method (the engine is released after it); SPO-chain's cuts read π_old first
-    assert method.generates == advantage.startswith("spo_") and method.reads_old == (advantage == "spo_chain")
+    assert (method.state.single_stream is not None) == (advantage == "single_stream")
+    # SPO generates in its method (the engine is released after it); SPO-chain's cuts read π_old first, and
+    # Single-stream PO's tracker stores it (its KL-adaptive decay, the default single_stream.rho)
+    assert method.generates == advantage.startswith("spo_")
+    assert method.reads_old == (advantage in ("spo_chain", "single_stream"))
     # the methods whose baseline is their group read its statistics (ERS may smooth them)
     assert method.reads_group == (advantage in ("grpo", "rloo", "maxrl", "reinforce_pp_baseline"))
 
