@@ -167,6 +167,7 @@ class Run:
         with clock("bookkeeping_s"):
             is_weights = self.sampler.observe(indices, rewards, accuracy,       # PPS: priorities; (P, G) w
                                               normalized=not r.dynamic_sampling)   # (raw: §9's rounds)
+        self.logger.log_prompts(self.step + 1, indices, accuracy, len(self.train.ids))   # prompts.jsonl
         return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout, scored=scored, rewards=rewards,
                     is_weights=is_weights, metrics=sampler_metrics(self.sampler, cfg))   # of this draw
 
