@@ -18,7 +18,7 @@ schedule; --max-steps is only a cap. A train-set size N > 0 keeps the first N pr
 (`data.max_train_examples`; the built-in sets stratified), so they are revisited more often; 0 keeps the
 preset's. Runs go one at a time, one process each (--launch prefixes train.py, e.g. torchrun); a run whose
 folder is complete (same command, its last step evaluated at the budget or at the cap) is reused, any other
-is started over.
+is started over. What train.py prints goes to <run folder>/train.log.
 
 From each run's metrics.jsonl and prompts.jsonl (the train rows each step drew and each group's mean
 accuracy, written by the training loop), over seeds (mean ± sample sd):
@@ -185,12 +185,16 @@ def run_one(args: argparse.Namespace, method: str, seed: int, size: int) -> str:
     if os.path.isdir(out):
         shutil.rmtree(out)                          # an unfinished or different run: started over
     launch = shlex.split(args.launch) if args.launch else [sys.executable]
+    os.makedirs(out)
+    log = os.path.join(out, "train.log")           # what train.py prints, as it prints it (tail -f)
     t0 = time.perf_counter()
-    proc = subprocess.run([*launch, *cmd], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:                        # its output's end, and train.py's exit code
-        print(f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}\nerror: {method} seed {seed} ({size_label(size)}) "
-              f"failed with exit code {proc.returncode}: {' '.join(cmd)}", file=sys.stderr)
-        sys.exit(proc.returncode)
+    with open(log, "w") as f:
+        code = subprocess.run([*launch, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:                                   # its output's end, and train.py's exit code
+        with open(log) as f:
+            print(f"{f.read()[-4000:]}\nerror: {method} seed {seed} ({size_label(size)}) failed with exit code "
+                  f"{code} ({log}): {' '.join(cmd)}", file=sys.stderr)
+        sys.exit(code)
     wall = time.perf_counter() - t0
     with open(os.path.join(out, "bench_run.json"), "w") as f:
         json.dump({"command": cmd, "budget": args.budget, "max_steps": args.max_steps, "wall_s": wall}, f)

@@ -115,6 +115,17 @@ def test_a_bad_method_is_one_line_before_any_run(methods, why, tmp_path, capsys)
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_failed_run_stops_the_bench_with_its_exit_code_and_output(tmp_path, capsys):
+    # `false` in place of python: the run "fails" at once with exit code 1 and prints nothing
+    with pytest.raises(SystemExit) as e:
+        selection.main(["--methods", "grpo", "--seeds", "0", "--train-sizes", "0", "--launch", "false",
+                        "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    log = tmp_path / "all" / "grpo-s0" / "train.log"
+    assert e.value.code == 1 and f"error: grpo seed 0 (all) failed with exit code 1 ({log}): train.py " in err
+    assert log.read_text() == "" and not (tmp_path / "all" / "grpo-s0" / "bench_run.json").exists()
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, tiny_model_path):
     """The bench's --quick on GRPO and PPS, 48 train prompts (3 steps of 16 per pass), one seed; what it printed."""
