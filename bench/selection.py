@@ -103,7 +103,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.eval_every = args.eval_every if args.eval_every is not None else (2 if quick else 10)
     if quick:
         args.overrides = ["--train.prompts_per_step=16", "--data.max_eval_examples=64", *args.overrides]
-    args.out = args.out or os.path.join(ROOT, "runs", args.section + ("-quick" if quick else ""))
+    args.out = os.path.abspath(args.out or os.path.join(ROOT, "runs", args.section + ("-quick" if quick else "")))
     try:
         args.seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
         args.train_sizes = [int(n) for n in (args.train_sizes or ("0,32" if quick else f"0,{SMALL_TRAIN_SET}"))
