@@ -299,6 +299,9 @@ class TrainConfig:
     output_dir: str = "runs/demo"       # metrics.jsonl, TensorBoard events, checkpoints
     seed: int = 0                       # seeds data order, sampling and init
     max_steps: int = 100                # rollout steps
+    # stop after the step at which training has generated this many tokens, evaluated and saved there
+    # (0 = no budget; bench/selection.py compares methods at one budget)
+    max_generated_tokens: int = 0
     prompts_per_step: int = 64          # B, global prompts per step (split over ranks)
     micro_batch_size: int = 64          # sequences per forward/backward on one rank
     micro_batch_tokens: int = 0         # > 0: token-budget micro-batches of at most this many padded tokens
@@ -620,6 +623,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)
     check(o.max_grad_norm >= 0, "optim.max_grad_norm", ">= 0", o.max_grad_norm)
     check(t.max_steps >= 1, "train.max_steps", ">= 1", t.max_steps)
+    check(t.max_generated_tokens >= 0, "train.max_generated_tokens", ">= 0 (0 = no token budget)",
+          t.max_generated_tokens)
     check(t.prompts_per_step >= world_size and t.prompts_per_step % world_size == 0,
            "train.prompts_per_step", f"a multiple of the {world_size} ranks", t.prompts_per_step)
     check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)

@@ -1,4 +1,5 @@
-"""Step metrics: one JSON object per line in <output_dir>/metrics.jsonl, and TensorBoard scalars.
+"""Step metrics: one JSON object per line in <output_dir>/metrics.jsonl, and TensorBoard scalars; and the
+prompts each step drew, one line per draw in <output_dir>/prompts.jsonl (`MetricsLogger.log_prompts`).
 
 Only rank 0 writes; other ranks get a logger that does nothing, so the loop calls
 `logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics").
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from pspo.training import distributed
 from pspo.training.compiled import take_counts
@@ -186,10 +188,8 @@ class MetricsLogger:
         if not enabled:
             return
         sinks = report_sinks(report_to)
-        path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_step > 0:
-            _truncate_after(path, resume_step)      # drop lines logged after the resumed checkpoint
-        self.file = open(path, "a" if resume_step > 0 else "w")   # a fresh run starts a fresh file
+        self.file = _open_log(os.path.join(output_dir, "metrics.jsonl"), resume_step)
+        self.prompts = _open_log(os.path.join(output_dir, "prompts.jsonl"), resume_step)     # log_prompts
         self.writer = self.wandb = None
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
@@ -212,9 +212,22 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
+    def log_prompts(self, step: int, indices: Tensor, accuracy: Tensor, num_prompts: int) -> None:
+        """One draw of `step` (1-based, as in metrics.jsonl; dynamic sampling draws several) as a line of
+        prompts.jsonl: the train rows generated (P,), each group's mean accuracy from accuracy (P, G), and the
+        train set's size N, for the starvation measures of bench/selection.py (which prompts a run keeps
+        drawing, which it leaves). A few bytes per prompt; every rank holds them after the rewards' gather."""
+        if not self.enabled:
+            return
+        record = {"step": step, "prompts": num_prompts, "rows": indices.tolist(),
+                  "accuracy": [round(a, 4) for a in accuracy.float().mean(dim=1).tolist()]}
+        self.prompts.write(json.dumps(record) + "\n")
+        self.prompts.flush()
+
     def close(self) -> None:
         if self.enabled:
             self.file.close()
+            self.prompts.close()
             if self.writer is not None:
                 self.writer.close()
             if self.wandb is not None:
@@ -240,6 +253,14 @@ def _wandb_run(output_dir: str, run_config: dict, project: str, resumed: bool):
 def _clean(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _open_log(path: str, resume_step: int):
+    """A JSON-lines log of the run: a fresh run starts a fresh file; a resumed one keeps the lines up to the
+    step it resumed from and appends."""
+    if resume_step > 0:
+        _truncate_after(path, resume_step)          # drop lines logged after the resumed checkpoint
+    return open(path, "a" if resume_step > 0 else "w")
 
 
 def _truncate_after(path: str, step: int) -> None:

@@ -282,13 +282,15 @@ def test_config_errors(overrides, message):
 
 def test_defaults_and_the_presets():
     # off by default and on the CPU presets (the transformers engine samples from the trainer itself);
-    # token level, C = 2, on the GPU presets, whose engine is vLLM, except SPO-tree's (refused there)
+    # token level, C = 2, on the GPU presets (a folder with its model's config.json), whose engine is vLLM,
+    # except SPO-tree's (refused there)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(None)
     assert (cfg.rollout.is_correction, cfg.rollout.is_cap, cfg.rollout.is_floor) == ("none", 2.0, 0.0)
     for path in sorted(glob.glob(os.path.join(root, "configs", "**", "*.yaml"), recursive=True)):
         r = load_config(path).rollout
-        gpu = "/qwen2.5-" in path and not path.endswith("spo_tree.yaml")
+        recipe = os.path.isfile(os.path.join(os.path.dirname(path), "model_config.json"))
+        gpu = recipe and not path.endswith("spo_tree.yaml")
         assert (r.is_correction, r.is_cap, r.is_floor) == (("token" if gpu else "none"), 2.0, 0.0), path
 
 
