@@ -607,7 +607,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
     check(0 <= p.prior_reversion < 1, "pps.prior_reversion", "in [0, 1)", p.prior_reversion)
     check(p.prior_reversion == 0 or p.priority in BETA_PRIORITIES, "pps.prior_reversion", "0 with pps.priority="
-          f"{p.priority} (it moves the Beta counts of {' and '.join(BETA_PRIORITIES)})", p.prior_reversion)
+          f"{p.priority} (it moves the Beta counts of {' | '.join(BETA_PRIORITIES)})", p.prior_reversion)
     check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
     check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
     check(not (p.replacement and p.skip), "pps.replacement", "false with pps.skip (a skipped prompt is replaced "
@@ -813,7 +813,7 @@ def validate_single_stream(cfg: Config) -> None:
     if r.num_generations == 1 and p.enabled:      # a group of one has |A| = 0: only the Beta counts mean anything
         check(p.mode == "paper", "pps.mode", "paper with rollout.num_generations=1 (the released code's priority "
               "is the |A| of a group, 0 for a group of one)", p.mode)
-        check(p.priority in BETA_PRIORITIES, "pps.priority", f"{' or '.join(BETA_PRIORITIES)} with "
+        check(p.priority in BETA_PRIORITIES, "pps.priority", f"{' | '.join(BETA_PRIORITIES)} with "
               "rollout.num_generations=1 (the |A| of a group of one is 0)", p.priority)
         check(not p.skip, "pps.skip", "false with rollout.num_generations=1 (every group of one has zero variance)",
               p.skip)

@@ -613,7 +613,8 @@ def test_staging_row_against_the_sync_checks_row_sums(tiny_model_path):
 
 
 # the 1.5B recipes' (budget, the mode auto picks there) on one 80 GB GPU; the others inherit grpo.yaml's
-WANT = {"dr_grpo.yaml": (9216, "selective"), "dapo.yaml": (9216, "selective"), "pspo_lora.yaml": (11264, "none")}
+WANT = {"dr_grpo.yaml": (9216, "selective"), "dapo.yaml": (9216, "selective"), "pspo_lora.yaml": (11264, "none"),
+        "single_stream.yaml": (9216, "selective")}          # no reference model either (β = 0), as Dr. GRPO
 
 
 @pytest.mark.parametrize("config, gpus, gib, want", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2, 5120),
@@ -641,8 +642,8 @@ def test_gpu_recipes_use_the_largest_token_budget_auto_keeps(config, gpus, gib, 
     full = load_config(config, ["--model.gradient_checkpointing=full"], gpus)
     assert plan.largest_token_budget(full, a, gpus=gpus, gpu_bytes=gpu, engine="vllm") > budget
     if gpus == 1:
-        # each 1.5B recipe sets its own: Dr. GRPO and DAPO have no reference model (selective up to 9216; without
-        # checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy, gradient,
+        # each 1.5B recipe sets its own: Dr. GRPO, DAPO and Single-stream PO have no reference model (selective up
+        # to 9216; without checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy, gradient,
         # AdamW state or reference) needs no checkpointing up to 11264; the PSPO* recipe also holds a
         # BERT-base-sized PRM (110M parameters, hidden 768, MLP 3072): selective at 5120 still fits (78.2)
         bert = plan.PRMArch(110_000_000, 768, 3072)

@@ -35,8 +35,8 @@ def test_beta_priority_options():
     assert refused(["--pps.prior_reversion=1"]) == "pps.prior_reversion: expected in [0, 1), got 1.0"
     assert refused(["--pps.prior_reversion=-0.1"]) == "pps.prior_reversion: expected in [0, 1), got -0.1"
     assert refused(["--pps.prior_reversion=0.1"]).startswith(
-        "pps.prior_reversion: expected 0 with pps.priority=mean_abs (it moves the Beta counts of learnability "
-        "and thompson)")
+        "pps.prior_reversion: expected 0 with pps.priority=mean_abs (it moves the Beta counts of learnability | "
+        "thompson | single_stream)")
 
 
 def test_beta_priority_presets():
