@@ -157,7 +157,8 @@ class RolloutConfig:
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
     # engine/trainer mismatch (§7): the PG term weighted by r = π_old/π_engine per token | sequence,
-    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask) | none
+    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask), or the
+    # completion's geometric mean exp(mean_t log r_t), zeroed outside [C_low, C] (geo_mask) | none
     is_correction: str = "none"
     is_cap: float = 2.0                 # C, the upper bound of r (> 1)
     is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
@@ -776,12 +777,13 @@ def validate_async(cfg: Config) -> None:
         check(not value or parse_ints(value), key, "integers separated by commas, or empty", value)
     if r.mode != "async":
         return
-    # per token: a sequence-level ratio is the product of a whole optimizer step's change over the completion's
-    # tokens (§7b), which caps or drops nearly every completion
-    check(r.lag == 0 or r.is_correction in ("token", "token_mask"), "rollout.is_correction", "token | token_mask "
-          "with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without the IS weight the "
-          "update is the gradient of another policy, and a sequence-level one, the product of a whole step's "
-          "change over a completion's tokens, caps or drops nearly every completion)", r.is_correction)
+    # per token or geometric: a sequence-level ratio is the product of a whole optimizer step's change over the
+    # completion's tokens (§7b), which caps or drops nearly every completion; their geometric mean does not grow
+    check(r.lag == 0 or r.is_correction in ("geo_mask", "token", "token_mask"), "rollout.is_correction", "geo_mask "
+          "| token | token_mask with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without "
+          "the IS weight the update is the gradient of another policy, and a sequence-level one, the product of a "
+          "whole step's change over a completion's tokens, caps or drops nearly every completion; geo_mask's "
+          "geometric mean does not grow with the length)", r.is_correction)
     check(a not in ("spo_chain", "spo_tree"), "algo.advantage", "not spo_chain / spo_tree with rollout.mode=async "
           "(their Monte Carlo continuations are generated inside the step and must come from π_old)", a)
     check(not r.dynamic_sampling, "rollout.dynamic_sampling", "false with rollout.mode=async (its extra rounds are "

@@ -258,7 +258,7 @@ def test_weigh_with_the_trainers_own_logprobs_is_a_no_op():
 
 @pytest.mark.parametrize("overrides, message", [
     (["--rollout.is_correction=tokens"],
-     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask, got 'tokens'"),
+     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask | geo_mask, got 'tokens'"),
     (["--rollout.is_correction=token_truncate"], "rollout.is_correction: expected none | token | sequence |"),
     (["--rollout.is_floor=-0.1"], "rollout.is_floor: expected a number in [0, 1)"),
     (["--rollout.is_floor=1.0"], "rollout.is_floor: expected a number in [0, 1)"),
