@@ -99,6 +99,14 @@ def gspo_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     return _clipped(torch.exp(log_s + logp - logp.detach()), advantages, t.eps_low, t.eps_high)
 
 
+def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, t: Trust) -> tuple[Tensor, Tensor]:
+    """CISPO: -sg(clip(ρ, 1-ε_low, 1+ε_high))·Â·logπ_θ: the weight is clipped and detached, never the term, so no
+    token's gradient is dropped; the diagnostic: the tokens whose weight the clip changed."""
+    ratio = torch.exp(logp - old_logp).detach()                                     # (N, T) ρ
+    weight = torch.clamp(ratio, 1 - t.eps_low, 1 + t.eps_high)                      # (N, T) sg(clip(ρ))
+    return -weight * _per_token(advantages) * logp, weight != ratio
+
+
 def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, t: Trust) -> tuple[Tensor, Tensor]:
     """SAPO: -f(ρ)·Â, f(ρ) = σ(τ(ρ-1))·4/τ, τ = τ_pos where Â > 0 else τ_neg; the diagnostic: the gate
     4σ(1-σ), the token's gradient weight beside the unclipped ρ·Â (1 on-policy)."""
@@ -109,7 +117,7 @@ def sapo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, t: Tr
 
 
 # algo.objective: the one place an objective is chosen (policy_loss); GATED log a soft gate, not a clip
-OBJECTIVES = {"ppo_clip": ppo_clip, "gspo": gspo, "gspo_token": gspo_token, "sapo": sapo}
+OBJECTIVES = {"ppo_clip": ppo_clip, "gspo": gspo, "gspo_token": gspo_token, "cispo": cispo, "sapo": sapo}
 GATED = ("sapo",)
 
 

@@ -86,6 +86,25 @@ def test_gspo_token_lets_per_token_advantages_through_hand_worked():
     torch.testing.assert_close(grad, torch.tensor([[-0.552585, -0.552585]]), atol=1e-6, rtol=0)
 
 
+# ---------------------------------------------------------------- CISPO, hand-worked
+
+def test_cispo_clips_the_weight_not_the_token_hand_worked():
+    # π_old [-1, -1, -3], π_θ [-1 + ln .5, -1, -3 + ln 10] = [-1.693147, -1, -.697415]: ρ = [.5, 1, 10]; Â = +1,
+    # weight 1/3 each. ε_low 1 (no lower bound), ε_high 4: sg(clip(ρ, 0, 5)) = [.5, 1, 5], the third clipped.
+    # pg = -w·Â·log π_θ = [.846574, 1, 3.487075], loss = 5.333649/3 = 1.777883; d loss / d log π_θ = -w·Â/3
+    # = [-.166667, -.333333, -1.666667]: the third token keeps a gradient where PPO's clip zeroes it
+    old, logp = torch.tensor([[-1.0, -1.0, -3.0]]), torch.tensor([[-1.693147, -1.0, -0.697415]])
+    loss, stats, grad = _loss("cispo", logp, torch.tensor([1.0]), old=old, eps_low=1.0, eps_high=4.0)
+    assert loss == pytest.approx(1.777883, abs=1e-5) and stats["clipped_tokens"] == 1
+    torch.testing.assert_close(grad, torch.tensor([[-0.166667, -0.333333, -1.666667]]), atol=1e-5, rtol=0)
+    _, _, grad = _loss("ppo_clip", logp, torch.tensor([1.0]), old=old)
+    torch.testing.assert_close(grad, torch.tensor([[-0.166667, -0.333333, 0.0]]), atol=1e-5, rtol=0)
+    # with PPO's ε (.2, .28) as its bounds: weights [.8, 1, 1.28], two clipped, grads [-.266667, -.333333, -.426667]
+    _, stats, grad = _loss("cispo", logp, torch.tensor([1.0]), old=old)
+    assert stats["clipped_tokens"] == 2 and stats["clipped_seqs"] == 1
+    torch.testing.assert_close(grad, torch.tensor([[-0.266667, -0.333333, -0.426667]]), atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- SAPO, hand-worked
 
 def test_sapo_soft_gate_hand_worked():
@@ -274,6 +293,8 @@ def test_objectives_compose_where_they_have_a_meaning():
 PAPERS = {
     "gspo": {"algo.objective": "gspo", "algo.aggregation": "grpo", "algo.beta": 0.0, "algo.eps_low": 3e-4,
              "algo.eps_high": 4e-4},
+    "cispo": {"algo.objective": "cispo", "algo.aggregation": "token_mean", "algo.beta": 0.0, "algo.eps_low": 1.0,
+              "algo.eps_high": 4.0},
     "sapo": {"algo.objective": "sapo", "algo.aggregation": "grpo", "algo.beta": 0.0, "algo.sapo_tau_pos": 1.0,
              "algo.sapo_tau_neg": 1.05},
 }
