@@ -50,9 +50,9 @@ rollout.is_correction with it (the edges train in later steps, and they keep no 
 Adding a method (docs/methods.md, "Adding a method", with RLOO as the example): its function here
 (`per_completion` or `per_token` wraps its values; its formula in estimators.py with a hand-worked
 test), one entry in `method_for`, its name in config.ADVANTAGES (and in config.GROUP_BASELINES when
-its baseline is its group's statistics: ERS then applies to it), a preset. Two other places read
-algo.advantage, each for its own concern: config.validate_method (the settings a method takes) and
-plan.step_shape (what it generates, for the memory plan).
+its baseline is its group's statistics: ERS then applies to it; in TOKEN_ADVANTAGES when per token), a
+preset. Two other places read algo.advantage, each for its own concern: config.validate_method (the
+settings a method takes) and plan.step_shape (what it generates, for the memory plan).
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import yaml
 
 from pspo.estimators import WHITENINGS
 from pspo.is_correction import IS_CORRECTIONS
-from pspo.loss import AGGREGATIONS
+from pspo.loss import AGGREGATIONS, OBJECTIVES
 from pspo.priority_sampler import BETA_PRIORITIES, IS_NORMS, PRIORITIES
 
 
@@ -79,6 +79,8 @@ SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any ot
 # live here, since the modules that pick by them (methods, sampler) import this one.
 ADVANTAGES = ("grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline", "spo_chain",
               "spo_tree", "single_stream")                                  # methods.method_for
+# the methods whose advantages are one per token, not one per completion broadcast over its tokens
+TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")
 # the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
 GROUP_BASELINES = ("grpo", "rloo", "maxrl", "reinforce_pp_baseline")
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
@@ -157,7 +159,8 @@ class RolloutConfig:
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
     # engine/trainer mismatch (§7): the PG term weighted by r = π_old/π_engine per token | sequence,
-    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask) | none
+    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask), or the
+    # completion's geometric mean exp(mean_t log r_t), zeroed outside [C_low, C] (geo_mask) | none
     is_correction: str = "none"
     is_cap: float = 2.0                 # C, the upper bound of r (> 1)
     is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
@@ -231,10 +234,14 @@ class AlgoConfig:
     # reads it with any method (the raw GRPO |A|, §3)
     scale_rewards: bool = True
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
+    # the policy objective (loss.OBJECTIVES, docs/methods.md §11): ppo_clip (§1) | gspo | gspo_token | cispo | sapo
+    objective: str = "ppo_clip"
     # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
     beta: float = 0.04
-    eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
-    eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
+    eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ (gspo: of s_i; cispo: of its IS weight)
+    eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ (likewise)
+    sapo_tau_pos: float = 1.0           # τ_pos, SAPO's gate temperature where Â > 0 (§11)
+    sapo_tau_neg: float = 1.05          # τ_neg, where Â ≤ 0
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
     adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε); single_stream: in (A - mean) / (std + ε)
     # REINFORCE++ (docs/related.md §A): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref)
@@ -584,7 +591,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
     check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
     check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
-    check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)
+    check(0 <= a.eps_low <= 1, "algo.eps_low", "in [0, 1] (1: no lower bound)", a.eps_low)
     check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
     check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
     check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
@@ -592,6 +599,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(a.clip_score > 0, "algo.clip_score", "> 0", a.clip_score)
     check(a.whiten in WHITENINGS, "algo.whiten", " | ".join(WHITENINGS), a.whiten)
     validate_method(cfg)
+    validate_objective(cfg)
     check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
     p = cfg.pps
     check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
@@ -717,6 +725,30 @@ def validate_method(cfg: Config) -> None:
     validate_async(cfg)
 
 
+def validate_objective(cfg: Config) -> None:
+    """algo.objective (docs/methods.md §11) beside the method and the IS correction, each refusal saying why."""
+    a, r = cfg.algo, cfg.rollout
+    check(a.objective in OBJECTIVES, "algo.objective", " | ".join(OBJECTIVES), a.objective)
+    if a.objective == "gspo":                     # one ratio per completion: one advantage, one weight per completion
+        check(a.advantage not in TOKEN_ADVANTAGES, "algo.objective", f"gspo_token with algo.advantage={a.advantage} "
+              "(its advantages are per token; gspo's one ratio per completion would average them)", a.objective)
+        check(r.is_correction not in ("token", "token_mask"), "rollout.is_correction", "none | sequence | "
+              "sequence_mask | geo_mask with algo.objective=gspo (one weight per completion for its one ratio: a "
+              "per-token weight would still pass the dropped token's gradient through s_i; per-token weights: "
+              "algo.objective=gspo_token)", r.is_correction)
+    default = AlgoConfig()
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        value = getattr(a, key)
+        check(0 < value < math.inf, f"algo.{key}", "a finite number > 0", value)
+        check(a.objective == "sapo" or value == getattr(default, key), f"algo.{key}",
+              f"{getattr(default, key)} (unset) unless algo.objective=sapo", value)
+    if a.objective == "sapo":                     # its soft gate replaces the clip
+        for key in ("eps_low", "eps_high"):
+            check(getattr(a, key) == getattr(default, key), f"algo.{key}", f"{getattr(default, key)} (unset) with "
+                  "algo.objective=sapo (its soft gate has no clip; its temperatures are algo.sapo_tau_pos, "
+                  "algo.sapo_tau_neg)", getattr(a, key))
+
+
 def validate_dapo(cfg: Config) -> None:
     """DAPO's parts (docs/methods.md §9) beside algo.advantage: each with any method, refused where it
     has no meaning."""
@@ -776,12 +808,13 @@ def validate_async(cfg: Config) -> None:
         check(not value or parse_ints(value), key, "integers separated by commas, or empty", value)
     if r.mode != "async":
         return
-    # per token: a sequence-level ratio is the product of a whole optimizer step's change over the completion's
-    # tokens (§7b), which caps or drops nearly every completion
-    check(r.lag == 0 or r.is_correction in ("token", "token_mask"), "rollout.is_correction", "token | token_mask "
-          "with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without the IS weight the "
-          "update is the gradient of another policy, and a sequence-level one, the product of a whole step's "
-          "change over a completion's tokens, caps or drops nearly every completion)", r.is_correction)
+    # per token or geometric: a sequence-level ratio is the product of a whole optimizer step's change over the
+    # completion's tokens (§7b), which caps or drops nearly every completion; their geometric mean does not grow
+    check(r.lag == 0 or r.is_correction in ("geo_mask", "token", "token_mask"), "rollout.is_correction", "geo_mask "
+          "| token | token_mask with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without "
+          "the IS weight the update is the gradient of another policy, and a sequence-level one, the product of a "
+          "whole step's change over a completion's tokens, caps or drops nearly every completion; geo_mask's "
+          "geometric mean does not grow with the length)", r.is_correction)
     check(a not in ("spo_chain", "spo_tree"), "algo.advantage", "not spo_chain / spo_tree with rollout.mode=async "
           "(their Monte Carlo continuations are generated inside the step and must come from π_old)", a)
     check(not r.dynamic_sampling, "rollout.dynamic_sampling", "false with rollout.mode=async (its extra rounds are "

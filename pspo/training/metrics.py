@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pspo.loss import GATED
 from pspo.training import distributed
 from pspo.training.compiled import take_counts
 from pspo.training.config import Config, report_sinks
@@ -113,9 +114,13 @@ class UpdateSums:
     grad_norm: float              # Σ over iterations of the gradient norm before clipping
     pg_loss: float                # Σ_i w_i Σ_t M·pg, weighted like the loss
     kl: float                     # Σ M·k3 (0 without π_ref)
-    clipped_tokens: float         # Σ M·1[ρ clipped]
     tokens: float                 # Σ M
     entropy: float                # Σ M·entropy
+    ratio: float = 0.0            # Σ M·ρ
+    clipped_tokens: float = 0.0   # Σ M·1[the objective's bound changed the token's term] (a clipping objective)
+    clipped_seqs: float = 0.0     # completions holding a clipped token (a clipping objective)
+    seqs: float = 0.0             # completions with a token in the loss (a clipping objective)
+    gate: float = 0.0             # Σ M·gate (an objective of loss.GATED: SAPO's 4σ(1-σ))
 
 
 @dataclass
@@ -160,7 +165,7 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         "adv_std": math.sqrt(max(adv.adv_sq / max(adv.adv_count, 1.0), 0.0)),
         # a group of one (G = 1, Single-stream PO) has no spread to lack: null rather than 1
         "zero_std_frac": rollout.zero_std_groups / groups if cfg.rollout.num_generations > 1 else math.nan,
-        "loss": update.pg_loss / iters, "kl": update.kl / tok, "clip_frac": update.clipped_tokens / tok,
+        "loss": update.pg_loss / iters, "kl": update.kl / tok, "ratio_mean": update.ratio / tok,
         "entropy": update.entropy / tok, "response_length": rollout.completion_tokens / n,
         "truncation_rate": rollout.truncated / n, "grad_norm": update.grad_norm / iters,
         "reward_failures": rollout.reward_failures, "gen_tokens_per_s": totals[-1],
@@ -168,6 +173,11 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         # padded positions / all positions of the update's micro-batches (prompt + completion columns)
         "padding_frac": 1.0 - update.update_tokens / max(update.update_positions, 1.0),
     }
+    if cfg.algo.objective in GATED:                # the objective's diagnostic (docs/methods.md §11)
+        metrics["gate_mean"] = update.gate / tok
+    else:
+        metrics["clip_frac"] = update.clipped_tokens / tok
+        metrics["clip_seq_frac"] = update.clipped_seqs / max(update.seqs, 1.0)
     if cfg.reward.overlong_cache:
         metrics["overlong_penalty"] = rollout.overlong / n                # the mean R_length (§9)
     sums = {**dataclasses.asdict(counts), **dataclasses.asdict(compiles), **(dataclasses.asdict(spo[0]) if spo else {})}

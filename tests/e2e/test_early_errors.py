@@ -128,7 +128,7 @@ TRAIN = [
     (["--algo.advantage=reinforce_pp", "--ers.enabled=true"],
      "ers.enabled: expected false with algo.advantage=reinforce_pp (ERS smooths a group baseline's mean and std: "),
     (["--rollout.is_correction=mask"],
-     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask, got 'mask'"),
+     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask | geo_mask, got 'mask'"),
     (["--rollout.is_correction=token_mask", "--rollout.is_floor=1.5"],
      "rollout.is_floor: expected a number in [0, 1) (C_low, the lower bound of π_old/π_engine), got 1.5"),
 ]
