@@ -41,7 +41,7 @@ from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
 from pspo.reference_sampler import ReferenceSampler
 from pspo.related.prm import PRM, check_prm_path, load_prm, prm_metrics
-from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty
+from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty, with_random_reward
 from pspo.engines.process import EngineError
 from pspo.engines.schedule import INFLIGHT, EngineRollouts, LocalRollouts, Sampling, engine_rollouts, pin_cores
 from pspo.rollout import CountingEngine, build_engine, compile_enabled, engine_name
@@ -61,7 +61,7 @@ from pspo.training.model import (ModelError, attention_heads, check_context, com
 from pspo.training.packed_attention import choose_kernels
 from pspo.training.optim import build_optimizer
 from pspo.training.plan import plan_cli, startup_check
-from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, check_writable, every, load_models,
+from pspo.training.run import (MAX_SKIPPED_IN_A_ROW, NonFiniteError, check_writable, every, last_step, load_models,
                                non_finite_error, open_folder, resume, summary, timings, trainable_line)
 from pspo.update import policy_update
 
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> None:
             sync = run.sync_engine(drawn.rows)                                  # vLLM: the new weights
         if run.end_step(clock, output=out, baseline=step.baseline, update=update, sync=sync, engine_gap=engine_gap,
                         sampling=drawn.metrics):
-            break                                                               # a stop signal: saved
+            break                                                               # the last step, or a stop signal
     run.close()
 
 
@@ -160,6 +160,8 @@ class Run:
         indices, rows, seeds, rollout = drawn.indices, drawn.rows, drawn.seeds, drawn.rollout   # (P,) (N,) (N,)
         with clock("reward_s"):
             scored = self.score(rows, rollout.texts)                            # this rank's, (N,) each
+            if cfg.reward.kind == "random":                                     # the control of §5
+                scored = with_random_reward(scored, seeds, cfg.reward.random_rate, cfg.reward.accuracy)
             if cfg.reward.overlong_cache:                                       # + R_length (§9)
                 scored = with_overlong_penalty(scored, rollout.mask.sum(1), r.max_new_tokens,
                                                cfg.reward.overlong_cache)
@@ -167,6 +169,7 @@ class Run:
         with clock("bookkeeping_s"):
             is_weights = self.sampler.observe(indices, rewards, accuracy,       # PPS: priorities; (P, G) w
                                               normalized=not r.dynamic_sampling)   # (raw: §9's rounds)
+        self.logger.log_prompts(self.step + 1, indices, accuracy, len(self.train.ids))   # prompts.jsonl
         return Draw(indices=indices, rows=rows, seeds=seeds, rollout=rollout, scored=scored, rewards=rewards,
                     is_weights=is_weights, metrics=sampler_metrics(self.sampler, cfg))   # of this draw
 
@@ -259,7 +262,8 @@ class Run:
         """The step's bookkeeping: a stale engine saves and stops the run; the non-finite updates in a
         row are counted; the step's metrics are assembled (summed over ranks), evaluated when due
         (timed apart from the step), logged and shown; the run is saved when due, stopped (saved) by
-        too many non-finite updates, and True is returned when a stop signal came (saved)."""
+        too many non-finite updates, and True is returned when the run ends here: its last step (max_steps or
+        the token budget, evaluated and saved) or a stop signal (saved)."""
         cfg, device = self.cfg, self.dist.device
         stale = stale_engine(sync, self.step)                                   # the engine's weights lag
         if stale is not None:
@@ -272,7 +276,7 @@ class Run:
                        **gpu_memory(device), **prm_metrics(self.prm, device, clock.elapsed()))
         metrics.update(timings(clock, summed.update_tokens), generated_tokens=self.generated_tokens,
                        lr=self.scheduler.get_last_lr()[0])
-        last = self.step == cfg.train.max_steps
+        last = last_step(cfg, self.step, self.generated_tokens)                # max_steps or the token budget
         if self.evals.examples and (last or every(self.step, cfg.train.eval_steps)):
             with clock("eval_s"):
                 self.last_eval = self.evaluate()
@@ -288,7 +292,7 @@ class Run:
         if failing:
             raise non_finite_error(self.step)
         if not stopping:
-            return False
+            return last
         print0(f"{self.preemption.name or 'a stop signal'} received: stopped after step {self.step} "
                "with a checkpoint; continue with --train.resume=auto")
         return True
@@ -300,7 +304,8 @@ class Run:
         self.rollouts.close()                          # the engine processes (on an error too, when collected)
         if self.separate_engine:
             self.engine.engine.close()                 # vLLM: its adapter folder, before a rank's os._exit
-        print0(summary(self.cfg, self.step, self.first_eval, self.last_eval, len(self.evals.examples)))
+        print0(summary(self.cfg, self.step, self.generated_tokens, self.first_eval, self.last_eval,
+                       len(self.evals.examples)))
 
 
 def setup(cfg: Config, dist_: Dist) -> Run:
@@ -338,7 +343,8 @@ def setup(cfg: Config, dist_: Dist) -> Run:
     policy, ref = load_models(cfg, dist_, resume_from or base_path, base_path, kernels, checkpointing)
     # FSDP ranks generating with the policy itself must run the same forward passes (spo.py pads)
     lockstep = dist_.world_size > 1 and engine == "hf"
-    method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep)   # the one choice of method
+    problems = [ex.problem for ex in train.examples]
+    method = method_for(cfg, train.ids, tokenizer.pad_token_id, dist_, lockstep, problems)   # the one choice of method
     optimizer, scheduler = build_optimizer(policy, cfg)
     step, generated_tokens = 0, 0.0
     if resume_from:
@@ -365,7 +371,6 @@ def setup(cfg: Config, dist_: Dist) -> Run:
         rollouts = LocalRollouts(counter.generate, train.ids, sampling, dist_.rank, dist_.world_size)
     score = reward_scorer(cfg.reward, train, reward_pool, prm)
     B_local = cfg.train.prompts_per_step // dist_.world_size
-    problems = [ex.problem for ex in train.examples]
     context = Context(cfg=cfg, policy=policy, ref=ref, engine=counter, train_ids=train.ids, problems=problems,
                       dist=dist_, mine=slice(dist_.rank * B_local, (dist_.rank + 1) * B_local),
                       lockstep=lockstep, score=score, distinct_problems=len(set(problems)),

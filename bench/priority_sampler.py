@@ -80,7 +80,10 @@ def main() -> None:
     adv, acc = torch.rand(batch, G, generator=g) * 0.5, torch.rand(batch, G, generator=g).round()
     print(f"{'option (N = 10^6, B = 256)':>42} {'sample + update ms':>19}")
     for name, options in (("paper (mean_abs, batch_max)", {}), ("uniform_mix 0.2", {"uniform_mix": 0.2}),
-                          ("priority posterior", {"priority": "posterior", "posterior_decay": 0.9}),
+                          ("priority learnability", {"priority": "learnability", "posterior_decay": 0.9}),
+                          ("priority thompson (O(N) per step)", {"priority": "thompson", "posterior_decay": 0.9}),
+                          ("learnability, prior_reversion 0.01 (O(N))",
+                           {"priority": "learnability", "prior_reversion": 0.01}),
                           ("skip, half the prompts at streak 3", {"skip": True})):
         s = touched(n, batch, **options)
         if "skip" in options:

@@ -21,8 +21,8 @@ num_iterations, std-scaled group advantages (algo.scale_rewards), grpo aggregati
 that train.py's scorer computes, accuracy and format always scored), AdamW (lr, betas, weight
 decay, warm-up then cosine to lr x min_lr_ratio, max_grad_norm), bf16 autocast and gradient
 checkpointing (model.*; on a GPU), one optimizer step per rollout batch. Settings TRL cannot run
-(another advantage method or aggregation, ERS, PPS, a PRM, LoRA) are refused in one line. Both
-sides use transformers for generation (train.py's static-cache loop, rollout.engine=hf; TRL's
+(another advantage method, aggregation or objective, ERS, PPS, a PRM, LoRA) are refused in one line.
+Both sides use transformers for generation (train.py's static-cache loop, rollout.engine=hf; TRL's
 `generate`), score rewards in the trainer's process (reward.workers=0), and neither evaluates nor
 saves between steps. The default workload, the tiny CPU one (bench/RESULTS.md §19): the offline
 tiny model, builtin:arithmetic, B = 16 x G = 8, at most 12 new tokens, T = 1, β = 0, lr 1e-4 with 5
@@ -144,6 +144,7 @@ def run_trl(w: Workload, threads: int, micro: int) -> Run:
 def trl_refusal(cfg) -> str | None:
     """The first setting of the config TRL's GRPOTrainer cannot run as train.py does, or None."""
     checks = (("algo.advantage", cfg.algo.advantage, "grpo"), ("algo.aggregation", cfg.algo.aggregation, "grpo"),
+              ("algo.objective", cfg.algo.objective, "ppo_clip"),
               ("ers.enabled", cfg.ers.enabled, False), ("pps.enabled", cfg.pps.enabled, False),
               ("reward.prm", cfg.reward.prm, 0.0), ("model.lora.rank", cfg.model.lora.rank, 0))
     return next((f"{key}={value}: TRL's side runs {key}={expected} only" for key, value, expected in checks

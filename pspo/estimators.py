@@ -7,6 +7,7 @@ A group-baseline estimator reads each prompt's reward statistics (mean, std): it
 GRPO:      A_i = (r_i - mean) / (std + ε)
 Dr. GRPO:  A_i =  r_i - mean                      (scale = False)
 RLOO:      A_i = G/(G-1) · (r_i - mean)           = r_i - mean_{j≠i} r_j with the group's μ (÷ (std + ε): scale)
+MaxRL:     A_i = (r_i - mean) / (mean + ε)        the mean in place of the std: a prompt weighs ∝ 1/p
 One value per completion; the loss broadcasts it over the completion's tokens.
 
 REINFORCE++ (docs/related.md §A), one value per token:
@@ -14,6 +15,9 @@ REINFORCE++ (docs/related.md §A), one value per token:
     G_t = Σ_{t'≥t} r_t'                         (γ = 1)
     A_t = (G_t - mean) / sqrt(var + 1e-8)       mean, var over every valid token of the global batch
 b_i = 0 (REINFORCE++), or the mean of R_i's group (REINFORCE++-baseline; ERS: m_q).
+
+Single-stream PO (docs/methods.md §10), one value per completion, from the prompt's tracked value v̂(x):
+    A = r - v̂(x),  then  (A - mean) / (std + ε)     mean, sample std over every completion of the batch
 """
 from __future__ import annotations
 
@@ -81,6 +85,29 @@ def rloo_advantages(rewards: Tensor, mean: Tensor) -> Tensor:
     if G < 2:
         raise ValueError("rollout.num_generations: RLOO's leave-one-out mean needs G >= 2 completions")
     return G / (G - 1) * (rewards - mean[:, None])               # (B, G)  r_i - (G·μ - r_i)/(G-1)
+
+
+def maxrl_advantages(rewards: Tensor, mean: Tensor, eps: float = 1e-4) -> Tensor:
+    """MaxRL advantage (Tajwar et al. 2026), docs/methods.md §1: the centred rewards divided by the group's mean
+    reward, its success rate p̂ for 0/1 rewards, so that a prompt's gradient weighs ∝ 1/p̂ (the maximum-likelihood
+    gradient ∇ log p = ∇p / p); ERS's m_q in place of μ, §2. The config keeps the rewards ≥ 0.
+
+    rewards (B, G); mean (B,): the group's μ or ERS's m_q -> (B, G). An all-equal group (all-zero included) gets 0
+    exactly (`group_statistics`' μ is then its first reward).
+    """
+    return (rewards - mean[:, None]) / (mean[:, None] + eps)      # (B, G)
+
+
+def single_stream_advantages(rewards: Tensor, values: Tensor, eps: float = 1e-8) -> Tensor:
+    """Single-stream PO's advantage, docs/methods.md §10: A = r - v̂(x), the prompt's tracked value before
+    this visit, normalised over every completion of the batch: (A - mean) / (std + ε), the sample std.
+
+    rewards (B, G) every rank's; values (B,) v̂ -> (B, G). One completion in all has no spread: A = 0.
+    """
+    centered = rewards - values[:, None]                             # (B, G)  r - v̂
+    if centered.numel() < 2:
+        return torch.zeros_like(centered)
+    return (centered - centered.mean()) / (centered.std() + eps)
 
 
 def whiten(values: Tensor, mask: Tensor, variance: str = "bessel", *, reduce_sum: ReduceSum) -> Tensor:

@@ -9,27 +9,30 @@ term of each token is reweighted by w, from the ratio r of the token or of the w
     Δ_it = mask_it · (log π_old(o_it) − log π_engine(o_it))
     r_it = exp(Δ_it)                         token level: one ratio per token
     r_i  = exp(Σ_t Δ_it)                     sequence level: one per completion, on each of its tokens
+    r_i  = exp(Σ_t Δ_it / |o_i|)             geometric level: the per-token ratios' geometric mean, likewise
     token, sequence (truncated):             w = clip(r, C_low, C)
-    token_mask, sequence_mask (masked):      w = r if C_low ≤ r ≤ C, else 0
+    token_mask, sequence_mask, geo_mask:     w = r if C_low ≤ r ≤ C, else 0       (masked)
 
 with C = rollout.is_cap and C_low = rollout.is_floor (0: no lower bound), TRL's GRPOTrainer's
 `vllm_importance_sampling_mode` (token_truncate, sequence_truncate, token_mask, sequence_mask) with
-its clip_max and clip_min. Both log-probs are log softmax(z/T) of the sampled token, scored without
-grad, so w carries no gradient. On padding Δ = 0: a token ratio is 1 there, a sequence ratio its
-completion's (the loss masks both), and no count below includes a padding position.
+its clip_max and clip_min; geo_mask is the geometric-mean mask of verl's Geo-RS and SkyRL (a length-normalised
+sequence ratio, which does not grow with the completion's length). Both log-probs are log softmax(z/T) of the
+sampled token, scored without grad, so w carries no gradient. On padding Δ = 0: a token ratio is 1 there, a
+sequence ratio its completion's (the loss masks both), and no count below includes a padding position.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-# rollout.is_correction: no weight | truncated per token | per sequence | masked per token | per sequence
-IS_CORRECTIONS = ("none", "token", "sequence", "token_mask", "sequence_mask")
+# rollout.is_correction: no weight | truncated per token | per sequence | masked per token | per sequence | by the
+# completion's geometric mean
+IS_CORRECTIONS = ("none", "token", "sequence", "token_mask", "sequence_mask", "geo_mask")
 
 
 def log_ratios(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str) -> Tensor:
-    """log r, the log of the untruncated, unmasked ratio: Δ_it (token, token_mask) or Σ_t Δ_it
-    broadcast over the row (sequence, sequence_mask).
+    """log r, the log of the untruncated, unmasked ratio: Δ_it (token, token_mask), or Σ_t Δ_it (sequence,
+    sequence_mask) or its mean over the completion's tokens (geo_mask) broadcast over the row.
 
     old_logp, engine_logp, mask (N, T) -> (N, T) float32. Padding is zeroed before the sum, so what
     an engine or the trainer leaves there (0, a pad token's log-prob) never enters it.
@@ -41,6 +44,8 @@ def log_ratios(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str) -
         return diff
     if level == "sequence":
         return diff.sum(1, keepdim=True).expand_as(diff)                     # (N, 1) -> (N, T)
+    if level == "geo":
+        return (diff.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)).expand_as(diff)
     raise ValueError(f"rollout.is_correction: expected {' | '.join(IS_CORRECTIONS[1:])}, got {mode!r}")
 
 

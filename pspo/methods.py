@@ -7,24 +7,28 @@ trains, with this rank's statistics (`MethodOutput`):
 
     grpo                   GRPO / Dr. GRPO, per completion                            docs/methods.md §1
     rloo                   RLOO: r_i - the mean of the other G - 1, per completion    docs/methods.md §1
+    maxrl                  MaxRL: (r_i - μ)/(μ + ε), weighs a prompt ∝ 1/p, per completion  docs/methods.md §1
     reinforce_pp           REINFORCE++, per token, KL in the reward, batch-whitened   docs/related.md §A
     reinforce_pp_baseline  the same from R_i - the mean of its group                  docs/related.md §A
     spo_chain              SPO-chain: Monte Carlo values at cut points, per segment   docs/related.md §B
     spo_tree               SPO-tree: trees grown from the step's completions,         docs/related.md §B
                            replayed edges
+    single_stream          Single-stream PO: r - the prompt's tracked value v̂,        docs/methods.md §10
+                           normalised over the batch, per completion
 
 Besides the rewards, a method reads what it declares in `method_for` (`Method`): π_old / π_ref of the
 step's completions (`reads_old`, `reads_ref`) and its group's reward statistics (`reads_group`: the
 methods of config.GROUP_BASELINES, whose baseline is the group; ERS may smooth them); and it says
 whether it generates (`generates`). The math lives in estimators.py, ema_stats.py (ERS) and
 related/spo_segments.py (pure tensor functions); SPO's extra generation in related/spo.py (imported
-when an SPO method is chosen). The loop (train.py) makes the shared calls, once each, in this order:
+when an SPO method is chosen), Single-stream PO's value tracker in related/single_stream.py (likewise).
+The loop (train.py) makes the shared calls, once each, in this order:
 1. `engine.release()` (rollout.py) as soon as the step generates nothing more: before the method,
    or after it for a method that generates (SPO-chain's Monte Carlo continuations, SPO-tree's
    branches);
 2. `score_first`: the π_old / π_ref of the step's completions that the method reads:
    REINFORCE++'s KL reward reads both (with algo.kl_coef > 0, docs/related.md §A), SPO-chain's cuts
-   read π_old (p_t, §B chain 2);
+   read π_old (p_t, §B chain 2), Single-stream PO's tracker stores it (π_then, docs/methods.md §10);
 3. `group_baseline`, ERS's step (docs/methods.md §2), for a method that reads its group: each
    prompt's reward mean and std, its group's (μ, s), or with ers.enabled the smoothed (m_q, sqrt(v_q))
    after this step's visit; the method centres (and scales) by whichever it is handed;
@@ -46,9 +50,9 @@ rollout.is_correction with it (the edges train in later steps, and they keep no 
 Adding a method (docs/methods.md, "Adding a method", with RLOO as the example): its function here
 (`per_completion` or `per_token` wraps its values; its formula in estimators.py with a hand-worked
 test), one entry in `method_for`, its name in config.ADVANTAGES (and in config.GROUP_BASELINES when
-its baseline is its group's statistics: ERS then applies to it), a preset. Two other places read
-algo.advantage, each for its own concern: config.validate_method (the settings a method takes) and
-plan.step_shape (what it generates, for the memory plan).
+its baseline is its group's statistics: ERS then applies to it; in TOKEN_ADVANTAGES when per token), a
+preset. Two other places read algo.advantage, each for its own concern: config.validate_method (the
+settings a method takes) and plan.step_shape (what it generates, for the memory plan).
 """
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pspo.estimators import group_statistics, grpo_advantages, reinforce_pp_advantages, rloo_advantages, zero_variance
+from pspo.estimators import (group_statistics, grpo_advantages, maxrl_advantages, reinforce_pp_advantages,
+                             rloo_advantages, single_stream_advantages, zero_variance)
 from pspo.training import distributed
 from pspo.training.config import GROUP_BASELINES, Config, RolloutConfig
 from pspo.training.distributed import Dist
@@ -72,6 +77,7 @@ from pspo.training.tokens import Rollout
 from pspo.training.micro_batches import TokenRows, UpdateBatch
 
 if TYPE_CHECKING:                 # SPO's machinery is imported by the SPO methods alone, when they run
+    from pspo.related.single_stream import ValueTracker
     from pspo.related.spo import SPOTree
 
 
@@ -105,21 +111,26 @@ class StepRollouts:
 @dataclass
 class MethodState:
     """What a method keeps across steps, replicated on every rank and saved in checkpoints: ERS's
-    statistics (ers.enabled, any method that reads its group, docs/methods.md §2) and SPO-tree's replay
-    buffer (spo_tree, docs/related.md §B). A method with state of its own adds a field here and to the
-    two functions below; train.py and checkpoint.py hand the object on as it is."""
+    statistics (ers.enabled, any method that reads its group, docs/methods.md §2), SPO-tree's replay
+    buffer (spo_tree, docs/related.md §B) and Single-stream PO's value tracker (single_stream, docs/methods.md
+    §10). A method with state of its own adds a field here and to the two functions below; train.py and
+    checkpoint.py hand the object on as it is."""
     ers: EMAStats | None = None
     tree: SPOTree | None = None
+    single_stream: ValueTracker | None = None
 
     def state_dict(self) -> dict:
         return {"ers": self.ers.state_dict() if self.ers is not None else None,
-                "spo_tree": self.tree.state_dict() if self.tree is not None else None}
+                "spo_tree": self.tree.state_dict() if self.tree is not None else None,
+                "single_stream": self.single_stream.state_dict() if self.single_stream is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         if self.ers is not None:
             self.ers.load_state_dict(state["ers"])
         if self.tree is not None and state.get("spo_tree") is not None:
             self.tree.load_state_dict(state["spo_tree"])
+        if self.single_stream is not None:
+            self.single_stream.load_state_dict(state["single_stream"])
 
 
 @dataclass(kw_only=True)
@@ -184,6 +195,12 @@ def rloo(s: StepRollouts, ctx: Context) -> MethodOutput:
     return per_completion(s, ctx, rloo_advantages(s.rewards, s.baseline.mean))
 
 
+def maxrl(s: StepRollouts, ctx: Context) -> MethodOutput:
+    """MaxRL, docs/methods.md §1: A_i = (r_i - μ)/(μ + ε), the group's mean in place of its std (ERS's m_q, §2).
+    One value per completion, broadcast over its tokens."""
+    return per_completion(s, ctx, maxrl_advantages(s.rewards, s.baseline.mean, ctx.cfg.algo.adv_eps))
+
+
 def reinforce_pp(s: StepRollouts, ctx: Context) -> MethodOutput:
     """REINFORCE++, docs/related.md §A: r_t = -kl_coef·(logπ_old - logπ_ref)_t + [t = last]·clip(R),
     G_t = Σ_{t'≥t} r_t', whitened over every valid token of every rank."""
@@ -224,16 +241,29 @@ def spo_tree(s: StepRollouts, ctx: Context) -> MethodOutput:
     return MethodOutput(grown.advantages, grown.loss_mask, stats, rows=grown.rows, old_logp=grown.old_logp)
 
 
+def single_stream(s: StepRollouts, ctx: Context) -> MethodOutput:
+    """Single-stream PO, docs/methods.md §10: A = r - v̂(x), the prompt's tracked value before this visit,
+    normalised over every completion of the batch; then the tracker folds the visit in, its decay from how far
+    the policy moved since the prompt's last visit (related/single_stream.py; π_old read first)."""
+    tracker = ctx.state.single_stream
+    advantages = single_stream_advantages(s.rewards, tracker.values(s.indices), ctx.cfg.algo.adv_eps)   # (B, G)
+    out = per_completion(s, ctx, advantages)
+    out.metrics = tracker.visit(ctx.policy, indices=s.indices, mine=ctx.mine, rewards=s.rewards, rollout=s.rollout,
+                                old_logp=s.old_logp)
+    return out
+
+
 # ---- the one place a method is chosen ----
 
-def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool) -> Method:
+def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist, lockstep: bool,
+               problems: list[str] | None = None) -> Method:
     """The method named by algo.advantage, with its generation budget, its replicated state, and what
-    it reads first or generates."""
+    it reads first or generates. `problems`: the train rows' texts (Single-stream PO's offline prior)."""
     name, T = cfg.algo.advantage, cfg.rollout.max_new_tokens
     kl = cfg.algo.kl_coef > 0                            # REINFORCE++'s KL reward (config.py: its methods only)
     ers = EMAStats(cfg.ers.alpha) if cfg.ers.enabled else None     # config.py: with GROUP_BASELINES only
     # the methods computed from the step's rewards (REINFORCE++'s KL reward: and π_old, π_ref), generating nothing
-    from_rewards = {"grpo": grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+    from_rewards = {"grpo": grpo, "rloo": rloo, "maxrl": maxrl, "reinforce_pp": reinforce_pp,
                     "reinforce_pp_baseline": reinforce_pp_baseline}
     if name in from_rewards:
         return Method(name, from_rewards[name], T, MethodState(ers=ers), reads_old=kl, reads_ref=kl)
@@ -243,6 +273,10 @@ def method_for(cfg: Config, train_ids: list[list[int]], pad_id: int, dist_: Dist
         from pspo.related.spo import SPOTree
         tree = SPOTree(cfg, train_ids, pad_id, dist_, lockstep)
         return Method(name, spo_tree, cfg.spo.segments[0], MethodState(tree=tree), generates=True)
+    if name == "single_stream":                          # its tracker's drift reads π_old (rho = kl)
+        from pspo.related.single_stream import ValueTracker
+        tracker = ValueTracker(cfg, train_ids, pad_id, dist_, problems)
+        return Method(name, single_stream, T, MethodState(single_stream=tracker), reads_old=tracker.kl)
     raise ValueError(f"algo.advantage: no method named {name!r}")   # config.py validates the name first
 
 

@@ -16,16 +16,24 @@ does; §3 measures the error); the weights are normalized by the batch max (the 
 `is_norm: none` keeps them so, `mean` divides by the batch mean);
 the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
 reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
-Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried.
+Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried (Thompson's
+are drawn from the prior like the others).
 
 The fixes of docs/methods.md §3b, each off by default (the paper's method):
   uniform_mix u    P'(q) = (1-u)·P(q) + u/N: no prompt falls below u/N. Drawn as P' ∝ p_q + c with
                    c = u·Σp / ((1-u)·N), through a second tree that counts the live leaves.
-  priority posterior   a_q <- λ·a_q + Σ_i r̂_i, b_q <- λ·b_q + Σ_i (1-r̂_i) (a = b = 1 at the start),
+  priority learnability   a_q <- λ·a_q + Σ_i r̂_i, b_q <- λ·b_q + Σ_i (1-r̂_i) (a = b = 1 at the start),
                    p̂ = a/(a+b), p_q = (p̂(1-p̂) + ε_p)^α: the prompt's learnability; one all-wrong
                    group lowers it without abandoning the prompt. r̂ is the accuracy in [0, 1].
-                   λ applies when the prompt is scored (old evidence counts less than new); an
-                   unvisited prompt keeps its counts (decaying all N every step would cost O(N)).
+                   λ applies when the prompt is scored (old evidence counts less than new).
+  priority thompson    the same counts; each step draws θ_q ~ Beta(a_q, b_q) for every prompt (a numpy
+                   generator seeded from the sampler's) and sets p_q = (θ_q(1-θ_q) + ε_p)^α.
+  priority single_stream   the same counts, p_q = (sqrt(p̂(1-p̂)) + ε_p)^α: Single-stream PO's
+                   prioritized sampling (docs/methods.md §10; its recipe: α = 1, ε_p = 0.05, β = 0).
+  prior_reversion r    each step, before its draw, every prompt's counts move a share r back to the prior:
+                   a <- 1 + (1-r)·(a-1), b likewise, so an abandoned prompt's learnability rises back.
+                   Thompson's draw and the reversion rescore all N leaves and rebuild the tree: O(N)
+                   vectorised per step (learnability alone updates the B scored leaves, O(B log N)).
   skip             a drawn prompt whose last k ≥ 1 groups all had zero variance is kept with
                    probability max(ρ^k, s_min), else skipped before any rollout and replaced by
                    another draw (GRESO-style); the skips are counted.
@@ -48,7 +56,9 @@ from torch import Tensor
 
 from pspo.estimators import group_advantages
 
-PRIORITIES = ("mean_abs", "max_abs", "last_abs", "posterior")   # pps.priority: a statistic of |A| | p̂(1-p̂)
+# pps.priority: a statistic of |A| | p̂(1-p̂) | θ(1-θ), θ ~ Beta(a, b) drawn each step | sqrt(p̂(1-p̂))
+PRIORITIES = ("mean_abs", "max_abs", "last_abs", "learnability", "thompson", "single_stream")
+BETA_PRIORITIES = ("learnability", "thompson", "single_stream")   # read the Beta counts of the accuracy
 IS_NORMS = ("batch_max", "mean", "none")         # pps.is_norm: w / max over the batch | w / mean over it | w
 
 
@@ -64,15 +74,16 @@ class PrioritySampler:
     """PPS over `num_prompts` prompts; the options are the pps section's (config.py), by keyword.
 
     alpha α, beta β (at the first step) and beta_end (at step total_steps; None keeps β), eps ε_p;
-    priority (PRIORITIES) and its posterior_decay λ; is_norm (IS_NORMS); uniform_mix u; skip with
-    skip_rho ρ and skip_min s_min; replacement (B independent draws); seed of the draws; scale_rewards and
-    adv_eps: the algo section's, for the raw GRPO |A| a group's rewards give (docs/methods.md §1).
+    priority (PRIORITIES) and, for BETA_PRIORITIES, posterior_decay λ and prior_reversion r; is_norm (IS_NORMS);
+    uniform_mix u; skip with skip_rho ρ and skip_min s_min; replacement (B independent draws); seed of the
+    draws; scale_rewards and adv_eps: the algo section's, for the raw GRPO |A| a group's rewards give
+    (docs/methods.md §1).
     """
 
     def __init__(self, num_prompts: int, *, alpha: float = 0.6, beta: float = 0.4, eps: float = 1e-6,
                  priority: str = "mean_abs", seed: int = 0, beta_end: float | None = None,
                  total_steps: int = 1, is_norm: str = "batch_max", uniform_mix: float = 0.0,
-                 posterior_decay: float = 1.0, skip: bool = False, skip_rho: float = 0.5,
+                 posterior_decay: float = 1.0, prior_reversion: float = 0.0, skip: bool = False, skip_rho: float = 0.5,
                  skip_min: float = 0.01, replacement: bool = False, scale_rewards: bool = True,
                  adv_eps: float = 1e-4):
         if priority not in PRIORITIES:
@@ -89,6 +100,7 @@ class PrioritySampler:
         if not 0 <= uniform_mix < 1:
             raise ValueError(f"pps.uniform_mix: expected a value in [0, 1), got {uniform_mix}")
         self.is_norm, self.uniform_mix, self.decay = is_norm, uniform_mix, posterior_decay
+        self.reversion = prior_reversion
         self.skip, self.skip_rho, self.skip_min = skip, skip_rho, skip_min
         self.replacement = replacement
         self.scale_rewards, self.adv_eps = scale_rewards, adv_eps
@@ -103,8 +115,10 @@ class PrioritySampler:
         self.posterior_b = torch.ones(num_prompts, dtype=torch.float64)
         # zero-variance groups in a row
         self.zero_streak = torch.zeros(num_prompts, dtype=torch.int64)
-        # posterior: every prompt starts at the prior's learnability .25, the largest possible
-        self.max_priority = (0.25 + eps) ** alpha if priority == "posterior" else 1.0
+        # Beta priorities: every prompt starts at the prior's learnability .25, the largest possible
+        self.max_priority = (0.25 + eps) ** alpha if priority in BETA_PRIORITIES else 1.0
+        if priority == "single_stream":                                         # sqrt(.25) = .5, likewise
+            self.max_priority = (0.5 + eps) ** alpha
         self.steps = 0                                                          # steps drawn so far
         # the last draw (`sample`): its raw weights (N·P')^-β (B,) float64, the one source of its w, and its
         # statistics; part of the state, since at one step off the draw is observed after the checkpoint
@@ -193,6 +207,8 @@ class PrioritySampler:
         (the reference code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
         §9), weighted with the step's β: β anneals per step, not per draw.
         """
+        if not same_step and (self.priority == "thompson" or self.reversion > 0):
+            self._rescore()                                                     # §3b: O(N), once per step
         c = self._mix_constant()                                                # from the full tree
         if self.replacement:                                                    # §3b: PER's draw
             taken, skipped, draws = self._draw(batch_size, c).tolist(), [], batch_size
@@ -209,6 +225,26 @@ class PrioritySampler:
         self.draw = {"raw_weights": weights, "draws": draws, "distinct": len(set(taken)),
                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         return indices
+
+    def _rescore(self) -> None:
+        """The Beta priorities' pass before a step's draw (docs/methods.md §3b): the counts revert a share r
+        toward the prior, a <- 1 + (1-r)·(a-1) and b likewise (pps.prior_reversion), then every leaf is
+        rescored as (x(1-x) + ε_p)^α from x = p̂ = a/(a+b) (learnability; single_stream: (sqrt(x(1-x)) + ε_p)^α)
+        or x = θ ~ Beta(a, b) (thompson), and the tree rebuilt: O(N) vectorised."""
+        a, b, r = self.posterior_a, self.posterior_b, self.reversion
+        if r > 0:
+            a.sub_(1).mul_(1 - r).add_(1)
+            b.sub_(1).mul_(1 - r).add_(1)
+        if self.priority == "thompson":         # one seed from the sampler's generator: a resume draws the same θ
+            seed = int(torch.randint(2**62, (1,), generator=self.generator))
+            x = torch.from_numpy(np.random.default_rng(seed).beta(a.numpy(), b.numpy()))   # (N,) θ
+        else:
+            x = a / (a + b)                                                     # (N,) p̂
+        stat = x * (1 - x)
+        if self.priority == "single_stream":                                    # §10: its square root
+            stat = stat.sqrt()
+        self.tree[self.size:self.size + self.num_prompts] = (stat + self.eps) ** self.alpha
+        self._rebuild()
 
     @property
     def weights(self) -> Tensor | None:
@@ -287,13 +323,13 @@ class PrioritySampler:
 
         indices (B,) as `sample` drew them; rewards and accuracy (B, G) of every rank. The priority
         comes from the raw GRPO |A| of each group (whatever advantage the method trains on, ERS's
-        included), or from the accuracy r̂ in [0, 1] with priority = posterior. Returns (B, G): the
+        included), or from the accuracy r̂ in [0, 1] with the Beta priorities. Returns (B, G): the
         weights the draw gave, one per completion, which multiply the policy-gradient term; normalized
         False: the raw (N·P')^-β (float64), for a step that trains groups of several draws and
         normalizes them together (`normalize`; dynamic sampling, docs/methods.md §9).
         """
         abs_advantages = group_advantages(rewards, self.scale_rewards, self.adv_eps).abs()   # (B, G) §1
-        weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority == "posterior" else None)
+        weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority in BETA_PRIORITIES else None)
         if normalized:
             return weights
         raw = self.draw["raw_weights"] if self.draw is not None else torch.ones(len(indices), dtype=torch.float64)
@@ -313,7 +349,7 @@ class PrioritySampler:
         """Set the scored prompts' priorities and return the batch's IS weights per completion (B, G).
 
         abs_advantages (B, G) ≥ 0, the raw GRPO |A|: p_q = (stat_i |A_i| + ε)^α; `successes` (B, G)
-        in [0, 1] (the accuracy) feed the posterior instead when priority = posterior. Zero-variance
+        in [0, 1] (the accuracy) feed the Beta counts instead with BETA_PRIORITIES. Zero-variance
         groups (every |A| = 0) lengthen the prompt's skip streak; any other group resets it. A prompt
         in the batch twice (pps.replacement) has its groups scored one after the other, in batch order.
         """
@@ -321,8 +357,8 @@ class PrioritySampler:
         indices = indices.cpu().long()
         # checked before any change
         weights = self._weights_for(len(indices), a.shape[1])                  # (B, G)
-        if self.priority == "posterior" and successes is None:
-            raise ValueError("pps.priority=posterior: set_priorities needs the completions' successes")
+        if self.priority in BETA_PRIORITIES and successes is None:
+            raise ValueError(f"pps.priority={self.priority}: set_priorities needs the completions' successes")
         earlier = occurrence(indices)                                          # (B,) rows of the same prompt before
         for k in range(int(earlier.max()) + 1 if len(indices) else 0):         # one pass when all are distinct
             rows = earlier == k
@@ -331,19 +367,23 @@ class PrioritySampler:
 
     def _score(self, indices: Tensor, a: Tensor, successes: Tensor | None) -> None:
         """set_priorities for distinct indices (B',): |A| rows a (B', G) float64, successes (B', G)."""
-        if self.priority == "posterior":                                         # §3b: decayed Beta counts
+        zero = a.amax(1) == 0
+        self.zero_streak[indices] = torch.where(zero, self.zero_streak[indices] + 1, 0)
+        self.seen[indices] = True
+        if self.priority in BETA_PRIORITIES:                                    # §3b: decayed Beta counts
             r = successes.detach().double().cpu().clamp(0, 1)                   # (B, G)
             self.posterior_a[indices] = self.decay * self.posterior_a[indices] + r.sum(1)
             self.posterior_b[indices] = self.decay * self.posterior_b[indices] + (1 - r).sum(1)
+            if self.priority == "thompson":     # its leaves stay the step's draw until the next step's (_rescore)
+                return
             mean = self.posterior_a[indices] / (self.posterior_a[indices] + self.posterior_b[indices])
             stat = mean * (1 - mean)                                            # p̂(1 - p̂) ≤ .25
+            if self.priority == "single_stream":                                # §10: its square root
+                stat = stat.sqrt()
         else:
             stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1),
                     "last_abs": lambda: a[:, -1]}[self.priority]()
         values = (stat + self.eps) ** self.alpha                                # (B,)
-        zero = a.amax(1) == 0
-        self.zero_streak[indices] = torch.where(zero, self.zero_streak[indices] + 1, 0)
-        self.seen[indices] = True
         self._set(indices.numpy(), values.numpy())
         new_max = float(values.max())
         # unseen prompts follow the max

@@ -4,7 +4,8 @@ knights-and-knaves reward (docs/related.md §A), `knights` (pspo/tasks/knights_r
 process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
 (`StepReward`, pspo/related/prm.py) and summed with them. DAPO's soft overlong punishment
 (`overlong_penalty`, docs/methods.md §9) depends on a completion's token count, which the loop adds
-after scoring (`with_overlong_penalty`).
+after scoring (`with_overlong_penalty`); the random reward of the control reward.kind=random
+(`with_random_reward`, docs/methods.md §5) on its seed.
 
 Knights-and-knaves golds ("(1) Zoey is a knight\n(2) ..."; pspo/tasks/knights.py) are not math: for
 them `accuracy` is the K&K exact match (1.0 iff `knights` scores 3: format passed and every role
@@ -245,12 +246,25 @@ def reward_scorer(reward: RewardConfig, train: PromptSet, pool: RewardPool,
 
 
 def gather_scores(scored: RewardResult, G: int) -> tuple[Tensor, Tensor]:
-    """This rank's rewards and accuracies (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
-    state sees the whole batch on every rank. Collective."""
+    """This rank's rewards and successes (N,) -> every rank's, (B, G) each: the replicated ERS and PPS
+    state sees the whole batch on every rank. The successes (PPS's Beta counts) are the accuracy, or with
+    reward.kind=random the draw that replaced it: a control's sampler sees no verified accuracy. Collective."""
     from pspo.training import distributed                # torch: not in the reward workers' import
     rewards = distributed.all_gather_rows(scored.rewards.view(-1, G))
-    accuracy = distributed.all_gather_rows(scored.components["accuracy"].view(-1, G))
-    return rewards, accuracy
+    success = scored.components.get("random", scored.components["accuracy"])
+    return rewards, distributed.all_gather_rows(success.view(-1, G))
+
+
+def with_random_reward(scored: RewardResult, seeds: Tensor, rate: float, weight: float) -> RewardResult:
+    """reward.kind=random, a control (docs/methods.md §5): every reward becomes weight·b, b ~ Bernoulli(rate),
+    drawn from a hash of the completion's seed (engines/sampling.py: a hash of the run's seed, the step, the
+    prompt's key and the sample's index), so b depends on neither the ranks nor the batch, and a resume draws
+    it again; b is kept as the component "random", the verified accuracy stays (logged). seeds (N,) int64."""
+    import torch
+    from pspo.engines.sampling import MUL2, mix, shr
+    u = (shr(mix(seeds.to(torch.int64) ^ MUL2), 11).double() + 0.5) * 2.0 ** -53      # (N,) uniform in (0, 1)
+    b = (u < rate).float()                                                             # (N,)
+    return RewardResult(weight * b, {**scored.components, "random": b}, scored.failures)
 
 
 # ---- soft overlong punishment (DAPO) -------------------------------------------------------------

@@ -45,7 +45,8 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
     return PrioritySampler(N, alpha=p.alpha, beta=p.beta, eps=p.eps, seed=seed,
                            beta_end=None if p.beta_end == -1 else p.beta_end,   # pps.beta_end -1: constant β
                            total_steps=cfg.train.max_steps, priority=p.priority,
-                           posterior_decay=p.posterior_decay, is_norm=p.is_norm, uniform_mix=p.uniform_mix,
+                           posterior_decay=p.posterior_decay, prior_reversion=p.prior_reversion,
+                           is_norm=p.is_norm, uniform_mix=p.uniform_mix,
                            skip=p.skip, skip_rho=p.skip_rho, skip_min=p.skip_min, replacement=p.replacement,
                            scale_rewards=a.scale_rewards, adv_eps=a.adv_eps)
 

@@ -1,5 +1,5 @@
-"""The optimizer step on one batch (docs/methods.md §1): the clipped surrogate + β·KL over the batch's
-token advantages, micro-batched with gradient accumulation, then the grad-norm clip and the AdamW
+"""The optimizer step on one batch (docs/methods.md §1): the objective (algo.objective, §11) + β·KL over the
+batch's token advantages, micro-batched with gradient accumulation, then the grad-norm clip and the AdamW
 step, `algo.num_iterations` times.
 
 It does not know which method made the batch: it trains on an `UpdateBatch` (methods.training_batch)
@@ -66,13 +66,16 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
             for micro in plan:
                 logp, entropy = forward_logprobs(policy, micro, input_ids=input_ids, attention_mask=attention_mask,
                                                  T=T, temperature=temperature)   # (n, w)
+                # whole rows, every completion token of each (width: their longest), so that a sequence-level
+                # objective (GSPO's s_i) sees its sequence entire: micro_batches.plan_micro_batches
                 rows, cols = micro.rows, slice(0, micro.width)
                 m = lm[rows, cols] * (0.0 if micro.spare else 1.0)       # (n, w); a spare one: zero loss
                 old = logp.detach() if batch.old_logp is None else batch.old_logp[rows, cols]
                 ref = None if batch.ref_logp is None else batch.ref_logp[rows, cols]
                 loss, stats = policy_loss(logp, old_logp=old, ref_logp=ref, advantages=batch.advantages[rows, cols],
                                           mask=m, seq_weights=weights[rows], beta=a.beta, eps_low=a.eps_low,
-                                          eps_high=a.eps_high)
+                                          eps_high=a.eps_high, objective=a.objective, tau_pos=a.sapo_tau_pos,
+                                          tau_neg=a.sapo_tau_neg)
                 finite_loss &= torch.isfinite(loss.detach())
                 # FSDP averages gradients over ranks; the loss is already a global sum, so undo the mean.
                 (loss * dist_.world_size).backward()
@@ -93,9 +96,7 @@ def policy_update(policy, optimizer, scheduler, batch: UpdateBatch, cfg: Config,
     finally:
         policy.eval()
     return UpdateSums(skipped_steps=skipped, update_positions=float(positions * a.num_iterations),
-                      update_tokens=float(attention_mask.sum()) * a.num_iterations, grad_norm=grad_norms,
-                      pg_loss=sums["pg_loss"], kl=sums["kl"], clipped_tokens=sums["clipped_tokens"],
-                      tokens=sums["tokens"], entropy=sums["entropy"])
+                      update_tokens=float(attention_mask.sum()) * a.num_iterations, grad_norm=grad_norms, **sums)
 
 
 def _clip_grad_norm(policy, max_grad_norm: float) -> float:

@@ -200,9 +200,9 @@ def rollout_mode(cfg: Config) -> str:
 def trainer_state(step: int, *, scheduler, sampler, method_state, generated_tokens: float, cfg: Config,
                   sampler_mode: str) -> dict:
     """What an exact resume needs beside the weights and AdamW: the step, the schedule, the replicated
-    sampler and method state (methods.MethodState: ERS's statistics, SPO-tree's buffer), the tokens
-    generated so far, and the method and sampler mode the run trained with (a resume under another
-    one is refused)."""
+    sampler and method state (methods.MethodState: ERS's statistics, SPO-tree's buffer, Single-stream PO's
+    tracker), the tokens generated so far, and the method and sampler mode the run trained with (a resume
+    under another one is refused)."""
     return {"step": step, "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(),
             **method_state.state_dict(), "generated_tokens": generated_tokens,
             "advantage": cfg.algo.advantage, "sampler_mode": sampler_mode, "rollout_mode": rollout_mode(cfg),

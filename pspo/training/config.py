@@ -6,8 +6,9 @@ mistake is one `ConfigError` line naming the key (train.py turns it into exit co
 A YAML file may start with `base: other.yaml` (relative to itself) to inherit from a preset.
 
 The sections: model, data, rollout, reward, prm (PSPO*'s process reward, docs/related.md §C), algo,
-ers, pps, optim, train, eval, and spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
-checks in `validate_spo`). `ConfigError`, `check`, `first_line` and `error_line` are also how the
+ers, pps, optim, train, eval, spo (SPO-chain / SPO-tree, docs/related.md §B, with its own
+checks in `validate_spo`) and single_stream (Single-stream PO's tracker, docs/methods.md §10, with its
+own checks in `validate_single_stream`). `ConfigError`, `check`, `first_line` and `error_line` are also how the
 components that turn a library's exception into one line (model loading, the PRM, the memory plan,
 data loading, checkpoints, vLLM) report it.
 """
@@ -24,8 +25,8 @@ import yaml
 
 from pspo.estimators import WHITENINGS
 from pspo.is_correction import IS_CORRECTIONS
-from pspo.loss import AGGREGATIONS
-from pspo.priority_sampler import IS_NORMS, PRIORITIES
+from pspo.loss import AGGREGATIONS, OBJECTIVES
+from pspo.priority_sampler import BETA_PRIORITIES, IS_NORMS, PRIORITIES
 
 
 class ConfigError(ValueError):
@@ -76,9 +77,12 @@ SYSTEM_PROMPTS = {"r1": R1_SYSTEM_PROMPT}     # data.system_prompt names; any ot
 # The names each setting accepts. A name the math implements is the math module's (imported above:
 # those modules import nothing of the project, and raise on a name they do not know); the others
 # live here, since the modules that pick by them (methods, sampler) import this one.
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")   # methods.method_for
+ADVANTAGES = ("grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline", "spo_chain",
+              "spo_tree", "single_stream")                                  # methods.method_for
+# the methods whose advantages are one per token, not one per completion broadcast over its tokens
+TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")
 # the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
-GROUP_BASELINES = ("grpo", "rloo", "reinforce_pp_baseline")
+GROUP_BASELINES = ("grpo", "rloo", "maxrl", "reinforce_pp_baseline")
 PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
 
 
@@ -143,7 +147,7 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"                # vllm | hf (transformers generate) | auto (vllm on a GPU, hf on CPU)
-    num_generations: int = 8            # G, completions per prompt
+    num_generations: int = 8            # G, completions per prompt (1: algo.advantage=single_stream only)
     temperature: float = 1.0            # T; also divides the logits in the loss (§1)
     top_p: float = 1.0                  # nucleus sampling mass
     max_new_tokens: int = 16            # L_max, tokens per completion
@@ -155,7 +159,8 @@ class RolloutConfig:
     sleep: bool = False                 # vllm on GPU: free its memory while the trainer updates
     sync_check_steps: int = 10          # vllm: check the engine's weights at the first step, then every N (0 = off)
     # engine/trainer mismatch (§7): the PG term weighted by r = π_old/π_engine per token | sequence,
-    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask) | none
+    # truncated to [C_low, C] (token, sequence) or zeroed outside it (token_mask, sequence_mask), or the
+    # completion's geometric mean exp(mean_t log r_t), zeroed outside [C_low, C] (geo_mask) | none
     is_correction: str = "none"
     is_cap: float = 2.0                 # C, the upper bound of r (> 1)
     is_floor: float = 0.0               # C_low, the lower bound of r (in [0, 1); 0 = none)
@@ -186,6 +191,10 @@ class RewardConfig:
     # rollout.max_new_tokens = L_max lower the reward linearly from 0 to -1 (0 = off)
     overlong_cache: int = 0
     timeout_s: float = 5.0              # per-call limit of one reward function, seconds
+    # the training reward: verified (the weighted sum of the rewards above) | random (a control, docs/methods.md
+    # §5: accuracy · b, b ~ Bernoulli(random_rate) seeded per completion; the logged accuracy stays the verified one)
+    kind: str = "verified"
+    random_rate: float = 0.0            # reward.kind=random: P(b = 1), the task's measured base rate (required)
     # reward processes per rank (reward_pool.py): 0 = in the trainer, -1 = auto (cores left after the training
     # threads)
     workers: int = -1
@@ -217,19 +226,24 @@ class PRMConfig:
 @dataclass
 class AlgoConfig:
     # the advantage method (methods.method_for): grpo (docs/methods.md §1, per completion; Dr. GRPO through
-    # scale_rewards) | rloo (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
-    # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section)
+    # scale_rewards) | rloo | maxrl (§1, per completion) | reinforce_pp | reinforce_pp_baseline (docs/related.md §A,
+    # per token) | spo_chain | spo_tree (docs/related.md §B, per token, the spo section) | single_stream
+    # (Single-stream PO, docs/methods.md §10, per completion, the single_stream section)
     advantage: str = "grpo"
     # divide by the group std (GRPO); false for Dr. GRPO and for RLOO, which refuses it (§1). PPS's priority
     # reads it with any method (the raw GRPO |A|, §3)
     scale_rewards: bool = True
     aggregation: str = "grpo"           # grpo | token_mean | dr_grpo (§1 Aggregation)
+    # the policy objective (loss.OBJECTIVES, docs/methods.md §11): ppo_clip (§1) | gspo | gspo_token | cispo | sapo
+    objective: str = "ppo_clip"
     # β, weight of the k3 KL to the reference policy in the loss (0 for REINFORCE++)
     beta: float = 0.04
-    eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ
-    eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ
+    eps_low: float = 0.2                # ε_low, lower clip of the ratio ρ (gspo: of s_i; cispo: of its IS weight)
+    eps_high: float = 0.28              # ε_high, upper clip of the ratio ρ (likewise)
+    sapo_tau_pos: float = 1.0           # τ_pos, SAPO's gate temperature where Â > 0 (§11)
+    sapo_tau_neg: float = 1.05          # τ_neg, where Â ≤ 0
     num_iterations: int = 1             # PPO epochs (optimizer steps) per rollout batch
-    adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε)
+    adv_eps: float = 1e-4               # ε in A = (r - μ) / (s + ε); single_stream: in (A - mean) / (std + ε)
     # REINFORCE++ (docs/related.md §A): k1 KL penalty in the token reward, -kl_coef·(logπ_old - logπ_ref)
     # (PaddleNLP's: 1e-3)
     kl_coef: float = 0.0
@@ -263,10 +277,13 @@ class PPSConfig:
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
     mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
-    priority: str = "mean_abs"          # |A^GRPO| statistic mean_abs | max_abs | last_abs, or posterior (§3b)
+    # |A^GRPO| statistic mean_abs | max_abs | last_abs, or from Beta counts learnability | thompson (§3b) |
+    # single_stream (§10)
+    priority: str = "mean_abs"
     is_norm: str = "batch_max"          # IS weights divided by their batch max | batch mean | none (§3b)
     uniform_mix: float = 0.0            # u: P' = (1-u)·P + u/N, no prompt below u/N (§3b)
-    posterior_decay: float = 0.9        # λ of priority=posterior: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    posterior_decay: float = 0.9        # λ of the Beta counts at a visit: a <- λa + Σr̂, b <- λb + Σ(1-r̂)
+    prior_reversion: float = 0.0        # r: each step a <- 1 + (1-r)(a-1), b likewise, toward the prior (§3b)
     skip: bool = False                  # skip prompts whose last k groups had zero variance (§3b)
     skip_rho: float = 0.5               # ρ: such a prompt is kept with probability max(ρ^k, skip_min)
     skip_min: float = 0.01              # s_min
@@ -289,6 +306,9 @@ class TrainConfig:
     output_dir: str = "runs/demo"       # metrics.jsonl, TensorBoard events, checkpoints
     seed: int = 0                       # seeds data order, sampling and init
     max_steps: int = 100                # rollout steps
+    # stop after the step at which training has generated this many tokens, evaluated and saved there
+    # (0 = no budget; bench/selection.py compares methods at one budget)
+    max_generated_tokens: int = 0
     prompts_per_step: int = 64          # B, global prompts per step (split over ranks)
     micro_batch_size: int = 64          # sequences per forward/backward on one rank
     micro_batch_tokens: int = 0         # > 0: token-budget micro-batches of at most this many padded tokens
@@ -393,6 +413,25 @@ def validate_spo(s: SPOConfig, advantage: str, r: Any, pps_enabled: bool) -> Non
     check(s.edges_per_step >= 0, "spo.edges_per_step", ">= 0 (0 = every drawn edge)", s.edges_per_step)
 
 
+RHOS = ("kl", "constant")                       # single_stream.rho
+
+
+@dataclass
+class SingleStreamConfig:
+    """Single-stream PO's value tracker, docs/methods.md §10: only with algo.advantage=single_stream. The defaults
+    are the authors' verl recipe's (recipe/spo: spo_trainer.yaml, spo_ray_trainer.py)."""
+    # the tracker's decay ρ per visit: kl (2^(-D/d_half) clipped to [rho_min, rho_max], D the drift of the prompt's
+    # last completion since its last visit) | constant (rho_value)
+    rho: str = "kl"
+    rho_value: float = 0.875            # ρ with rho=constant
+    rho_min: float = 0.875              # ρ_min; also N_init = 1/(1 - ρ_min), the offline prior's weight
+    rho_max: float = 0.96               # ρ_max, the decay of a first visit (D = 0)
+    d_half: float = 0.06                # D_half: the drift D (mean |Δ log π| per token) at which ρ = 1/2
+    # JSON {problem text: [offline rewards]} for the prior α0, β0 ("" = α0 = β0 = 0.5 for every prompt)
+    prior_file: str = ""
+    prior_samples: int = 8              # N_eff: at most this many of a prompt's offline rewards are counted
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -404,6 +443,7 @@ class Config:
     ers: ERSConfig = field(default_factory=ERSConfig)
     pps: PPSConfig = field(default_factory=PPSConfig)
     spo: SPOConfig = field(default_factory=SPOConfig)
+    single_stream: SingleStreamConfig = field(default_factory=SingleStreamConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -527,8 +567,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     """Impossible values and combinations, each reported as one line naming the key."""
     r, a, t, o = cfg.rollout, cfg.algo, cfg.train, cfg.optim
     check(r.engine in ENGINES, "rollout.engine", " | ".join(ENGINES), r.engine)
-    check(r.num_generations >= 2, "rollout.num_generations", "G >= 2 (a group needs two samples)",
-           r.num_generations)
+    check(r.num_generations >= 2 or (r.num_generations == 1 and a.advantage == "single_stream"),
+          "rollout.num_generations", "G >= 2 (a group needs two samples; G = 1 is algo.advantage=single_stream's "
+          "alone)", r.num_generations)
     check(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
     check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     check(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
@@ -550,7 +591,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
            "(below 1 vLLM reports log-probs renormalised over the nucleus: docs/methods.md §7)", r.top_p)
     check(a.aggregation in AGGREGATIONS, "algo.aggregation", " | ".join(AGGREGATIONS), a.aggregation)
     check(a.beta >= 0, "algo.beta", ">= 0", a.beta)
-    check(0 <= a.eps_low < 1, "algo.eps_low", "in [0, 1)", a.eps_low)
+    check(0 <= a.eps_low <= 1, "algo.eps_low", "in [0, 1] (1: no lower bound)", a.eps_low)
     check(a.eps_high >= 0, "algo.eps_high", ">= 0", a.eps_high)
     check(a.num_iterations >= 1, "algo.num_iterations", ">= 1", a.num_iterations)
     check(a.adv_eps > 0, "algo.adv_eps", "> 0", a.adv_eps)
@@ -558,17 +599,23 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(a.clip_score > 0, "algo.clip_score", "> 0", a.clip_score)
     check(a.whiten in WHITENINGS, "algo.whiten", " | ".join(WHITENINGS), a.whiten)
     validate_method(cfg)
+    validate_objective(cfg)
     check(0 < cfg.ers.alpha <= 1, "ers.alpha", "in (0, 1]", cfg.ers.alpha)
     p = cfg.pps
     check(p.alpha >= 0, "pps.alpha", ">= 0", p.alpha)
     check(p.beta >= 0, "pps.beta", ">= 0", p.beta)
     check(p.beta_end == -1 or p.beta_end >= 0, "pps.beta_end", ">= 0, or -1 for a constant β", p.beta_end)
     check(p.eps > 0, "pps.eps", "> 0", p.eps)
+    check(p.priority != "posterior", "pps.priority", "learnability, the name of the p̂(1-p̂) priority once called "
+          "posterior (docs/methods.md §3b)", p.priority)
     check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
     check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
     check(p.mode in PPS_MODES, "pps.mode", " | ".join(PPS_MODES), p.mode)
     check(0 <= p.uniform_mix < 1, "pps.uniform_mix", "in [0, 1)", p.uniform_mix)
     check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
+    check(0 <= p.prior_reversion < 1, "pps.prior_reversion", "in [0, 1)", p.prior_reversion)
+    check(p.prior_reversion == 0 or p.priority in BETA_PRIORITIES, "pps.prior_reversion", "0 with pps.priority="
+          f"{p.priority} (it moves the Beta counts of {' | '.join(BETA_PRIORITIES)})", p.prior_reversion)
     check(0 < p.skip_rho <= 1, "pps.skip_rho", "in (0, 1]", p.skip_rho)
     check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
     check(not (p.replacement and p.skip), "pps.replacement", "false with pps.skip (a skipped prompt is replaced "
@@ -584,6 +631,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "in [0, 1]", o.min_lr_ratio)
     check(o.max_grad_norm >= 0, "optim.max_grad_norm", ">= 0", o.max_grad_norm)
     check(t.max_steps >= 1, "train.max_steps", ">= 1", t.max_steps)
+    check(t.max_generated_tokens >= 0, "train.max_generated_tokens", ">= 0 (0 = no token budget)",
+          t.max_generated_tokens)
     check(t.prompts_per_step >= world_size and t.prompts_per_step % world_size == 0,
            "train.prompts_per_step", f"a multiple of the {world_size} ranks", t.prompts_per_step)
     check(t.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", t.micro_batch_size)
@@ -603,6 +652,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(cfg.reward.workers >= -1, "reward.workers", ">= 0 processes, or -1 for auto (the cores left after "
            "the training threads)", cfg.reward.workers)
     validate_prm(cfg.prm, cfg.reward.prm)
+    validate_random_reward(cfg)
     check(cfg.eval.num_samples >= 0, "eval.num_samples", ">= 0", cfg.eval.num_samples)
     check(cfg.eval.temperature > 0, "eval.temperature", "> 0", cfg.eval.temperature)
     check(0 < cfg.eval.top_p <= 1, "eval.top_p", "in (0, 1]", cfg.eval.top_p)
@@ -659,12 +709,44 @@ def validate_method(cfg: Config) -> None:
     check(a.advantage != "rloo" or not a.scale_rewards, "algo.scale_rewards", "false with algo.advantage=rloo "
           "(divided by the group std, RLOO's advantage is GRPO's times G/(G-1), a constant that AdamW's update "
           "cancels: RLOO in name only; algo.advantage=grpo is that run, docs/methods.md §1)", a.scale_rewards)
+    if a.advantage == "maxrl":                    # it divides by the group's mean reward, its success rate
+        for key in ("cosine", "knights", "overlong_cache"):
+            check(getattr(cfg.reward, key) == 0, f"reward.{key}", "0 with algo.advantage=maxrl (it divides by the "
+                  "group's mean reward, which needs rewards >= 0; this one can be negative)", getattr(cfg.reward, key))
+        for key in ("accuracy", "format", "prm"):
+            check(getattr(cfg.reward, key) >= 0, f"reward.{key}", ">= 0 with algo.advantage=maxrl (it divides by "
+                  "the group's mean reward, which needs rewards >= 0)", getattr(cfg.reward, key))
     check(not cfg.ers.enabled or a.advantage in GROUP_BASELINES, "ers.enabled", f"false with algo.advantage="
           f"{a.advantage} (ERS smooths a group baseline's mean and std: {', '.join(GROUP_BASELINES)} have one, "
           f"{a.advantage} has none)", cfg.ers.enabled)
     validate_dapo(cfg)
     validate_spo(cfg.spo, a.advantage, cfg.rollout, cfg.pps.enabled)
+    validate_single_stream(cfg)
     validate_async(cfg)
+
+
+def validate_objective(cfg: Config) -> None:
+    """algo.objective (docs/methods.md §11) beside the method and the IS correction, each refusal saying why."""
+    a, r = cfg.algo, cfg.rollout
+    check(a.objective in OBJECTIVES, "algo.objective", " | ".join(OBJECTIVES), a.objective)
+    if a.objective == "gspo":                     # one ratio per completion: one advantage, one weight per completion
+        check(a.advantage not in TOKEN_ADVANTAGES, "algo.objective", f"gspo_token with algo.advantage={a.advantage} "
+              "(its advantages are per token; gspo's one ratio per completion would average them)", a.objective)
+        check(r.is_correction not in ("token", "token_mask"), "rollout.is_correction", "none | sequence | "
+              "sequence_mask | geo_mask with algo.objective=gspo (one weight per completion for its one ratio: a "
+              "per-token weight would still pass the dropped token's gradient through s_i; per-token weights: "
+              "algo.objective=gspo_token)", r.is_correction)
+    default = AlgoConfig()
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        value = getattr(a, key)
+        check(0 < value < math.inf, f"algo.{key}", "a finite number > 0", value)
+        check(a.objective == "sapo" or value == getattr(default, key), f"algo.{key}",
+              f"{getattr(default, key)} (unset) unless algo.objective=sapo", value)
+    if a.objective == "sapo":                     # its soft gate replaces the clip
+        for key in ("eps_low", "eps_high"):
+            check(getattr(a, key) == getattr(default, key), f"algo.{key}", f"{getattr(default, key)} (unset) with "
+                  "algo.objective=sapo (its soft gate has no clip; its temperatures are algo.sapo_tau_pos, "
+                  "algo.sapo_tau_neg)", getattr(a, key))
 
 
 def validate_dapo(cfg: Config) -> None:
@@ -687,6 +769,28 @@ def validate_dapo(cfg: Config) -> None:
           "(its continuations are scored from their text alone, without their token counts)", cache)
 
 
+REWARD_KINDS = ("verified", "random")
+
+
+def validate_random_reward(cfg: Config) -> None:
+    """reward.kind=random, the control of docs/methods.md §5: the accuracy's term alone, replaced by a Bernoulli
+    draw at reward.random_rate; every other reward refused, so that the training reward is that draw."""
+    r = cfg.reward
+    check(r.kind in REWARD_KINDS, "reward.kind", " | ".join(REWARD_KINDS), r.kind)
+    if r.kind != "random":
+        check(r.random_rate == 0, "reward.random_rate", "0 (unset) with reward.kind=verified", r.random_rate)
+        return
+    check(0 < r.random_rate < 1, "reward.random_rate", "the task's measured base rate in (0, 1) with reward.kind="
+          "random (the logged accuracy of one step over the train set: docs/methods.md §5)", r.random_rate)
+    check(r.accuracy != 0, "reward.accuracy", "a non-zero weight with reward.kind=random (the random reward "
+          "replaces the accuracy's term)", r.accuracy)
+    for key in ("format", "cosine", "knights", "prm", "overlong_cache"):
+        check(getattr(r, key) == 0, f"reward.{key}", "0 with reward.kind=random (the control's reward is the "
+              "random draw alone)", getattr(r, key))
+    check(cfg.algo.advantage not in ("spo_chain", "spo_tree"), "reward.kind", f"verified with algo.advantage="
+          f"{cfg.algo.advantage} (its continuations are scored by the verifier inside the step)", r.kind)
+
+
 ROLLOUT_MODES = ("sync", "async")
 
 
@@ -704,12 +808,13 @@ def validate_async(cfg: Config) -> None:
         check(not value or parse_ints(value), key, "integers separated by commas, or empty", value)
     if r.mode != "async":
         return
-    # per token: a sequence-level ratio is the product of a whole optimizer step's change over the completion's
-    # tokens (§7b), which caps or drops nearly every completion
-    check(r.lag == 0 or r.is_correction in ("token", "token_mask"), "rollout.is_correction", "token | token_mask "
-          "with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without the IS weight the "
-          "update is the gradient of another policy, and a sequence-level one, the product of a whole step's "
-          "change over a completion's tokens, caps or drops nearly every completion)", r.is_correction)
+    # per token or geometric: a sequence-level ratio is the product of a whole optimizer step's change over the
+    # completion's tokens (§7b), which caps or drops nearly every completion; their geometric mean does not grow
+    check(r.lag == 0 or r.is_correction in ("geo_mask", "token", "token_mask"), "rollout.is_correction", "geo_mask "
+          "| token | token_mask with rollout.mode=async at rollout.lag=1 (the completions come from θ_{s-1}: without "
+          "the IS weight the update is the gradient of another policy, and a sequence-level one, the product of a "
+          "whole step's change over a completion's tokens, caps or drops nearly every completion; geo_mask's "
+          "geometric mean does not grow with the length)", r.is_correction)
     check(a not in ("spo_chain", "spo_tree"), "algo.advantage", "not spo_chain / spo_tree with rollout.mode=async "
           "(their Monte Carlo continuations are generated inside the step and must come from π_old)", a)
     check(not r.dynamic_sampling, "rollout.dynamic_sampling", "false with rollout.mode=async (its extra rounds are "
@@ -721,6 +826,38 @@ def validate_async(cfg: Config) -> None:
     check(not gpus or len(gpus) == r.engines, "rollout.engine_gpus", f"one CUDA index per engine "
           f"(rollout.engines={r.engines})", r.engine_gpus)
     check(len(set(gpus)) == len(gpus), "rollout.engine_gpus", "distinct indices", r.engine_gpus)
+
+
+def validate_single_stream(cfg: Config) -> None:
+    """The single_stream section (docs/methods.md §10) beside algo.advantage, and what a group of one
+    (rollout.num_generations = 1, Single-stream PO's default, `validate` allows it with that method alone)
+    refuses, each saying why."""
+    s, r, p, a = cfg.single_stream, cfg.rollout, cfg.pps, cfg.algo.advantage
+    chosen = a == "single_stream"
+    default = SingleStreamConfig()
+    for f in dataclasses.fields(SingleStreamConfig):
+        value = getattr(s, f.name)
+        check(chosen or value == getattr(default, f.name), f"single_stream.{f.name}",
+              f"{getattr(default, f.name)!r} (unset) unless algo.advantage=single_stream", value)
+    check(not chosen or cfg.algo.scale_rewards, "algo.scale_rewards", "true with algo.advantage=single_stream (its "
+          "advantages are always normalised over the batch, docs/methods.md §10)", cfg.algo.scale_rewards)
+    check(not (chosen and r.dynamic_sampling), "rollout.dynamic_sampling", "false with algo.advantage=single_stream "
+          "(it sets aside groups by their spread, and the tracker would never see their rewards)", r.dynamic_sampling)
+    if r.num_generations == 1 and p.enabled:      # a group of one has |A| = 0: only the Beta counts mean anything
+        check(p.mode == "paper", "pps.mode", "paper with rollout.num_generations=1 (the released code's priority "
+              "is the |A| of a group, 0 for a group of one)", p.mode)
+        check(p.priority in BETA_PRIORITIES, "pps.priority", f"{' | '.join(BETA_PRIORITIES)} with "
+              "rollout.num_generations=1 (the |A| of a group of one is 0)", p.priority)
+        check(not p.skip, "pps.skip", "false with rollout.num_generations=1 (every group of one has zero variance)",
+              p.skip)
+    check(s.rho in RHOS, "single_stream.rho", " | ".join(RHOS), s.rho)
+    check(0 < s.rho_value <= 1, "single_stream.rho_value", "in (0, 1]", s.rho_value)
+    check(0 < s.rho_min < 1, "single_stream.rho_min", "in (0, 1) (N_init = 1/(1 - rho_min))", s.rho_min)
+    check(s.rho_min <= s.rho_max <= 1, "single_stream.rho_max", f"in [rho_min = {s.rho_min}, 1]", s.rho_max)
+    check(s.d_half > 0, "single_stream.d_half", "> 0", s.d_half)
+    check(s.prior_samples >= 1, "single_stream.prior_samples", ">= 1", s.prior_samples)
+    check(not s.prior_file or os.path.isfile(s.prior_file), "single_stream.prior_file", "a JSON file of "
+          "{problem: [offline rewards]}, or \"\" for the prior 0.5, 0.5", s.prior_file)
 
 
 def validate_prm(p: PRMConfig, weight: float) -> None:

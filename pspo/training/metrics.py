@@ -1,4 +1,5 @@
-"""Step metrics: one JSON object per line in <output_dir>/metrics.jsonl, and TensorBoard scalars.
+"""Step metrics: one JSON object per line in <output_dir>/metrics.jsonl, and TensorBoard scalars; and the
+prompts each step drew, one line per draw in <output_dir>/prompts.jsonl (`MetricsLogger.log_prompts`).
 
 Only rank 0 writes; other ranks get a logger that does nothing, so the loop calls
 `logger.log(step, metrics)` unconditionally. Keys are documented in README ("Metrics").
@@ -21,7 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
+from pspo.loss import GATED
 from pspo.training import distributed
 from pspo.training.compiled import take_counts
 from pspo.training.config import Config, report_sinks
@@ -111,9 +114,13 @@ class UpdateSums:
     grad_norm: float              # Σ over iterations of the gradient norm before clipping
     pg_loss: float                # Σ_i w_i Σ_t M·pg, weighted like the loss
     kl: float                     # Σ M·k3 (0 without π_ref)
-    clipped_tokens: float         # Σ M·1[ρ clipped]
     tokens: float                 # Σ M
     entropy: float                # Σ M·entropy
+    ratio: float = 0.0            # Σ M·ρ
+    clipped_tokens: float = 0.0   # Σ M·1[the objective's bound changed the token's term] (a clipping objective)
+    clipped_seqs: float = 0.0     # completions holding a clipped token (a clipping objective)
+    seqs: float = 0.0             # completions with a token in the loss (a clipping objective)
+    gate: float = 0.0             # Σ M·gate (an objective of loss.GATED: SAPO's 4σ(1-σ))
 
 
 @dataclass
@@ -156,8 +163,9 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         "accuracy": rollout.accuracy / n, "format_rate": rollout.format / n,
         "adv_abs_mean": adv.adv_abs / max(adv.adv_count, 1.0),      # SPO: over M, which may be empty
         "adv_std": math.sqrt(max(adv.adv_sq / max(adv.adv_count, 1.0), 0.0)),
-        "zero_std_frac": rollout.zero_std_groups / groups,
-        "loss": update.pg_loss / iters, "kl": update.kl / tok, "clip_frac": update.clipped_tokens / tok,
+        # a group of one (G = 1, Single-stream PO) has no spread to lack: null rather than 1
+        "zero_std_frac": rollout.zero_std_groups / groups if cfg.rollout.num_generations > 1 else math.nan,
+        "loss": update.pg_loss / iters, "kl": update.kl / tok, "ratio_mean": update.ratio / tok,
         "entropy": update.entropy / tok, "response_length": rollout.completion_tokens / n,
         "truncation_rate": rollout.truncated / n, "grad_norm": update.grad_norm / iters,
         "reward_failures": rollout.reward_failures, "gen_tokens_per_s": totals[-1],
@@ -165,6 +173,11 @@ def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCoun
         # padded positions / all positions of the update's micro-batches (prompt + completion columns)
         "padding_frac": 1.0 - update.update_tokens / max(update.update_positions, 1.0),
     }
+    if cfg.algo.objective in GATED:                # the objective's diagnostic (docs/methods.md §11)
+        metrics["gate_mean"] = update.gate / tok
+    else:
+        metrics["clip_frac"] = update.clipped_tokens / tok
+        metrics["clip_seq_frac"] = update.clipped_seqs / max(update.seqs, 1.0)
     if cfg.reward.overlong_cache:
         metrics["overlong_penalty"] = rollout.overlong / n                # the mean R_length (§9)
     sums = {**dataclasses.asdict(counts), **dataclasses.asdict(compiles), **(dataclasses.asdict(spo[0]) if spo else {})}
@@ -185,10 +198,8 @@ class MetricsLogger:
         if not enabled:
             return
         sinks = report_sinks(report_to)
-        path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_step > 0:
-            _truncate_after(path, resume_step)      # drop lines logged after the resumed checkpoint
-        self.file = open(path, "a" if resume_step > 0 else "w")   # a fresh run starts a fresh file
+        self.file = _open_log(os.path.join(output_dir, "metrics.jsonl"), resume_step)
+        self.prompts = _open_log(os.path.join(output_dir, "prompts.jsonl"), resume_step)     # log_prompts
         self.writer = self.wandb = None
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter  # imported late: tensorboard is slow to import
@@ -211,9 +222,22 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
+    def log_prompts(self, step: int, indices: Tensor, accuracy: Tensor, num_prompts: int) -> None:
+        """One draw of `step` (1-based, as in metrics.jsonl; dynamic sampling draws several) as a line of
+        prompts.jsonl: the train rows generated (P,), each group's mean accuracy from accuracy (P, G), and the
+        train set's size N, for the starvation measures of bench/selection.py (which prompts a run keeps
+        drawing, which it leaves). A few bytes per prompt; every rank holds them after the rewards' gather."""
+        if not self.enabled:
+            return
+        record = {"step": step, "prompts": num_prompts, "rows": indices.tolist(),
+                  "accuracy": [round(a, 4) for a in accuracy.float().mean(dim=1).tolist()]}
+        self.prompts.write(json.dumps(record) + "\n")
+        self.prompts.flush()
+
     def close(self) -> None:
         if self.enabled:
             self.file.close()
+            self.prompts.close()
             if self.writer is not None:
                 self.writer.close()
             if self.wandb is not None:
@@ -239,6 +263,14 @@ def _wandb_run(output_dir: str, run_config: dict, project: str, resumed: bool):
 def _clean(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def _open_log(path: str, resume_step: int):
+    """A JSON-lines log of the run: a fresh run starts a fresh file; a resumed one keeps the lines up to the
+    step it resumed from and appends."""
+    if resume_step > 0:
+        _truncate_after(path, resume_step)          # drop lines logged after the resumed checkpoint
+    return open(path, "a" if resume_step > 0 else "w")
 
 
 def _truncate_after(path: str, step: int) -> None:

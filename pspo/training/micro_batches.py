@@ -95,6 +95,9 @@ def plan_micro_batches(attention_mask: torch.Tensor, mask: torch.Tensor, micro_b
     """
     N, T = mask.shape
     P = attention_mask.shape[1] - T
+    # Every way below assigns whole rows (a row index goes to exactly one micro-batch, packing included: a
+    # sequence longer than the budget goes alone, never split) and cuts each to its rows' longest completion,
+    # so a sequence-level term (GSPO's ratio, docs/methods.md §11) always sees its whole sequence.
     prompt_len = attention_mask[:, :P].sum(1).tolist()
     real = [int(c) for c in mask.sum(1).tolist()]
     completion_len = [max(1, c) for c in real]

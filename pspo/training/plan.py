@@ -448,7 +448,9 @@ def step_shape(cfg: Config, prompts: int) -> StepShape:
     the plan reads algo.advantage (docs/related.md §B for SPO).
 
     P_max = data.max_prompt_tokens, T = rollout.max_new_tokens.
-    - per-completion methods (GRPO, REINFORCE++): G completions of each prompt, P_max + T tokens.
+    - per-completion methods (GRPO, REINFORCE++, Single-stream PO): G completions of each prompt, P_max + T
+      tokens (Single-stream PO also scores its revisited prompts' stored completions: a forward pass over at
+      most the step's rows, below the update's peak).
     - spo_chain: then spo.num_mc (N) continuations of each distinct cut state. Cuts are every K-th
       token with p_t < 0.9 (K = spo.cutpoint_interval), so at most ceil(T / K) per completion and
       G·ceil(T/K) states per prompt: G·(1 + ceil(T/K)·N) sequences per prompt in all. The

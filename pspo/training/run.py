@@ -119,6 +119,14 @@ def open_folder(cfg: Config, dist_: Dist, step: int) -> MetricsLogger:
                          project=t.wandb_project)
 
 
+def last_step(cfg: Config, step: int, generated_tokens: float) -> bool:
+    """The run ends after this step: train.max_steps reached, or its token budget (train.max_generated_tokens,
+    every rank's generated tokens so far). Checked after a step, so the budget is passed by less than the last
+    step's tokens; a run resumed past its budget trains one more step."""
+    budget = cfg.train.max_generated_tokens
+    return step == cfg.train.max_steps or (budget > 0 and generated_tokens >= budget)
+
+
 def every(step: int, interval: int) -> bool:
     """A periodic event (eval, save) is due at this step; interval 0 = never."""
     return bool(interval) and step % interval == 0
@@ -140,10 +148,15 @@ def non_finite_error(step: int) -> NonFiniteError:
                           "model and data, then resume with --train.resume=auto")
 
 
-def summary(cfg: Config, step: int, first_eval: dict, last_eval: dict, num_eval: int) -> str:
-    """The run's last lines: test accuracy before -> after (when it finished), and where the metrics are."""
+def summary(cfg: Config, step: int, generated_tokens: float, first_eval: dict, last_eval: dict,
+            num_eval: int) -> str:
+    """The run's last lines: where a token budget stopped it, test accuracy before -> after (when it finished),
+    and where the metrics are."""
     lines = []
-    finished = step == cfg.train.max_steps                                          # not preempted
+    finished = last_step(cfg, step, generated_tokens)                               # not preempted
+    if finished and step < cfg.train.max_steps:
+        lines.append(f"token budget reached: {generated_tokens:,.0f} tokens generated in {step} steps "
+                     f"(train.max_generated_tokens={cfg.train.max_generated_tokens:,})")
     if finished and first_eval and last_eval:
         k = f"eval_mean@{cfg.eval.num_samples}"                     # sampled accuracy (eval.num_samples > 0)
         line = (f"test accuracy: {first_eval['eval_accuracy']:.3f} before -> "

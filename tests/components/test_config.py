@@ -57,7 +57,8 @@ def test_base_inheritance_and_presets():
     ("", ["--reward.accuracy=0"], "reward: expected at least one non-zero weight"),
     ("", ["--reward.prm=nan"], "reward.prm: expected a finite weight, got nan"),
     ("ers:\n  alpha: 0\n", [], "ers.alpha: expected in (0, 1], got 0.0"),
-    ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs | posterior, got 'last'"),
+    ("", ["--pps.priority=last"], "pps.priority: expected mean_abs | max_abs | last_abs | learnability | thompson | "
+     "single_stream, got 'last'"),
     ("", ["--pps.beta_end=-0.5"], "pps.beta_end: expected >= 0, or -1 for a constant β"),
     ("", ["--pps.eps=0"], "pps.eps: expected > 0"),
     ("", ["--pps.is_norm=max"], "pps.is_norm: expected batch_max | mean | none, got 'max'"),
@@ -128,7 +129,7 @@ def test_rloo_with_the_std_is_refused_in_one_line_and_its_presets_load():
 
 
 @pytest.mark.parametrize("advantage, allowed", [
-    ("grpo", True), ("rloo", True), ("reinforce_pp_baseline", True),          # a group baseline: ERS smooths it
+    ("grpo", True), ("rloo", True), ("maxrl", True), ("reinforce_pp_baseline", True),   # a group baseline: ERS
     ("reinforce_pp", False), ("spo_chain", False), ("spo_tree", False),      # none: one line refuses
 ])
 def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
@@ -141,8 +142,8 @@ def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
     with pytest.raises(ConfigError) as e:
         load_config(None, over)
     assert str(e.value) == (f"ers.enabled: expected false with algo.advantage={advantage} (ERS smooths a group "
-                            f"baseline's mean and std: grpo, rloo, reinforce_pp_baseline have one, {advantage} has "
-                            "none), got True")
+                            "baseline's mean and std: grpo, rloo, maxrl, reinforce_pp_baseline have one, "
+                            f"{advantage} has none), got True")
 
 
 @pytest.mark.parametrize("yaml_text, overrides, message", [
@@ -159,7 +160,7 @@ def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
     ("", ["--pps.mode=reference", "--pps.skip=true"], "pps.skip: expected False (unset) with pps.mode=reference"),
     ("", ["--pps.mode=reference", "--pps.uniform_mix=0.1"],
      "pps.uniform_mix: expected 0.0 (unset) with pps.mode=reference"),
-    ("", ["--pps.mode=reference", "--pps.priority=posterior"],
+    ("", ["--pps.mode=reference", "--pps.priority=learnability"],
      "pps.priority: expected mean_abs (unset) with pps.mode=reference"),
     ("", ["--pps.mode=reference", "--pps.beta_end=1"], "pps.beta_end: expected -1.0 (unset) with pps.mode=reference"),
     ("", ["--pps.replacement=true", "--pps.skip=true"], "pps.replacement: expected false with pps.skip"),
@@ -174,11 +175,11 @@ def test_pps_option_errors_name_the_key(tmp_path, yaml_text, overrides, message)
 
 
 def test_pps_options_load_and_reference_presets():
-    cfg = load_config(None, ["--pps.priority=posterior", "--pps.posterior_decay=0.5", "--pps.uniform_mix=0.1",
+    cfg = load_config(None, ["--pps.priority=learnability", "--pps.posterior_decay=0.5", "--pps.uniform_mix=0.1",
                              "--pps.skip=true", "--pps.skip_rho=0.25", "--pps.skip_min=0.05"])
     p = cfg.pps
     assert (p.mode, p.priority, p.posterior_decay, p.uniform_mix, p.skip, p.skip_rho, p.skip_min) == \
-        ("paper", "posterior", 0.5, 0.1, True, 0.25, 0.05)
+        ("paper", "learnability", 0.5, 0.1, True, 0.25, 0.05)
     d = Config().pps                                       # the §3b options are off by default: the paper's method
     assert (d.mode, d.uniform_mix, d.skip, d.priority, d.is_norm) == ("paper", 0.0, False, "mean_abs", "batch_max")
     # pspo_reference: the pspo preset with pps.mode=reference, here and on GPU

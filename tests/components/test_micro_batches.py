@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from pspo.loss import OBJECTIVES
 from pspo.training.config import load_config
 from pspo.training.model import build_policy
 from pspo.training.micro_batches import plan_micro_batches
@@ -98,6 +99,26 @@ def test_token_budget_gives_the_fixed_micro_batches_update(tiny_model_path, algo
     # the budget cuts padding: fewer positions than 4-row slices padded to the step's longest; packed, none
     assert budget_sums.update_positions < fixed_sums.update_positions
     assert (budget_sums.update_positions == budget_sums.update_tokens) == (packing == "true")
+
+
+@pytest.mark.parametrize("objective", [name for name in OBJECTIVES if name != "ppo_clip"])
+def test_every_objective_gives_the_fixed_micro_batches_update(tiny_model_path, objective):
+    # each objective of docs/methods.md §11 (ppo_clip: above), two iterations so that its ratio has moved on the
+    # second (π_old scored; lr .1 as above), a β·KL term: packed token-budget micro-batches, which group and cut the
+    # rows otherwise, train exactly as 4-row slices (a sequence-level ratio sees its whole row in either)
+    batch = rollout_batch(tiny_model_path)
+    mask = batch[2].mask
+    for i in range(12):
+        mask[i, 1 + i % 6:] = 0
+    algo = [f"--algo.objective={objective}", "--algo.num_iterations=2", "--algo.beta=0.04"]
+    fixed, fixed_sums, moved = updated_parameters(tiny_model_path, batch, ["--train.micro_batch_size=4", *algo], 0.1)
+    packed, packed_sums, _ = updated_parameters(
+        tiny_model_path, batch, ["--train.micro_batch_tokens=60", "--train.packing=true", *algo], 0.1)
+    assert moved > 1e-5
+    for a, b in zip(fixed, packed):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    for key in ("pg_loss", "kl", "ratio", "clipped_tokens", "clipped_seqs", "seqs", "gate"):
+        assert getattr(packed_sums, key) == pytest.approx(getattr(fixed_sums, key), rel=1e-5, abs=1e-6), key
 
 
 # ---------------------------------------------------------------- two FSDP2 ranks with unequal plans

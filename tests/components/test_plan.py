@@ -617,7 +617,8 @@ def test_staging_row_against_the_sync_checks_row_sums(tiny_model_path):
 
 
 # the 1.5B recipes' (budget, the mode auto picks there) on one 80 GB GPU; the others inherit grpo.yaml's
-WANT = {"dr_grpo.yaml": (9216, "selective"), "dapo.yaml": (9216, "selective"), "pspo_lora.yaml": (11264, "none")}
+WANT = {"pspo_lora.yaml": (11264, "none")}
+NO_REFERENCE = (9216, "selective")      # a recipe with β = 0 (Dr. GRPO, DAPO, ...): no reference model
 
 
 @pytest.mark.parametrize("config, gpus, gib, want", [("configs/qwen2.5-math-1.5b/grpo.yaml", 1, 79.2, 5120),
@@ -645,8 +646,8 @@ def test_gpu_recipes_use_the_largest_token_budget_auto_keeps(config, gpus, gib, 
     full = load_config(config, ["--model.gradient_checkpointing=full"], gpus)
     assert plan.largest_token_budget(full, a, gpus=gpus, gpu_bytes=gpu, engine="vllm") > budget
     if gpus == 1:
-        # each 1.5B recipe sets its own: Dr. GRPO and DAPO have no reference model (selective up to 9216; without
-        # checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy, gradient,
+        # each 1.5B recipe sets its own: those with no reference model (β = 0: Dr. GRPO, DAPO, ...) are selective up
+        # to 9216 (without checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy, gradient,
         # AdamW state or reference) needs no checkpointing up to 11264; the PSPO* recipe also holds a
         # BERT-base-sized PRM (110M parameters, hidden 768, MLP 3072): selective at 5120 still fits (78.2)
         bert = plan.PRMArch(110_000_000, 768, 3072)
@@ -657,7 +658,8 @@ def test_gpu_recipes_use_the_largest_token_budget_auto_keeps(config, gpus, gib, 
                 got = plan.largest_token_budget(recipe, a, gpus=1, gpu_bytes=gpu, engine="vllm", prm=prm)
                 p = plan.make_plan(recipe, a, gpus=1, gpu_bytes=gpu, engine="vllm", prm=prm)
                 assert (recipe.train.micro_batch_tokens, p.checkpointing) == (got, p.checkpointing) \
-                    == WANT.get(name, (budget, "selective")) and p.fits, name
+                    == WANT.get(name, (budget, "selective") if recipe.algo.needs_reference else NO_REFERENCE) \
+                    and p.fits, name
 
 
 def test_the_7b_lora_preset_fits_one_gpu_at_its_largest_budget():

@@ -122,11 +122,12 @@ TRAIN = [
     (["--rollout.temperature=0"], "rollout.temperature: expected > 0, got 0.0"),
     # the methods' settings
     (["--algo.advantage=rloo", "--rollout.num_generations=1"],
-     "rollout.num_generations: expected G >= 2 (a group needs two samples), got 1"),
+     "rollout.num_generations: expected G >= 2 (a group needs two samples; G = 1 is algo.advantage=single_stream's "
+     "alone), got 1"),
     (["--algo.advantage=reinforce_pp", "--ers.enabled=true"],
      "ers.enabled: expected false with algo.advantage=reinforce_pp (ERS smooths a group baseline's mean and std: "),
     (["--rollout.is_correction=mask"],
-     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask, got 'mask'"),
+     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask | geo_mask, got 'mask'"),
     (["--rollout.is_correction=token_mask", "--rollout.is_floor=1.5"],
      "rollout.is_floor: expected a number in [0, 1) (C_low, the lower bound of π_old/π_engine), got 1.5"),
 ]

@@ -403,11 +403,11 @@ def test_pps_replacement_trains_on_a_prompt_drawn_twice(tmp_path, train):
 
 
 def test_pps_options_run_and_log_skips(tmp_path, pspo):
-    # §3b options together: posterior priorities (λ = .9 default), GRESO-style skipping with ρ = .01
+    # §3b options together: learnability priorities (λ = .9 default), GRESO-style skipping with ρ = .01
     # (a prompt after a zero-variance group is kept 1% of the time), uniform_mix .1. 6 prompts, 4 per step.
     out = str(tmp_path / "run")
     G, lam = 4, 0.9
-    pspo(out, "--train.max_steps=4", "--pps.priority=posterior", "--pps.skip=true",
+    pspo(out, "--train.max_steps=4", "--pps.priority=learnability", "--pps.skip=true",
          "--pps.uniform_mix=0.1", "--pps.skip_rho=0.01")
     rows = metrics(out)[1:]
     for r in rows:
@@ -417,7 +417,7 @@ def test_pps_options_run_and_log_skips(tmp_path, pspo):
     # about half the groups of this model have zero variance, so with ρ = .01 skips happen
     assert any(r["zero_std_frac"] > 0 for r in rows) and sum(r["pps_skipped"] for r in rows) > 0
     s = trainer_state(os.path.join(out, "checkpoint-4"))["sampler"]
-    # The posterior counts: a prompt scored k times has a + b = 2·λ^k + G·(1 + λ + ... + λ^(k-1)).
+    # The Beta counts: a prompt scored k times has a + b = 2·λ^k + G·(1 + λ + ... + λ^(k-1)).
     # Solve for k: every prompt's k is a whole number, and the k sum to the 4·4 = 16 groups scored.
     a, b = s["posterior_a"], s["posterior_b"]
     visits = []

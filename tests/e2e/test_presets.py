@@ -215,11 +215,21 @@ REFERENCE = {
 }
 
 
+SINGLE_STREAM = {"rollout.num_generations": 1, "train.prompts_per_step": 48, "reward.accuracy": 1.0,
+                 "reward.format": 0.0, "reward.cosine": 0.0}
+# an objective preset's own values, its paper's (tests/math/test_objectives.py checks them): its ε, its optimizer
+# steps per rollout batch and the warm-up scaled to them
+OBJECTIVE_KEYS = ("algo.eps_low", "algo.eps_high", "algo.num_iterations", "optim.warmup_steps")
+
+
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("configs/qwen2.5-math-1.5b/")])
 def test_gpu_recipe_matches_reference(config):
     cfg = load_config(os.path.join(ROOT, config))
-    # the LoRA recipe keeps every value but the learning rate, 10x full fine-tuning's (its header says why)
-    want = dict(REFERENCE, **({"optim.lr": 1e-5} if cfg.model.lora.rank else {}))
+    # the LoRA recipe keeps every value but the learning rate, 10x full fine-tuning's (its header says why); Single-
+    # stream PO's, but its group of one, B and reward (tests/components/test_single_stream_config.py)
+    want = dict(REFERENCE, **({"optim.lr": 1e-5} if cfg.model.lora.rank else {}),
+                **(SINGLE_STREAM if cfg.algo.advantage == "single_stream" else {}),
+                **(_values(cfg, OBJECTIVE_KEYS) if cfg.algo.objective != "ppo_clip" else {}))
     assert _values(cfg, REFERENCE) == want
     # the reference recomputes every layer; ours the least the memory plan fits (the same numbers)
     assert cfg.model.gradient_checkpointing == "auto"

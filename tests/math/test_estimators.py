@@ -1,8 +1,8 @@
-"""GRPO / Dr. GRPO / RLOO group advantages, docs/methods.md §1, checked against numbers worked by hand."""
+"""GRPO / Dr. GRPO / RLOO / MaxRL group advantages, docs/methods.md §1, checked against numbers worked by hand."""
 import pytest
 import torch
 
-from pspo.estimators import group_advantages, group_statistics, rloo_advantages, zero_variance
+from pspo.estimators import group_advantages, group_statistics, maxrl_advantages, rloo_advantages, zero_variance
 
 
 def test_group_advantages_hand_worked():
@@ -115,3 +115,22 @@ def test_rloo_equals_the_literal_leave_one_out_mean_on_random_groups():
 def test_rloo_needs_two_completions():
     with pytest.raises(ValueError, match="G >= 2"):
         rloo_advantages(torch.tensor([[1.0]]), torch.tensor([1.0]))
+
+
+def test_maxrl_advantages_hand_worked():
+    # A_i = (r_i - μ)/(μ + ε), ε = 1e-4 (docs/methods.md §1, MaxRL):
+    # [1,0,0,0]: μ = .25 -> 1: .75/.2501 = 2.998800, 0: -.25/.2501 = -.999600 (GRPO: ±/(s + ε), s = .5:
+    #            1.499700 and -.499900; MaxRL weighs this hard prompt 2x GRPO's, s/μ = .5/.25)
+    # [1,1,1,0]: μ = .75 -> 1: .25/.7501 = .333289, 0: -.75/.7501 = -.999867 (GRPO: .499900, -1.499700)
+    # [0,0,0,0] and [1,1,1,1]: exactly 0 (μ is the first reward; 0/(0 + ε) = 0, never NaN)
+    # Σ_i |A_i| = 2G(1 - p)·p/(p + ε): 5.997601 and 1.999733, against GRPO's 2Gp(1 - p)/(s + ε)
+    rewards = torch.tensor([[1., 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    adv = maxrl_advantages(rewards, group_statistics(rewards)[0])
+    expected = torch.tensor([[2.998800, -0.999600, -0.999600, -0.999600], [0.333289, 0.333289, 0.333289, -0.999867],
+                             [0, 0, 0, 0], [0, 0, 0, 0]])
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=0)
+    assert torch.equal(adv[2:], torch.zeros(2, 4))
+    torch.testing.assert_close(adv.abs().sum(1)[:2], torch.tensor([5.997601, 1.999733]), atol=1e-5, rtol=0)
+    # the paper's code takes ε = 1e-6: .75/.250001 = 2.999988
+    assert maxrl_advantages(rewards[:1], torch.tensor([0.25]), eps=1e-6)[0, 0].item() == pytest.approx(2.999988,
+                                                                                                        abs=1e-6)

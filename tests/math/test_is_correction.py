@@ -258,7 +258,7 @@ def test_weigh_with_the_trainers_own_logprobs_is_a_no_op():
 
 @pytest.mark.parametrize("overrides, message", [
     (["--rollout.is_correction=tokens"],
-     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask, got 'tokens'"),
+     "rollout.is_correction: expected none | token | sequence | token_mask | sequence_mask | geo_mask, got 'tokens'"),
     (["--rollout.is_correction=token_truncate"], "rollout.is_correction: expected none | token | sequence |"),
     (["--rollout.is_floor=-0.1"], "rollout.is_floor: expected a number in [0, 1)"),
     (["--rollout.is_floor=1.0"], "rollout.is_floor: expected a number in [0, 1)"),
@@ -282,14 +282,20 @@ def test_config_errors(overrides, message):
 
 def test_defaults_and_the_presets():
     # off by default and on the CPU presets (the transformers engine samples from the trainer itself);
-    # token level, C = 2, on the GPU presets, whose engine is vLLM, except SPO-tree's (refused there)
+    # token level, C = 2, on the GPU presets (a folder with its model's config.json), whose engine is vLLM,
+    # except SPO-tree's (refused there) and GSPO's (one weight per completion: the geometric mask, [.99, 1.01])
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(None)
     assert (cfg.rollout.is_correction, cfg.rollout.is_cap, cfg.rollout.is_floor) == ("none", 2.0, 0.0)
     for path in sorted(glob.glob(os.path.join(root, "configs", "**", "*.yaml"), recursive=True)):
-        r = load_config(path).rollout
-        gpu = "/qwen2.5-" in path and not path.endswith("spo_tree.yaml")
-        assert (r.is_correction, r.is_cap, r.is_floor) == (("token" if gpu else "none"), 2.0, 0.0), path
+        loaded = load_config(path)
+        r = loaded.rollout
+        recipe = os.path.isfile(os.path.join(os.path.dirname(path), "model_config.json"))
+        gpu = recipe and not path.endswith("spo_tree.yaml")
+        want = ("token", 2.0, 0.0) if gpu else ("none", 2.0, 0.0)
+        if gpu and loaded.algo.objective == "gspo":
+            want = ("geo_mask", 1.01, 0.99)
+        assert (r.is_correction, r.is_cap, r.is_floor) == want, path
 
 
 def test_is_correction_is_a_pure_math_module():

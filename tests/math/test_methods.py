@@ -112,10 +112,13 @@ def test_every_configured_name_has_its_method(advantage):
     # the step's generation budget: SPO-tree generates the trees' first level, M0 tokens
     assert method.max_new_tokens == (3 if advantage == "spo_tree" else cfg.rollout.max_new_tokens)
     assert (method.state.tree is not None) == (advantage == "spo_tree") and method.state.ers is None
-    # SPO generates in its method (the engine is released after it); SPO-chain's cuts read π_old first
-    assert method.generates == advantage.startswith("spo_") and method.reads_old == (advantage == "spo_chain")
+    assert (method.state.single_stream is not None) == (advantage == "single_stream")
+    # SPO generates in its method (the engine is released after it); SPO-chain's cuts read π_old first, and
+    # Single-stream PO's tracker stores it (its KL-adaptive decay, the default single_stream.rho)
+    assert method.generates == advantage.startswith("spo_")
+    assert method.reads_old == (advantage in ("spo_chain", "single_stream"))
     # the methods whose baseline is their group read its statistics (ERS may smooth them)
-    assert method.reads_group == (advantage in ("grpo", "rloo", "reinforce_pp_baseline"))
+    assert method.reads_group == (advantage in ("grpo", "rloo", "maxrl", "reinforce_pp_baseline"))
 
 
 def test_rloo_is_r_minus_the_mean_of_the_other_completions():
@@ -131,6 +134,24 @@ def test_rloo_is_r_minus_the_mean_of_the_other_completions():
     # per completion before the IS weights: Σ|A| = 2, ΣA² = 2 over 4 completions
     sums = out.stats.advantages
     assert (sums.adv_abs, sums.adv_sq, sums.adv_count) == pytest.approx((2.0, 2.0, 4.0))
+
+
+def test_maxrl_divides_by_the_group_mean_whatever_scale_rewards():
+    # MaxRL (docs/methods.md §1), G = 2: group [1, 0]: μ = .5, A = ±.5/(.5 + 1e-4) = ±.99980; group [1, 1]: 0.
+    # IS weights 1 and .5 per prompt: A·w = [.99980, -.99980, 0, 0] on every column. The std never enters:
+    # algo.scale_rewards true or false, the same batch (it only sets PPS's priority).
+    rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
+    batches = []
+    for scale in (True, False):
+        cfg, step, ctx = step_and_context("maxrl", rewards, w)
+        cfg.algo.scale_rewards = scale
+        out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+        batches.append(batch.advantages)
+    torch.testing.assert_close(batches[0], torch.tensor([0.99980, -0.99980, 0, 0])[:, None].expand(4, 3),
+                               atol=1e-5, rtol=0)
+    assert torch.equal(batches[0], batches[1]) and torch.equal(batch.loss_mask, MASK)
+    sums = out.stats.advantages                                        # before the IS weights: Σ|A|, ΣA², count
+    assert (sums.adv_abs, sums.adv_sq, sums.adv_count) == pytest.approx((1.99960, 1.99920, 4.0), abs=1e-4)
 
 
 def test_overlong_filtering_takes_truncated_completions_out_of_the_loss():
@@ -228,6 +249,14 @@ def test_reinforce_pp_baseline_with_ers_subtracts_the_smoothed_mean():
     a, b = 0.84327, -1.05409
     torch.testing.assert_close(second.advantages, torch.tensor([[a, a, a], [a, a, 0], [b, 0, 0], [b, b, b]]),
                                atol=1e-4, rtol=0)
+
+
+def test_maxrl_with_ers_divides_by_the_smoothed_mean():
+    # visit 1 as MaxRL: ±.5/(.5 + 1e-4) = ±.99980; visit 2: A = (1 - .75)/(.75 + 1e-4) = .33329 for both completions
+    # of p0 (plain MaxRL: 0, the group is all-equal); p1: (1 - 1)/(1 + 1e-4) = 0.
+    first, second = two_ers_visits("maxrl", scale=True)
+    torch.testing.assert_close(first.advantages[:, 0], torch.tensor([0.99980, -0.99980, 0, 0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(second.advantages[:, 0], torch.tensor([0.33329, 0.33329, 0, 0]), atol=1e-5, rtol=0)
 
 
 def test_pspo_with_ers_and_pps_on_at_once():

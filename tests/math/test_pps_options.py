@@ -1,4 +1,4 @@
-"""PPS options of docs/methods.md §3b: uniform_mix, priority=posterior, skip (PrioritySampler), and
+"""PPS options of docs/methods.md §3b: uniform_mix, priority=learnability, skip (PrioritySampler), and
 their state in checkpoints."""
 import pytest
 import torch
@@ -76,15 +76,15 @@ def test_uniform_mix_draws_follow_p_plus_c_chi_square():
     assert all(sorted(plain.sample(2).tolist()) == [1, 2] for _ in range(50))
 
 
-# ---- priority = posterior ----
+# ---- priority = learnability ----
 
-def test_posterior_update_over_two_visits_hand_worked():
+def test_learnability_update_over_two_visits_hand_worked():
     # α=1, ε=0, λ=.5, G=4. Start a = b = 1 (p̂ = .5): every prompt's priority is .5·.5 = .25.
     # Visit 1, successes [1,0,0,0]: a = .5·1 + 1 = 1.5, b = .5·1 + 3 = 3.5, p̂ = 1.5/5 = .3,
     #   priority p̂(1-p̂) = .3·.7 = .21
     # Visit 2, successes [1,1,1,1]: a = .5·1.5 + 4 = 4.75, b = .5·3.5 + 0 = 1.75, p̂ = 4.75/6.5 = .730769,
     #   priority 4.75·1.75 / 6.5² = 8.3125/42.25 = .196746   (an all-correct group: not abandoned)
-    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=0.5)
+    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="learnability", posterior_decay=0.5)
     assert s.priorities().tolist() == [0.25, 0.25, 0.25]
     s.set_priorities(torch.tensor([1]), torch.tensor([[.75, .25, .25, .25]]), torch.tensor([[1., 0, 0, 0]]))
     assert (s.posterior_a[1].item(), s.posterior_b[1].item()) == (1.5, 3.5)
@@ -95,23 +95,23 @@ def test_posterior_update_over_two_visits_hand_worked():
     # the others are untouched: counts 1, 1 and the prior's .25 (the running max, never exceeded)
     assert s.priorities()[[0, 2]].tolist() == [0.25, 0.25] and s.posterior_a[[0, 2]].tolist() == [1.0, 1.0]
     # α = .6, ε = 1e-6 shape it as (p̂(1-p̂) + ε)^α: visit 1 -> (.21 + 1e-6)^.6 = .392042, prior .435276
-    t = PrioritySampler(2, priority="posterior", posterior_decay=0.5)
+    t = PrioritySampler(2, priority="learnability", posterior_decay=0.5)
     assert t.priorities()[1].item() == pytest.approx(0.435276, abs=1e-6)
     t.set_priorities(torch.tensor([0]), torch.zeros(1, 4), torch.tensor([[1., 0, 0, 0]]))
     assert t.priorities()[0].item() == pytest.approx(0.392042, abs=1e-6)
-    # successes are clamped to [0, 1], and the posterior needs them
-    u = PrioritySampler(1, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=1.0)
+    # successes are clamped to [0, 1], and the Beta counts need them
+    u = PrioritySampler(1, alpha=1.0, eps=0.0, priority="learnability", posterior_decay=1.0)
     u.set_priorities(torch.tensor([0]), torch.zeros(1, 2), torch.tensor([[2.0, -1.0]]))     # -> [1, 0]
     assert (u.posterior_a[0].item(), u.posterior_b[0].item()) == (2.0, 2.0)
     with pytest.raises(ValueError, match="set_priorities needs the completions' successes"):
         u.set_priorities(torch.tensor([0]), torch.zeros(1, 2))
 
 
-def test_posterior_priorities_drive_the_draws_chi_square():
+def test_learnability_priorities_drive_the_draws_chi_square():
     # α=1, ε=0, λ=1, G=4. Prompt 0 scored [1,0,0,0]: a=2, b=4, p̂=1/3, p̂(1-p̂) = 2/9 = 8/36;
     # prompt 1 scored [1,1,1,1]: a=5, b=1, p̂=5/6, 5/36; prompt 2 unseen: the prior's 1/4 = 9/36.
     # P = [8, 5, 9]/22 = [.36364, .22727, .40909]. 6,000 first draws; chi-square 2 dof < 13.82.
-    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=1.0, seed=0)
+    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="learnability", posterior_decay=1.0, seed=0)
     s.set_priorities(torch.tensor([0, 1]), torch.tensor([[.75, .25, .25, .25], [0., 0, 0, 0]]),
              torch.tensor([[1., 0, 0, 0], [1., 1, 1, 1]]))
     torch.testing.assert_close(s.probabilities(), torch.tensor([8 / 22, 5 / 22, 9 / 22], dtype=torch.float64))
@@ -136,8 +136,8 @@ def test_zero_variance_streak_counts_and_resets():
     assert s.zero_streak.tolist() == [2, 1, 0]
     s.set_priorities(torch.tensor([1, 0]), torch.tensor([[0., 0, 0, 0], [0., .5, 0, 0]]))   # one non-zero |A|: mixed
     assert s.zero_streak.tolist() == [0, 2, 0]
-    # the posterior counts the streak from |A| too, not from the successes
-    p = PrioritySampler(2, priority="posterior")
+    # learnability counts the streak from |A| too, not from the successes
+    p = PrioritySampler(2, priority="learnability")
     p.set_priorities(torch.tensor([0, 1]), torch.tensor([[0., 0], [.5, .5]]), torch.tensor([[1., 1], [1., 0]]))
     assert p.zero_streak.tolist() == [1, 0]
 
@@ -284,10 +284,10 @@ def test_replacement_makes_the_weighted_mean_unbiased_hand_worked():
 
 
 def test_a_prompt_drawn_twice_is_scored_in_batch_order():
-    # posterior, α=1, ε=0, λ=.5, G=4: prompt 1 twice in one batch, successes [1,0,0,0] then [1,1,1,1],
-    # folds like two visits (test_posterior_update_over_two_visits_hand_worked):
+    # learnability, α=1, ε=0, λ=.5, G=4: prompt 1 twice in one batch, successes [1,0,0,0] then [1,1,1,1],
+    # folds like two visits (test_learnability_update_over_two_visits_hand_worked):
     #   a = .5·(.5·1 + 1) + 4 = 4.75, b = .5·(.5·1 + 3) + 0 = 1.75, priority 4.75·1.75/6.5² = .196746
-    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="posterior", posterior_decay=0.5)
+    s = PrioritySampler(3, alpha=1.0, eps=0.0, priority="learnability", posterior_decay=0.5)
     succ = torch.tensor([[1., 0, 0, 0], [0, 1, 1, 0], [1, 1, 1, 1]])
     s.set_priorities(torch.tensor([1, 0, 1]), grpo_abs(succ), succ)
     assert (s.posterior_a[1].item(), s.posterior_b[1].item()) == (4.75, 1.75)
@@ -312,7 +312,7 @@ def grpo_abs(successes):
 
 
 def test_state_round_trip_with_the_new_options(tmp_path):
-    opts = dict(priority="posterior", posterior_decay=0.7, uniform_mix=0.1, skip=True, skip_rho=0.3)
+    opts = dict(priority="learnability", posterior_decay=0.7, uniform_mix=0.1, skip=True, skip_rho=0.3)
     s = PrioritySampler(12, **opts, seed=3)
     g = torch.Generator().manual_seed(0)
     for step in range(6):

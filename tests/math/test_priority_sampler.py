@@ -299,14 +299,14 @@ def test_observe_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worke
     # rewards [1, 0]: μ = .5, s = .70711; GRPO |A| = .5 / (.70711 + 1e-4) = .70700 for both completions,
     # p = (.70700 + 1e-6)^.6 = exp(.6 ln .70700) = .81218; with adv_eps .5, |A| = .5 / 1.20711 = .41421,
     # p = .58930. Dr. GRPO (no std scaling): |A| = .5, p = (.5 + 1e-6)^.6 = exp(.6 ln .5) = .65975.
-    # The posterior reads the accuracy [1, 1] instead: a = 1 + 2, b = 1 + 0, p̂ = .75,
+    # Learnability reads the accuracy [1, 1] instead: a = 1 + 2, b = 1 + 0, p̂ = .75,
     # p = (.75·.25 + 1e-6)^.6 = .1875^.6 = .36627 (below the starting .25^.6 = .43528).
     for scale, adv_eps, expected in ((True, 1e-4, 0.81218), (True, 0.5, 0.58930), (False, 0.5, 0.65975)):
         s = PrioritySampler(2, alpha=0.6, beta=0.4, eps=1e-6, scale_rewards=scale, adv_eps=adv_eps)
         weights = s.observe(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
         assert float(s.priorities()[0]) == pytest.approx(expected, rel=1e-4)
         assert weights.tolist() == [[1.0, 1.0]]                          # nothing drawn yet: ones
-    s = PrioritySampler(2, alpha=0.6, eps=1e-6, priority="posterior")
+    s = PrioritySampler(2, alpha=0.6, eps=1e-6, priority="learnability")
     s.observe(torch.tensor([0]), torch.tensor([[5.0, 5.0]]), torch.tensor([[1.0, 1.0]]))
     assert float(s.priorities()[0]) == pytest.approx(0.36627, rel=1e-4)
 
