@@ -400,7 +400,7 @@ def hub_offline(monkeypatch):
 
 # module fixtures holding one run that several tests read: their tests go to one worker, so it runs once
 SHARED_RUNS = ("pspo_3_steps", "with_hf", "uninterrupted", "sampler_run", "commands", "refused", "plan_commands",
-               "with_the_builder", "four_steps", "full_run", "built", "real_width_models")
+               "with_the_builder", "four_steps", "full_run", "built", "real_width_models", "quick")
 
 
 def pytest_collection_finish(session):
