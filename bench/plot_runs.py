@@ -270,7 +270,10 @@ def curves(groups: list[Group], metrics: list[str], *, x_key: str = "steps", spr
 
 
 def mean_sd(values: list[float]) -> str:
-    """"0.600 ± 0.141": the mean and the sample standard deviation (0 for one value)."""
+    """"0.600 ± 0.141": the mean and the sample standard deviation (0 for one value); "n/a" when no run has a
+    value (NaN: e.g. zero-variance groups of a method without groups, G = 1)."""
+    if any(math.isnan(v) for v in values):
+        return "n/a"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 

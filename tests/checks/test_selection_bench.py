@@ -83,6 +83,10 @@ def test_table_is_mean_and_sd_over_seeds(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:5] == ["m", "2", "0.700 ± 0.141", "2.5k", "2.0k (1/2)"]
     assert cells[6] == "0.300 ± 0.141"               # zero-var groups: 0.2 and 0.4
+    # a method without groups (Single-stream PO, G = 1) logs no zero_std_frac: its cell says so
+    c = write_run(tmp_path / "one-s0", {0: 0.40, 1: 0.50}, [(1000.0, None, 0.5)])
+    cells = [c.strip() for c in selection.table({"one": [c]}, 0.70).splitlines()[2].strip("|").split("|")]
+    assert cells[6] == "n/a" and cells[7] == "0.500 ± 0.000"
 
 
 def test_a_run_is_reused_only_when_complete_and_run_with_the_same_command(tmp_path):
