@@ -39,7 +39,7 @@ from pspo.methods import (Context, GroupBaseline, Method, MethodOutput, StepRoll
                           score_first, training_batch)
 from pspo.offline.builtin import resolve_model_path
 from pspo.priority_sampler import PrioritySampler
-from pspo.reference_sampler import ReferenceSampler
+from pspo.released_sampler import ReleasedSampler
 from pspo.related.prm import PRM, check_prm_path, load_prm, prm_metrics
 from pspo.rewards import Score, gather_scores, reward_scorer, with_overlong_penalty, with_random_reward
 from pspo.engines.process import EngineError
@@ -127,7 +127,7 @@ class Run:
     evals: PromptSet
     reward_pool: RewardPool
     score: Score                        # (train rows, texts) -> their rewards
-    sampler: UniformSampler | PrioritySampler | ReferenceSampler
+    sampler: UniformSampler | PrioritySampler | ReleasedSampler
     method: Method
     context: Context                    # what the method and the calls around it read
     engine: CountingEngine              # training's generation, counted (evaluation and sync: not)

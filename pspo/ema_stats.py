@@ -13,9 +13,9 @@ group's (μ, s), e.g. GRPO's
 
     A_i = (r_i - m_q) / (sqrt(v_q) + ε)        (Dr. GRPO, without the std scaling: r_i - m_q)
 
-Departure from the reference code, on purpose: the cross term uses the current μ and the old m_q
-(the textbook variance of a mixture), where the reference uses the smoothed μ̃; and we store a
-variance and take its square root for the std (the reference divides by the variance).
+Departure from the released code, on purpose: the cross term uses the current μ and the old m_q
+(the textbook variance of a mixture), where the released code uses the smoothed μ̃; and we store a
+variance and take its square root for the std (the released code divides by the variance).
 
 Prompts are keyed by the first 8 bytes of SHA-256 of the problem text (stable under shuffling,
 duplicates merge; a collision among 10^6 prompts has probability ~3e-8). Keys live in one sorted

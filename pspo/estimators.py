@@ -137,7 +137,7 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | No
     """REINFORCE++ returns G_t = Σ_{t'≥t} r_t' (γ = 1), zero past the mask. (N, T)
 
     rewards (N,) one scalar per completion; mask (N, T) its valid (completion) tokens; old_logp,
-    ref_logp (N, T) log-probs of the rollout policy and the reference (both may be None when
+    ref_logp (N, T) log-probs of the rollout policy and the KL reference (both may be None when
     kl_coef == 0). baseline (N,): REINFORCE++-baseline, b_i subtracted from each R_i first (the
     mean of its group, or ERS's m_q); None: plain REINFORCE++.
     """

@@ -9,13 +9,13 @@ weights them as prioritized experience replay does:
 
     w_q = (N·P(q))^(-β) / max over the drawn batch     (w ≤ 1; β annealed linearly to beta_end)
 
-Departures from the reference code, on purpose: sampling follows the live priorities every step
-(the reference effectively froze them per epoch); the batch is B distinct prompts weighted by the
-single-draw P(q), where prioritized replay and the reference draw B independently (`replacement`
-does; §3 measures the error); the weights are normalized by the batch max (the reference's reach ~27;
+Departures from the released code, on purpose: sampling follows the live priorities every step
+(the released code effectively froze them per epoch); the batch is B distinct prompts weighted by the
+single-draw P(q), where prioritized replay and the released code draw B independently (`replacement`
+does; §3 measures the error); the weights are normalized by the batch max (the released code's reach ~27;
 `is_norm: none` keeps them so, `mean` divides by the batch mean);
 the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
-reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
+released code's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried (Thompson's
 are drawn from the prior like the others).
 
@@ -204,7 +204,7 @@ class PrioritySampler:
         draws from P'. The draw fixes their raw IS weights (`self.draw`; normalised: `weights`),
         which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
         batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
-        (the reference code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
+        (the released code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
         §9), weighted with the step's β: β anneals per step, not per draw.
         """
         if not same_step and (self.priority == "thompson" or self.reversion > 0):
@@ -415,7 +415,7 @@ class PrioritySampler:
 
     def load_state_dict(self, state: dict) -> None:
         if "priorities" not in state:
-            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; "
+            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=released; "
                              "resume with the same mode")
         check_resumed_prompts(len(state["priorities"]), self.num_prompts)
         self.tree.zero_()

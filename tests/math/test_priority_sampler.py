@@ -314,7 +314,7 @@ def test_observe_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worke
 def test_build_sampler_hands_the_algo_sections_advantage_settings_to_pps():
     from pspo.sampler import build_sampler
     from pspo.training.config import load_config
-    for mode in ("paper", "reference"):
+    for mode in ("paper", "released"):
         cfg = load_config(None, ["--pps.enabled=true", f"--pps.mode={mode}", "--algo.scale_rewards=false",
                                  "--algo.adv_eps=0.5", "--train.prompts_per_step=2"])
         s = build_sampler(cfg, ["p0", "p1", "p2"], "test")
