@@ -33,7 +33,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from pspo.dynamic_sampling import Draw, dynamic_sampling
-from pspo.engines.vllm_engine import SyncError, stale_engine, sync_engine
+from pspo.engines.vllm_engine import SyncError, load_policy_weights, stale_engine
 from pspo.evaluation import evaluate
 from pspo.methods import (Context, GroupBaseline, Method, MethodOutput, StepRollouts, group_baseline, method_for,
                           score_first, training_batch)
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
             update = policy_update(run.policy, run.optimizer, run.scheduler, batch, cfg, dist_)
         run.step += 1
         with clock("sync_s"):
-            sync = run.sync_engine(drawn.rows)                                  # vLLM: the new weights
+            sync = run.engine_after_update(drawn.rows)              # vLLM: the new weights loaded; async: staged
         if run.end_step(clock, output=out, baseline=step.baseline, update=update, sync=sync, engine_gap=engine_gap,
                         sampling=drawn.metrics):
             break                                                               # the last step, or a stop signal
@@ -209,21 +209,21 @@ class Run:
                           progress=self.cfg.train.progress, pool=self.reward_pool)
         return {"eval_accuracy": result.pop("greedy_accuracy"), **{f"eval_{k}": v for k, v in result.items()}}
 
-    def sync_engine(self, rows: list[int]) -> dict[str, float]:
-        """After the optimizer step: a separate engine wakes and loads the new weights, checked every
-        rollout.sync_check_steps on the first four of this rank's prompts (`rows`: the train row of each
-        completion, G per prompt; an idle step has none: then four of the train set's); its metrics. The
-        transformers engine is the policy itself: nothing to sync."""
+    def engine_after_update(self, rows: list[int]) -> dict[str, float]:
+        """After the optimizer step, the engine's metrics. A separate engine wakes and loads the new weights,
+        checked every rollout.sync_check_steps on the first four of this rank's prompts (`rows`: the train row
+        of each completion, G per prompt; an idle step has none: then four of the train set's). Async: nothing
+        is loaded here. The transformers engine is the policy itself: nothing to load."""
         if self.cfg.rollout.mode == "async":
-            return self.rollouts.metrics()                  # the weights are staged at launch (launch_next)
+            return self.rollouts.metrics()      # the weights were staged at launch (launch_next): the staging's metrics
         if not self.separate_engine:
             return {}
         local = rows[::self.cfg.rollout.num_generations]                        # this rank's prompts
         if not local:                                   # an idle step (§9) trained none: this rank's of the train set
             local = list(range(self.dist.rank, len(self.train.ids), self.dist.world_size))
         check_ids = [self.train.ids[i] for i in local[:4]]
-        return sync_engine(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
-                           seed=self.cfg.train.seed, device=self.dist.device)
+        return load_policy_weights(self.engine.engine, self.policy, check_ids, step=self.step, r=self.cfg.rollout,
+                                   seed=self.cfg.train.seed, device=self.dist.device)
 
     def save(self, *, stopping: bool = False) -> None:
         """A checkpoint of the run. stopping (a stop signal): the step in flight is not waited for."""
@@ -250,7 +250,7 @@ class Run:
                 self.scheduler.step()
         self.step += 1
         with clock("sync_s"):
-            sync = self.sync_engine(drawn.rows)
+            sync = self.engine_after_update(drawn.rows)
         nothing = MethodStats(RolloutSums(**{f.name: 0.0 for f in fields(RolloutSums)}), AdvantageSums(0.0, 0.0, 0.0))
         update = UpdateSums(**{f.name: 0.0 for f in fields(UpdateSums)})
         return self.end_step(clock, output=MethodOutput(torch.zeros(0, 0), torch.zeros(0, 0), nothing),
