@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pspo.estimators import group_advantages
+from pspo.estimators import group_advantages, group_mean
 
 # pps.priority: a statistic of |A| | p̂(1-p̂) | θ(1-θ), θ ~ Beta(a, b) drawn each step | sqrt(p̂(1-p̂))
 PRIORITIES = ("mean_abs", "max_abs", "last_abs", "learnability", "thompson", "single_stream")
@@ -381,7 +381,7 @@ class PrioritySampler:
             if self.priority == "single_stream":                                # §10: its square root
                 stat = stat.sqrt()
         else:
-            stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1),
+            stat = {"mean_abs": lambda: group_mean(a), "max_abs": lambda: a.amax(1),
                     "last_abs": lambda: a[:, -1]}[self.priority]()
         values = (stat + self.eps) ** self.alpha                                # (B,)
         self._set(indices.numpy(), values.numpy())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pspo.estimators import ReduceSum, whiten
+from pspo.estimators import ReduceSum, group_mean, whiten
 
 PROB_THRESHOLD = 0.9      # §B chain 3 and 6: the released code's constant
 # |V(node) - V(parent)| at or below this is an exact 0 (float rounding of nested means)
@@ -123,7 +123,7 @@ def mc_values(rewards: Tensor, n: int, inverse: Tensor) -> Tensor:
 
     rewards are prompt-major (state u, continuation j -> row u*n + j), as `generate` returns them.
     """
-    return rewards.view(-1, n).float().mean(1)[inverse]
+    return group_mean(rewards.view(-1, n).float())[inverse]
 
 
 # ---- SPO-tree ----

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pspo.estimators import group_mean
 from pspo.loss import GATED
 from pspo.training import distributed
 from pspo.training.compiled import take_counts
@@ -230,7 +231,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, "prompts": num_prompts, "rows": indices.tolist(),
-                  "accuracy": [round(a, 4) for a in accuracy.float().mean(dim=1).tolist()]}
+                  "accuracy": [round(a, 4) for a in group_mean(accuracy.float()).tolist()]}
         self.prompts.write(json.dumps(record) + "\n")
         self.prompts.flush()
 
