@@ -139,7 +139,7 @@ class GenerationCounts:
 def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCounts, cfg: Config,
                  device: torch.device) -> tuple[GenerationCounts, UpdateSums, dict[str, float]]:
     """This rank's records summed over ranks (one collective) -> (the generation counts and the update's
-    sums of every rank, the logged means (README, "Metrics") followed by SPO's counts, the generation
+    sums of every rank, the logged means (docs/README.md, "Metrics") followed by SPO's counts, the generation
     counts and this process's compile counts since the last step (compiled.py) as sums)."""
     compiles = take_counts()
     records = [method.rollout, method.advantages, update, counts, compiles]
