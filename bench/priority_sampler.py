@@ -73,7 +73,7 @@ def main() -> None:
                            ("geometric", 10**6, 256)):
         s = skewed(n, kind)
         sample = median_ms(lambda: s.sample(batch), repeats=50)
-        print(f"{kind:>10} {n:>10} {batch:>4} {sample:>10.3f} {s.draw['draws']:>10}")
+        print(f"{kind:>10} {n:>10} {batch:>4} {sample:>10.3f} {s.last_sample['draws']:>10}")
     print()
     n, batch = 10**6, 256
     g = torch.Generator().manual_seed(2)

@@ -122,7 +122,7 @@ class PrioritySampler:
         self.steps = 0                                                          # steps drawn so far
         # the last draw (`sample`): its raw weights (N·P')^-β (B,) float64, the one source of its w, and its
         # statistics; part of the state, since at one step off the draw is observed after the checkpoint
-        self.draw: dict | None = None
+        self.last_sample: dict | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.tree[self.size:self.size + num_prompts] = self.max_priority
         self.count[self.size:self.size + num_prompts] = 1.0
@@ -201,7 +201,7 @@ class PrioritySampler:
 
     def sample(self, batch_size: int, *, same_step: bool = False) -> Tensor:
         """B prompt indices (B,): distinct ones (`_distinct`), or with pps.replacement B independent
-        draws from P'. The draw fixes their raw IS weights (`self.draw`; normalised: `weights`),
+        draws from P'. The draw fixes their raw IS weights (`self.last_sample`; normalised: `weights`),
         which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
         batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
         (the released code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
@@ -222,7 +222,7 @@ class PrioritySampler:
             self.steps += 1
         beta = self.current_beta(self.steps - 1)
         weights = (self.num_prompts * probs) ** (-beta)                         # (B,) (N·P')^-β
-        self.draw = {"raw_weights": weights, "draws": draws, "distinct": len(set(taken)),
+        self.last_sample = {"raw_weights": weights, "draws": draws, "distinct": len(set(taken)),
                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         return indices
 
@@ -249,7 +249,9 @@ class PrioritySampler:
     @property
     def weights(self) -> Tensor | None:
         """The last draw's IS weights w (B,) float32, normalised by is_norm; None before any draw."""
-        return None if self.draw is None else self.normalize(self.draw["raw_weights"][:, None])[:, 0]
+        if self.last_sample is None:
+            return None
+        return self.normalize(self.last_sample["raw_weights"][:, None])[:, 0]
 
     def _distinct(self, batch_size: int, c: float) -> tuple[list[int], list[int], int]:
         """B distinct prompts drawn with P' ∝ p_q + c: the batch, the skipped prompts, the raw draws.
@@ -307,7 +309,7 @@ class PrioritySampler:
         revisit_frac: fraction of the batch's prompts that were scored in an earlier step.
         skipped: prompts drawn and skipped before generation (pps.skip; 0 without it).
         """
-        last = self.draw
+        last = self.last_sample
         raw = last["raw_weights"]
         probs = self.probabilities()
         probs = probs[probs > 0]
@@ -332,7 +334,8 @@ class PrioritySampler:
         weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority in BETA_PRIORITIES else None)
         if normalized:
             return weights
-        raw = self.draw["raw_weights"] if self.draw is not None else torch.ones(len(indices), dtype=torch.float64)
+        last = self.last_sample
+        raw = last["raw_weights"] if last is not None else torch.ones(len(indices), dtype=torch.float64)
         return raw[:, None].expand(-1, rewards.shape[1]).clone()                # (B, G) (N·P')^-β
 
     def normalize(self, raw: Tensor) -> Tensor:
@@ -411,7 +414,7 @@ class PrioritySampler:
         return {"priorities": self.priorities(), "seen": self.seen.clone(), "max_priority": self.max_priority,
                 "steps": self.steps, "rng": self.generator.get_state(),
                 "posterior_a": self.posterior_a.clone(), "posterior_b": self.posterior_b.clone(),
-                "zero_streak": self.zero_streak.clone(), "draw": self.draw}
+                "zero_streak": self.zero_streak.clone(), "last_sample": self.last_sample}
 
     def load_state_dict(self, state: dict) -> None:
         if "priorities" not in state:
@@ -427,7 +430,7 @@ class PrioritySampler:
         for key in ("posterior_a", "posterior_b", "zero_streak"):              # absent in older checkpoints
             if key in state:
                 setattr(self, key, state[key].clone())
-        self.draw = state.get("draw")
+        self.last_sample = state.get("last_sample")
 
 
 def occurrence(indices: Tensor) -> Tensor:

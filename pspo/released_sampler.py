@@ -47,7 +47,7 @@ class ReleasedSampler:
         self.tree = torch.ones(num_prompts, dtype=torch.float64)     # p_q per row: 1 at the start
         self.order = torch.zeros(0, dtype=torch.int64)               # this epoch's N draws
         self.position, self.epoch = 0, 0
-        self.draw: dict[str, float] | None = None                   # the last draw's statistics (batch_stats)
+        self.last_sample: dict[str, float] | None = None            # the last sample's statistics (batch_stats)
         self.generator = torch.Generator().manual_seed(seed)
 
     def priorities(self) -> Tensor:
@@ -73,7 +73,8 @@ class ReleasedSampler:
             self.position = 0
         indices = self.order[self.position:self.position + batch_size].clone()
         self.position += batch_size
-        self.draw = {"epoch": float(self.epoch), "repeat_frac": 1.0 - len(set(indices.tolist())) / len(indices)}
+        self.last_sample = {"epoch": float(self.epoch),
+                            "repeat_frac": 1.0 - len(set(indices.tolist())) / len(indices)}
         return indices
 
     def observe(self, indices: Tensor, rewards: Tensor, accuracy: Tensor, *, normalized: bool = True) -> Tensor:
@@ -110,11 +111,12 @@ class ReleasedSampler:
         """Of the last draw, fixed when it was drawn (so a draw made one step ahead is logged with its own
         step): epoch, epochs begun before it (0-based); repeat_frac, the batch's rows that repeat an earlier
         row of the same batch (draws with replacement)."""
-        return dict(self.draw)
+        return dict(self.last_sample)
 
     def state_dict(self) -> dict:
         return {"released_priorities": self.tree.clone(), "order": self.order.clone(),
-                "position": self.position, "epoch": self.epoch, "rng": self.generator.get_state(), "draw": self.draw}
+                "position": self.position, "epoch": self.epoch, "rng": self.generator.get_state(),
+                "last_sample": self.last_sample}
 
     def load_state_dict(self, state: dict) -> None:
         if "released_priorities" not in state:
@@ -124,4 +126,4 @@ class ReleasedSampler:
         self.tree = state["released_priorities"].clone()
         self.order, self.position, self.epoch = state["order"].clone(), state["position"], state["epoch"]
         self.generator.set_state(state["rng"])
-        self.draw = state.get("draw")
+        self.last_sample = state.get("last_sample")

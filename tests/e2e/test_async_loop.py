@@ -230,7 +230,7 @@ def test_sampler_metrics_describe_the_step_they_are_logged_with(sampler_run):
     differ = False
     for k in (1, 2):
         state = torch.load(os.path.join(full, f"checkpoint-{k}", "trainer_state.pt"), weights_only=True)
-        draw = state["sampler"]["draw"]
+        draw = state["sampler"]["last_sample"]
         if name == "pspo_released":
             assert (rows[k + 1]["pps_epoch"], rows[k + 1]["pps_repeat_frac"]) == (draw["epoch"], draw["repeat_frac"])
             continue

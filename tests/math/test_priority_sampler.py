@@ -275,7 +275,7 @@ def test_sampling_with_mass_on_few_prompts_is_bounded_and_restores_the_tree():
     indices = s.sample(100)
     weights = s.weights
     assert sorted(indices.tolist()) == list(range(100))
-    assert s.draw["draws"] <= 5050
+    assert s.last_sample["draws"] <= 5050
     assert torch.equal(s.tree, before)                      # zeroed leaves got their priorities back
     assert weights.max() == 1.0 and bool((weights > 0).all())
 
