@@ -5,7 +5,7 @@
     python bench/convergence.py --task knights   # grpo, reinforce_pp(_baseline), pspo on K&K puzzles
     python bench/convergence.py --methods pps,pspo --section pps-floor -- --pps.eps=0.05   # a side study
     python bench/convergence.py --section pps-study --steps 60 \
-        --methods grpo,pspo,pspo_reference,pps_mix,pps_learnability,pps_skip,grpo_skip     # the sampler study
+        --methods grpo,pspo,pspo_released,pps_mix,pps_learnability,pps_skip,grpo_skip     # the sampler study
     python bench/convergence.py --section ers-alpha --steps 60 \
         --methods grpo,ers@ers.alpha=0.1,ers@ers.alpha=0.5,ers     # a sweep: preset@key=value[@key=value]
 

@@ -11,7 +11,7 @@ Runs and methods: a RUN is a train.py output folder (it holds metrics.jsonl). A 
 (bench/convergence.py's names) or <label>_seed<seed> is one seed of the method <label>; any other RUN is a
 method of one seed. --group LABEL=PATH,PATH names a method's runs itself (a PATH may be a quoted glob
 pattern, expanded here). Methods are drawn and listed in the order given, the --group ones first.
-Metrics: metrics.jsonl keys (README, "Metrics"); `reward` means reward_mean. Default: reward_mean, accuracy
+Metrics: metrics.jsonl keys (docs/README.md, "Metrics"); `reward` means reward_mean. Default: reward_mean, accuracy
 (both over the step's training rollouts) and eval_accuracy (greedy test accuracy, drawn at the steps it was
 logged, step 0 included). Any other logged key works (eval_mean@4, response_length, ...).
 x: the step, or the tokens training has generated so far (`generated_tokens`, 0 at step 0).

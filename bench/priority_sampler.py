@@ -6,8 +6,8 @@
 Table 1: B = 64 and 256 at N = 10^3..10^6 with priorities touched by a few updates. Table 2: the
 skewed cases that once made sampling slow (most of the mass on fewer than B prompts): half of N
 at the floor priority, and geometric priorities p_q = 0.5^q. It also prints how many raw draws
-and rounds a sample took. Table 3: the §3b options and §3a's reference mode at N = 10^6, B = 256:
-sample + update per step (the reference mode's per-epoch draw of N rows is amortised over the
+and rounds a sample took. Table 3: the §3b options and §3a's released mode at N = 10^6, B = 256:
+sample + update per step (the released mode's per-epoch draw of N rows is amortised over the
 N/B steps of an epoch and shown apart).
 """
 import os
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pspo.priority_sampler import PrioritySampler  # noqa: E402
-from pspo.reference_sampler import ReferenceSampler  # noqa: E402
+from pspo.released_sampler import ReleasedSampler  # noqa: E402
 
 
 def median_ms(fn, repeats: int = 200) -> float:
@@ -73,7 +73,7 @@ def main() -> None:
                            ("geometric", 10**6, 256)):
         s = skewed(n, kind)
         sample = median_ms(lambda: s.sample(batch), repeats=50)
-        print(f"{kind:>10} {n:>10} {batch:>4} {sample:>10.3f} {s.draw['draws']:>10}")
+        print(f"{kind:>10} {n:>10} {batch:>4} {sample:>10.3f} {s.last_sample['draws']:>10}")
     print()
     n, batch = 10**6, 256
     g = torch.Generator().manual_seed(2)
@@ -90,11 +90,11 @@ def main() -> None:
             s.zero_streak[: n // 2] = 3
         step = median_ms(lambda: s.set_priorities(s.sample(batch), adv, acc))
         print(f"{name:>42} {step:>19.3f}")
-    r = ReferenceSampler(n, seed=0)
+    r = ReleasedSampler(n, seed=0)
     step = median_ms(lambda: r.set_priorities(r.sample(batch), adv), repeats=200)
-    epoch = median_ms(lambda: ReferenceSampler(n, seed=0).sample(batch), repeats=5)
-    print(f"{'reference (pps.mode), per step':>42} {step:>19.3f}")
-    print(f"{'reference: one epoch draw of N rows':>42} {epoch:>19.3f}")
+    epoch = median_ms(lambda: ReleasedSampler(n, seed=0).sample(batch), repeats=5)
+    print(f"{'released (pps.mode), per step':>42} {step:>19.3f}")
+    print(f"{'released: one epoch draw of N rows':>42} {epoch:>19.3f}")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ group's (μ, s), e.g. GRPO's
 
     A_i = (r_i - m_q) / (sqrt(v_q) + ε)        (Dr. GRPO, without the std scaling: r_i - m_q)
 
-Departure from the reference code, on purpose: the cross term uses the current μ and the old m_q
-(the textbook variance of a mixture), where the reference uses the smoothed μ̃; and we store a
-variance and take its square root for the std (the reference divides by the variance).
+Departure from the released code, on purpose: the cross term uses the current μ and the old m_q
+(the textbook variance of a mixture), where the released code uses the smoothed μ̃; and we store a
+variance and take its square root for the std (the released code divides by the variance).
 
 Prompts are keyed by the first 8 bytes of SHA-256 of the problem text (stable under shuffling,
 duplicates merge; a collision among 10^6 prompts has probability ~3e-8). Keys live in one sorted
@@ -29,7 +29,7 @@ import hashlib
 import torch
 from torch import Tensor
 
-from pspo.estimators import zero_variance
+from pspo.estimators import group_mean
 
 
 def prompt_key(text: str) -> int:
@@ -71,8 +71,7 @@ class EMAStats:
         A prompt that appears twice in the batch is folded in twice, in batch order.
         """
         rewards = rewards.detach().double().cpu()
-        # exact if all equal
-        mu = torch.where(zero_variance(rewards), rewards[:, 0], rewards.mean(1))  # (B,) μ
+        mu = group_mean(rewards)                                                 # (B,) μ, exact if all equal
         var = rewards.var(1) if rewards.shape[1] > 1 else torch.zeros(len(mu))   # (B,) s² (Bessel)
         rows = self._rows(torch.tensor([prompt_key(k) for k in keys], dtype=torch.int64))
         a = self.alpha
@@ -106,7 +105,7 @@ class EMAStats:
         group mean; visits: mean n_q of the batch's prompts; seen_frac: distinct prompts with
         statistics / num_prompts (the distinct prompts of the train set).
         """
-        mu = rewards.detach().double().cpu().mean(1)                             # (B,) μ
+        mu = group_mean(rewards.detach().double().cpu())                         # (B,) μ
         return {"gap": float((mean.double() - mu).abs().mean()),
                 "visits": float(self.visits_of(keys).float().mean()),
                 "seen_frac": len(self) / num_prompts}

@@ -42,13 +42,21 @@ def zero_variance(rewards: Tensor) -> Tensor:
     return (rewards == rewards[:, :1]).all(dim=1)
 
 
-def group_statistics(rewards: Tensor) -> tuple[Tensor, Tensor]:
-    """Each group's reward mean μ and sample std s (Bessel, G-1), docs/methods.md §1. (B, G) -> (B,), (B,)
+def group_mean(values: Tensor) -> Tensor:
+    """Each group's mean μ of its G values (rewards, accuracies, |A|): the one place a group's mean is
+    computed. (B, G) -> (B,)
 
-    An all-equal group's μ is its first reward exactly (`zero_variance`), so every estimator centres
-    it to exactly 0. A group of one (G = 1) has s = 0: no spread to compare against.
+    An all-equal group's μ is its first value exactly (`zero_variance`), so every estimator centres it to
+    exactly 0: the float32 mean of six rewards of 0.7 is not 0.7.
     """
-    mean = torch.where(zero_variance(rewards), rewards[:, 0], rewards.mean(dim=1))   # (B,) μ
+    return torch.where(zero_variance(values), values[:, 0], values.mean(dim=1))
+
+
+def group_statistics(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """Each group's reward mean μ (`group_mean`) and sample std s (Bessel, G-1), docs/methods.md §1.
+    (B, G) -> (B,), (B,). A group of one (G = 1) has s = 0: no spread to compare against.
+    """
+    mean = group_mean(rewards)                                                        # (B,) μ
     std = rewards.std(dim=1) if rewards.shape[1] > 1 else torch.zeros_like(mean)     # (B,) s
     return mean, std
 
@@ -137,7 +145,7 @@ def reinforce_pp_returns(rewards: Tensor, mask: Tensor, *, old_logp: Tensor | No
     """REINFORCE++ returns G_t = Σ_{t'≥t} r_t' (γ = 1), zero past the mask. (N, T)
 
     rewards (N,) one scalar per completion; mask (N, T) its valid (completion) tokens; old_logp,
-    ref_logp (N, T) log-probs of the rollout policy and the reference (both may be None when
+    ref_logp (N, T) log-probs of the rollout policy and the KL reference (both may be None when
     kl_coef == 0). baseline (N,): REINFORCE++-baseline, b_i subtracted from each R_i first (the
     mean of its group, or ERS's m_q); None: plain REINFORCE++.
     """

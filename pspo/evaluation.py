@@ -21,6 +21,7 @@ from pspo.tasks.data import Example
 from pspo.training.distributed import Dist
 from pspo.tasks.knights_reward import knights_people
 from pspo.tasks.reward_pool import RewardPool
+from pspo.estimators import group_mean
 from pspo.rewards import score_completions
 from pspo.engines.sampling import sequence_seeds
 
@@ -67,7 +68,7 @@ def evaluate(engine, prompt_ids: list[list[int]], prompts: list[str], examples: 
             reps = lambda xs: [x for x in xs for _ in range(num_samples)]  # noqa: E731 prompt-major rows
             correct = _accuracy(reps(texts), sampled.texts, reps(golds), timeout_s,
                                 pool).view(-1, num_samples)
-            sums["sampled_correct"] += correct[:counted].mean(1).sum().item()
+            sums["sampled_correct"] += group_mean(correct[:counted]).sum().item()
             sums["any_correct"] += correct[:counted].amax(1).sum().item()
     total = distributed.reduce_sums({**sums, "n": float(real)}, dist_.device)
     n = max(total["n"], 1.0)

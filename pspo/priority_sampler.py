@@ -9,13 +9,13 @@ weights them as prioritized experience replay does:
 
     w_q = (N·P(q))^(-β) / max over the drawn batch     (w ≤ 1; β annealed linearly to beta_end)
 
-Departures from the reference code, on purpose: sampling follows the live priorities every step
-(the reference effectively froze them per epoch); the batch is B distinct prompts weighted by the
-single-draw P(q), where prioritized replay and the reference draw B independently (`replacement`
-does; §3 measures the error); the weights are normalized by the batch max (the reference's reach ~27;
+Departures from the released code, on purpose: sampling follows the live priorities every step
+(the released code effectively froze them per epoch); the batch is B distinct prompts weighted by the
+single-draw P(q), where prioritized replay and the released code draw B independently (`replacement`
+does; §3 measures the error); the weights are normalized by the batch max (the released code's reach ~27;
 `is_norm: none` keeps them so, `mean` divides by the batch mean);
 the priority is the group's mean |A| (`priority: mean_abs`), the expected value of the
-reference's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
+released code's last-sample |A| (`last_abs` keeps that, `max_abs` is offered).
 Unseen prompts carry the running maximum priority (1.0 at the start), so every prompt is tried (Thompson's
 are drawn from the prior like the others).
 
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pspo.estimators import group_advantages
+from pspo.estimators import group_advantages, group_mean
 
 # pps.priority: a statistic of |A| | p̂(1-p̂) | θ(1-θ), θ ~ Beta(a, b) drawn each step | sqrt(p̂(1-p̂))
 PRIORITIES = ("mean_abs", "max_abs", "last_abs", "learnability", "thompson", "single_stream")
@@ -122,7 +122,7 @@ class PrioritySampler:
         self.steps = 0                                                          # steps drawn so far
         # the last draw (`sample`): its raw weights (N·P')^-β (B,) float64, the one source of its w, and its
         # statistics; part of the state, since at one step off the draw is observed after the checkpoint
-        self.draw: dict | None = None
+        self.last_sample: dict | None = None
         self.generator = torch.Generator().manual_seed(seed)
         self.tree[self.size:self.size + num_prompts] = self.max_priority
         self.count[self.size:self.size + num_prompts] = 1.0
@@ -201,10 +201,10 @@ class PrioritySampler:
 
     def sample(self, batch_size: int, *, same_step: bool = False) -> Tensor:
         """B prompt indices (B,): distinct ones (`_distinct`), or with pps.replacement B independent
-        draws from P'. The draw fixes their raw IS weights (`self.draw`; normalised: `weights`),
+        draws from P'. The draw fixes their raw IS weights (`self.last_sample`; normalised: `weights`),
         which `observe` hands to the loop per completion, normalised by `is_norm` (docs/methods.md §3b):
         batch_max w / max_b w (≤ 1, §3), mean w / mean_b w (the average step is GRPO's), none w as is
-        (the reference code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
+        (the released code's). same_step: a further draw of the step (dynamic sampling's extra rounds,
         §9), weighted with the step's β: β anneals per step, not per draw.
         """
         if not same_step and (self.priority == "thompson" or self.reversion > 0):
@@ -222,7 +222,7 @@ class PrioritySampler:
             self.steps += 1
         beta = self.current_beta(self.steps - 1)
         weights = (self.num_prompts * probs) ** (-beta)                         # (B,) (N·P')^-β
-        self.draw = {"raw_weights": weights, "draws": draws, "distinct": len(set(taken)),
+        self.last_sample = {"raw_weights": weights, "draws": draws, "distinct": len(set(taken)),
                      "revisit": float(self.seen[indices].float().mean()), "skipped": len(skipped)}
         return indices
 
@@ -249,7 +249,9 @@ class PrioritySampler:
     @property
     def weights(self) -> Tensor | None:
         """The last draw's IS weights w (B,) float32, normalised by is_norm; None before any draw."""
-        return None if self.draw is None else self.normalize(self.draw["raw_weights"][:, None])[:, 0]
+        if self.last_sample is None:
+            return None
+        return self.normalize(self.last_sample["raw_weights"][:, None])[:, 0]
 
     def _distinct(self, batch_size: int, c: float) -> tuple[list[int], list[int], int]:
         """B distinct prompts drawn with P' ∝ p_q + c: the batch, the skipped prompts, the raw draws.
@@ -307,7 +309,7 @@ class PrioritySampler:
         revisit_frac: fraction of the batch's prompts that were scored in an earlier step.
         skipped: prompts drawn and skipped before generation (pps.skip; 0 without it).
         """
-        last = self.draw
+        last = self.last_sample
         raw = last["raw_weights"]
         probs = self.probabilities()
         probs = probs[probs > 0]
@@ -332,7 +334,8 @@ class PrioritySampler:
         weights = self.set_priorities(indices, abs_advantages, accuracy if self.priority in BETA_PRIORITIES else None)
         if normalized:
             return weights
-        raw = self.draw["raw_weights"] if self.draw is not None else torch.ones(len(indices), dtype=torch.float64)
+        last = self.last_sample
+        raw = last["raw_weights"] if last is not None else torch.ones(len(indices), dtype=torch.float64)
         return raw[:, None].expand(-1, rewards.shape[1]).clone()                # (B, G) (N·P')^-β
 
     def normalize(self, raw: Tensor) -> Tensor:
@@ -381,7 +384,7 @@ class PrioritySampler:
             if self.priority == "single_stream":                                # §10: its square root
                 stat = stat.sqrt()
         else:
-            stat = {"mean_abs": lambda: a.mean(1), "max_abs": lambda: a.amax(1),
+            stat = {"mean_abs": lambda: group_mean(a), "max_abs": lambda: a.amax(1),
                     "last_abs": lambda: a[:, -1]}[self.priority]()
         values = (stat + self.eps) ** self.alpha                                # (B,)
         self._set(indices.numpy(), values.numpy())
@@ -411,11 +414,11 @@ class PrioritySampler:
         return {"priorities": self.priorities(), "seen": self.seen.clone(), "max_priority": self.max_priority,
                 "steps": self.steps, "rng": self.generator.get_state(),
                 "posterior_a": self.posterior_a.clone(), "posterior_b": self.posterior_b.clone(),
-                "zero_streak": self.zero_streak.clone(), "draw": self.draw}
+                "zero_streak": self.zero_streak.clone(), "last_sample": self.last_sample}
 
     def load_state_dict(self, state: dict) -> None:
         if "priorities" not in state:
-            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=reference; "
+            raise ValueError("pps.mode: the checkpoint was trained with pps.mode=released; "
                              "resume with the same mode")
         check_resumed_prompts(len(state["priorities"]), self.num_prompts)
         self.tree.zero_()
@@ -427,7 +430,7 @@ class PrioritySampler:
         for key in ("posterior_a", "posterior_b", "zero_streak"):              # absent in older checkpoints
             if key in state:
                 setattr(self, key, state[key].clone())
-        self.draw = state.get("draw")
+        self.last_sample = state.get("last_sample")
 
 
 def occurrence(indices: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Verifiable rewards of the reference recipes, docs/methods.md §5: accuracy (math-verify), format
+"""Verifiable rewards of the released recipes, docs/methods.md §5: accuracy (math-verify), format
 (`<think>..</think>` then a boxed answer) and cosine length-scaled accuracy; and PaddleNLP's
 knights-and-knaves reward (docs/related.md §A), `knights` (pspo/tasks/knights_reward.py). PSPO*'s
 process reward (`prm`, docs/related.md §C) is a model's, scored beside them on the whole batch
@@ -17,7 +17,7 @@ Every reward function is a pure function (prompt, completion, gold) -> float. `s
 runs them on a batch, in the calling process or in a pool of worker processes
 (pspo/tasks/reward_pool.py: the same calls under the same guard, so the same scores), and turns a raise
 or a run past `timeout_s` into a score of 0 counted in `failures`, except `GoldAnswerError`: a
-gold answer math-verify cannot parse is an error in the data and propagates (the reference code
+gold answer math-verify cannot parse is an error in the data and propagates (the released code
 scored it a free 1.0). Data loading checks every gold first (pspo/tasks/data.py) and leaves such rows
 out. A gold is first brought to what math-verify parses (pspo/tasks/golds.py: escaped dollars, `\\!`,
 e-notation, `$...$` delimiters).
@@ -155,7 +155,7 @@ def format_reward(prompt: str, completion: str, gold: str) -> float:
 def cosine_reward(prompt: str, completion: str, gold: str, max_len: int = COSINE_MAX_LEN) -> float:
     """Length-scaled accuracy, §5: correct 0.75 + 0.25·cos(π·min(L, L_max)/L_max) (1.0 -> 0.5),
     wrong -0.25 + 0.25·cos(...) (0.0 -> -0.5); L = len(completion) in characters."""
-    # Departure from the reference code: L is clamped at L_max, so the cosine does not wrap.
+    # Departure from the released code: L is clamped at L_max, so the cosine does not wrap.
     cos = math.cos(math.pi * min(len(completion), max_len) / max_len)
     correct = accuracy_reward(prompt, completion, gold) == 1.0
     return 0.75 + 0.25 * cos if correct else -0.25 + 0.25 * cos

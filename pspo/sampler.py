@@ -1,11 +1,11 @@
 """The run's prompt sampler: `build_sampler` picks uniform sampling (`UniformSampler`, below), PPS
-(priority_sampler.py, docs/methods.md §3 and §3b) or the released code's sampler (reference_sampler.py,
+(priority_sampler.py, docs/methods.md §3 and §3b) or the released code's sampler (released_sampler.py,
 §3a) from the config; `sampler_metrics` gives its diagnostics.
 
 The three samplers answer the loop's two calls alike: `sample(B)` -> the step's prompt indices (B,);
 `observe(indices, rewards, accuracy)` -> after scoring, the scored groups set PPS's priorities, and the
 importance weight of each completion (B, G) comes back: the one place the loop gets them (PPS: the
-draw's, fixed by `sample`, §3; the reference code's: each completion's own, after its write, §3a; uniform
+draw's, fixed by `sample`, §3; the released code's: each completion's own, after its write, §3a; uniform
 sampling: ones). Each keeps its state in `state_dict` for exact resume.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from pspo.training.config import Config, ConfigError
 from pspo.priority_sampler import PrioritySampler, check_resumed_prompts
-from pspo.reference_sampler import ReferenceSampler
+from pspo.released_sampler import ReleasedSampler
 
 
 def check_prompts_per_step(cfg: Config, num_prompts: int, label: str) -> None:
@@ -25,22 +25,22 @@ def check_prompts_per_step(cfg: Config, num_prompts: int, label: str) -> None:
     B, p = cfg.train.prompts_per_step, cfg.pps
     if p.enabled and B > num_prompts and not p.replacement:       # with replacement: any B
         raise ConfigError(f"train.prompts_per_step: PPS draws {B} prompts per step ("
-                          f"{'of an epoch of N draws' if p.mode == 'reference' else 'distinct'}), "
+                          f"{'of an epoch of N draws' if p.mode == 'released' else 'distinct'}), "
                           f"{label} has {num_prompts}")
 
 
 def build_sampler(cfg: Config, problems: list[str], label: str):
     """The run's sampler over the train set's problems: uniform epochs, PPS (§3 with the §3b
-    options) or, with pps.mode=reference, the released code's (§3a; duplicate problems share the
+    options) or, with pps.mode=released, the released code's (§3a; duplicate problems share the
     first row's priority). `label` names the data set in errors."""
     N, p, a, seed = len(problems), cfg.pps, cfg.algo, cfg.train.seed
     check_prompts_per_step(cfg, N, label)
     if not p.enabled:
         return UniformSampler(N, seed)
-    if p.mode == "reference":
+    if p.mode == "released":
         first_row: dict[str, int] = {}
         leaf_of = torch.tensor([first_row.setdefault(problem, i) for i, problem in enumerate(problems)])
-        return ReferenceSampler(N, alpha=p.alpha, beta=p.beta, seed=seed, leaf_of=leaf_of,
+        return ReleasedSampler(N, alpha=p.alpha, beta=p.beta, seed=seed, leaf_of=leaf_of,
                                 scale_rewards=a.scale_rewards, adv_eps=a.adv_eps)
     return PrioritySampler(N, alpha=p.alpha, beta=p.beta, eps=p.eps, seed=seed,
                            beta_end=None if p.beta_end == -1 else p.beta_end,   # pps.beta_end -1: constant β
@@ -52,7 +52,7 @@ def build_sampler(cfg: Config, problems: list[str], label: str):
 
 
 def sampler_mode(cfg: Config) -> str:
-    """The sampler a run trains with: uniform, or PPS's paper or reference mode (recorded in checkpoints)."""
+    """The sampler a run trains with: uniform, or PPS's paper or released mode (recorded in checkpoints)."""
     return cfg.pps.mode if cfg.pps.enabled else "uniform"
 
 

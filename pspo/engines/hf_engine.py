@@ -4,7 +4,7 @@ It runs one of two loops with the same draws: its own static-cache loop (decode.
 KV cache read in length-aware windows, finished rows compacted away, the decoding step compiled
 when `rollout.compile` says so), or transformers `generate` with a dynamic cache and the sampler
 as a logits processor (under FSDP2, where ranks step together through the sharded root, and as
-the reference the first is tested against). Both draw each token with sampling.py's counter-based Gumbel noise.
+the baseline the first is tested against). Both draw each token with sampling.py's counter-based Gumbel noise.
 """
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def generating_version(step: int, lag: int) -> int:
 
 
 @dataclass
-class Drawn:
+class Generated:
     """A step's prompts and this rank's completions of them."""
     indices: Tensor            # (P,) dataset rows of every rank's prompts, rank-major, the same on all ranks
     rows: list[int]            # (N,) this rank's dataset row of each completion, prompt-major
@@ -106,7 +106,7 @@ class LocalRollouts:
         """Record the step's prompts (generated when taken). holds: the trainer's version (unused here: θ_s)."""
         self.pending = (step, round_, indices)
 
-    def take(self, step: int) -> Drawn:
+    def take(self, step: int) -> Generated:
         """This rank's share of the prompts launched, generated G times each. A round of dynamic sampling
         (docs/methods.md §9) offsets its prompt keys by round·B, so that its seeds differ from every other
         round's."""
@@ -119,7 +119,7 @@ class LocalRollouts:
         rollout = self.generate([self.train_ids[i] for i in indices[mine].tolist()], s.G,
                                        temperature=s.temperature, top_p=s.top_p,
                                        max_new_tokens=s.max_new_tokens, seeds=seeds)
-        return Drawn(indices=indices, rows=rows, seeds=seeds, rollout=rollout)
+        return Generated(indices=indices, rows=rows, seeds=seeds, rollout=rollout)
 
     def in_flight(self, *, abandon: bool = False) -> dict | None:
         return None                                                # launched and taken in one iteration
@@ -265,7 +265,7 @@ class EngineRollouts:
         }
         return self.answer
 
-    def take(self, step: int) -> Drawn:
+    def take(self, step: int) -> Generated:
         """This rank's rows of the step launched: rank 0 waits for the engines (or has the step restored) and
         hands every rank its rows, or rank 0's error to every rank (`_same_on_all`). Collective."""
         if self.launched_step != step:
@@ -286,7 +286,7 @@ class EngineRollouts:
         rollout, metrics = share
         self.count(rollout)
         self._metrics.update(metrics, rollout_lag=float(step - generating_version(step, self.lag)))
-        return Drawn(indices=indices, rows=rows, seeds=seeds, rollout=rollout)
+        return Generated(indices=indices, rows=rows, seeds=seeds, rollout=rollout)
 
     def _share(self, answer: dict, rank: int) -> tuple[Rollout, dict[str, float]]:
         """Rank `rank`'s rows of an answer, cut to its longest completion (as its own engine would return)."""

@@ -11,7 +11,7 @@ vLLM renormalizes them over the nucleus, so the loop never uses them as π_old).
 are π_engine of the truncated importance weights min(π_old/π_engine, C) (rollout.is_correction,
 docs/methods.md §7), which config.py allows only there.
 
-The sync check (`sync_engine`, docs/gpu.md "Sync check"): after the first step and every
+The sync check (`load_policy_weights`, docs/gpu.md "Sync check"): after the first step and every
 rollout.sync_check_steps steps, the engine's weights are compared with the trainer's by exact integer
 checksums of every row (`row_sums`), and the engine's log-probs with the trainer's on fresh completions
 (logged: in bf16 the kernels' own gap is larger than what one small step changes).
@@ -132,7 +132,7 @@ class VLLMEngine:
         # policy's current adapter, a new version after every step (sync_weights); vLLM takes ranks
         # from a fixed list, so its slots are the smallest of them that holds ours
         self.lora_rank, self.lora_version, self.lora_request = lora_rank, 0, None
-        self.checked = False                      # sync_engine has checked it once (after the first step)
+        self.checked = False                      # load_policy_weights has checked it once (after the first step)
         if lora_rank > VLLM_LORA_RANKS[-1]:
             raise ModelError(f"model.lora.rank: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
                              f"{lora_rank}; use rollout.engine=hf or a smaller rank")
@@ -276,8 +276,8 @@ class VLLMEngine:
             self.llm.wake_up()
 
 
-def sync_engine(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], *, step: int, r,
-                seed: int, device: torch.device) -> dict[str, float]:
+def load_policy_weights(engine: VLLMEngine, policy: torch.nn.Module, check_ids: list[list[int]], *, step: int,
+                        r, seed: int, device: torch.device) -> dict[str, float]:
     """After an optimizer step: wake the engine and load the new weights; after the first step of this
     process and every r.sync_check_steps steps (r: the RolloutConfig), check it: `sync_stale_rows`, the
     rows of its weights (or served adapter) whose checksum differs from the trainer's (> 0 stops the run,
@@ -301,8 +301,8 @@ class SyncError(RuntimeError):
 
 
 def stale_engine(metrics: dict[str, float], step: int) -> SyncError | None:
-    """The error to stop with when sync_engine found rows of the engine's weights that differ from the
-    trainer's, else None."""
+    """The error to stop with when load_policy_weights found rows of the engine's weights that differ from
+    the trainer's, else None."""
     rows = int(metrics.get("sync_stale_rows", 0))
     if rows == 0:
         return None

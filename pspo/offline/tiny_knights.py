@@ -20,7 +20,7 @@ tokens as 2), so a prompt is 46-165 tokens instead of 126-240 and a warm-up step
 builds differ only in the number of warm-up steps (the learning rate's cosine decays to 0 at the
 last): the same tokenizer, architecture, initial weights and batches.
 
-The supervised warm-up teaches the reference code's layout with an empty think block,
+The supervised warm-up teaches the released code's layout with an empty think block,
 "<think></think><answer>(1) Aaron is a knave\\n(2) Zoey is a knight</answer>" + <|im_end|>, on
 puzzles of `knights.warmup_examples` (after both builtin:knights splits, so neither is seen), with
 the loss on the completion only. The answer lists the people in alphabetical order, not the
@@ -77,7 +77,7 @@ FIXED_TEXT = [ISLAND, f"{QUESTION}\n{KNIGHTS_INSTRUCTION}"]
 
 
 def knights_completion(gold: str) -> str:
-    """What the warm-up teaches the model to write before <|im_end|>: the reference code's layout, the people
+    """What the warm-up teaches the model to write before <|im_end|>: the released code's layout, the people
     in alphabetical order (module docstring), numbered from 1."""
     roles = sorted(_knights_gold(gold))                       # ((name, "knight" | "knave"), ...)
     lines = [f"({i + 1}) {name} is a {role}" for i, (name, role) in enumerate(roles)]

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 # §C "Steps", the released code's split: five alternatives, each one group (so re.split returns the
 # marker's five groups between the texts). Note `\n*1+\.` is "any newlines, then the digit 1":
 # only "1." (or "11.") opens a list by itself; "k." for k > 1 needs a "." or "?" before it.
-REFERENCE_PATTERN = re.compile(r"(\.\s+\d+\.\s)|(\?\s+\d+\.\s)|(\n*1+\.\s+)|(\\n\s*\d+\.)|(\[\d\])")
-REFERENCE_GROUPS = 5
+RELEASED_PATTERN = re.compile(r"(\.\s+\d+\.\s)|(\?\s+\d+\.\s)|(\n*1+\.\s+)|(\\n\s*\d+\.)|(\[\d\])")
+RELEASED_GROUPS = 5
 # The alternative split (prm.split: lines): a break at every newline and before every "Step k:" /
 # "Step k." marker (any case), which stays at the head of its step.
 LINES_PATTERN = re.compile(r"\n|(?=\bstep\s*\d+\s*[:.])", re.IGNORECASE)
@@ -35,15 +35,15 @@ WEIBULL_LAMBDA = 8.0
 WEIBULL_C = 10.735
 
 
-def split_reference(text: str) -> list[str]:
+def split_released(text: str) -> list[str]:
     """The released code's step split (§C, "Steps"), exactly: the text before the first marker is dropped;
     each step is "marker text", the marker with its newlines removed and then one leading "." and
     one leading space taken off; an empty text between two markers is no step.
     "x\\n1. A. 2. B. 3. C." -> ["1.  A", "2.  B", "3.  C."]; "Step\\n2. a\\n3. b" -> [] (no marker)."""
-    parts = REFERENCE_PATTERN.split(text)          # [text_0, 5 groups, text_1, 5 groups, text_2, ...]
+    parts = RELEASED_PATTERN.split(text)          # [text_0, 5 groups, text_1, 5 groups, text_2, ...]
     steps = []
-    for j in range(REFERENCE_GROUPS + 1, len(parts), REFERENCE_GROUPS + 1):
-        groups = parts[j - REFERENCE_GROUPS:j]                    # one matched, the others are None
+    for j in range(RELEASED_GROUPS + 1, len(parts), RELEASED_GROUPS + 1):
+        groups = parts[j - RELEASED_GROUPS:j]                    # one matched, the others are None
         marker = next(group for group in groups if group)
         marker = marker.replace("\n", "")
         if marker[0] == ".":
@@ -63,9 +63,9 @@ def split_lines(text: str) -> list[str]:
 
 
 def split_steps(text: str, rule: str) -> list[str]:
-    """The steps of a completion under prm.split: reference (the released code's) or lines."""
-    if rule == "reference":
-        return split_reference(text)
+    """The steps of a completion under prm.split: released (the released code's) or lines."""
+    if rule == "released":
+        return split_released(text)
     if rule == "lines":
         return split_lines(text)
     raise ValueError(f"prm.split: no rule named {rule!r}")    # config.py validates the name first

@@ -18,7 +18,7 @@ Continuations are seeded by content (sequences.prefix_seeds: the chain's states)
 Ranks: each rank generates for its own prompts. With the transformers engine under FSDP
 (`lockstep`) every rank must run the same forward passes, so continuation calls are padded to the
 busiest rank's request count (copies, whose results are dropped but whose tokens are counted as
-generated: they were). Departure from the reference code (edges kept per process): the tree's
+generated: they were). Departure from the released code (edges kept per process): the tree's
 replay buffer is all-gathered and identical on every rank, the drawn edges are dealt out
 round-robin, so the trained edges do not depend on the number of ranks and the buffer is
 checkpointed with the rest of the replicated trainer state.
@@ -265,7 +265,7 @@ class SPOTree:
     def _draw(self, step: int) -> tuple[list[Edge], int]:
         """§B tree 5: edges from spo.replay_iterations or more steps ago expire; then at most
         spo.edges_per_question per question are drawn at random and leave the buffer; of those at
-        most spo.edges_per_step (if > 0) are kept, a random subset (the reference's cap). Seeded by
+        most spo.edges_per_step (if > 0) are kept, a random subset (the released code's cap). Seeded by
         (seed, step): the same on every rank. Returns (drawn, number expired)."""
         s = self.cfg.spo
         alive = [e for e in self.edges if step - e.born < s.replay_iterations]

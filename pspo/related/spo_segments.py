@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pspo.estimators import ReduceSum, whiten
+from pspo.estimators import ReduceSum, group_mean, whiten
 
-PROB_THRESHOLD = 0.9      # §B chain 3 and 6: the reference code's constant
+PROB_THRESHOLD = 0.9      # §B chain 3 and 6: the released code's constant
 # |V(node) - V(parent)| at or below this is an exact 0 (float rounding of nested means)
 ZERO_TOL = 1e-9
 
@@ -33,7 +33,7 @@ def select_cuts(probs: Tensor, mask: Tensor, interval: int,
 
     probs, mask (N, T): p_t of each completion token and its validity. A candidate is a valid
     token with p_t < threshold; every `interval`-th (K) candidate of a row is kept, the first
-    included (the reference's J[::K]), and its cut state is c = t - 1: the prefix just before the
+    included (the released code's J[::K]), and its cut state is c = t - 1: the prefix just before the
     token, so c = -1 (V(prompt)) exactly when the first token is a candidate.
     """
     if interval < 1:
@@ -48,7 +48,7 @@ def select_cuts(probs: Tensor, mask: Tensor, interval: int,
 def probability_mask(probs: Tensor, mask: Tensor, threshold: float = PROB_THRESHOLD) -> Tensor:
     """M_t = m_t · 1[p_t < threshold], §B chain 6: the only tokens that get gradient. (N, T) float
 
-    (The reference zeroes A where p_t > 0.9 and masks the loss where p_t >= 0.9; one rule here.)"""
+    (The released code zeroes A where p_t > 0.9 and masks the loss where p_t >= 0.9; one rule here.)"""
     return mask.float() * (probs < threshold)
 
 
@@ -123,7 +123,7 @@ def mc_values(rewards: Tensor, n: int, inverse: Tensor) -> Tensor:
 
     rewards are prompt-major (state u, continuation j -> row u*n + j), as `generate` returns them.
     """
-    return rewards.view(-1, n).float().mean(1)[inverse]
+    return group_mean(rewards.view(-1, n).float())[inverse]
 
 
 # ---- SPO-tree ----
@@ -168,7 +168,7 @@ def tree_advantages(parent: Tensor, values: Tensor, scale: bool = False, eps: fl
     """A(node) = V(node) - V(parent), §B tree 3; 0 at the roots. (n,) float64
 
     scale (spo "grpo" option): divided by (std + eps), std the population std of the V of the node
-    and its siblings (np.std in the reference code). Departure from the reference code (exact
+    and its siblings (np.std in the released code). Departure from the released code (exact
     `!= 0`, harmless with its 0/1 rewards): a difference within ZERO_TOL of 0 is set to 0, so that
     float rounding of nested means (six rewards of 0.7 average to 0.6999999999999998) does not
     keep an edge that exact arithmetic drops.

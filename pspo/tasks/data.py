@@ -1,7 +1,7 @@
 """Prompt datasets: the built-in offline task, a local jsonl/json/parquet file, or a hub dataset.
 
 Every dataset becomes a list of `Example(problem, answer)` (pspo/tasks/example.py, beside DataError);
-`format_prompt` turns a problem into the model's chat prompt (with the reference recipes' R1
+`format_prompt` turns a problem into the model's chat prompt (with the released recipes' R1
 system prompt, or none). Answers are checked by the math-verify accuracy reward (docs/methods.md
 §5), so an answer is plain text such as "82" or "\\frac{1}{2}" (pspo/tasks/golds.py turns stored numbers
 and lists into such text).

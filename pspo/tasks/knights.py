@@ -18,9 +18,9 @@ means distinct statements (names aside): a logical puzzle never recurs under oth
 are interleaved (2, 3, .., 8, 2, 3, ..), so any prefix of a split is stratified by size.
 
 Each puzzle becomes an `Example`: the problem is the puzzle text followed by KNIGHTS_INSTRUCTION
-(a problem suffix, not a system prompt: the prompt asks for the reference code's `<think>..</think>
+(a problem suffix, not a system prompt: the prompt asks for the released code's `<think>..</think>
 <answer>..</answer>` layout under any data.system_prompt, and the arithmetic task is untouched);
-the gold is the reference code's `tgt` text "(1) Michael is a knight\\n(2) Zoey is a knave", one line per
+the gold is the released code's `tgt` text "(1) Michael is a knight\\n(2) Zoey is a knave", one line per
 person, so the number of people is its line count (knights_reward.knights_people). Local files in the
 hub data set's layout and in PaddleNLP's src/tgt layout are read by knights_files.py.
 """
@@ -74,7 +74,7 @@ class Puzzle:
         return f"{ISLAND} You meet {n} inhabitants: {people}. {said} {QUESTION}"
 
     def gold(self) -> str:
-        """The reference code's tgt text: "(1) Michael is a knight\\n(2) Zoey is a knave"."""
+        """The released code's tgt text: "(1) Michael is a knight\\n(2) Zoey is a knave"."""
         return solution_text(self.names, self.solution)
 
     def example(self) -> Example:

@@ -39,7 +39,7 @@ def examples_from_rows(rows, layout: str) -> list[Example]:
 
     hub: problem = quiz + KNIGHTS_INSTRUCTION (as builtin puzzles); gold = solution_text_format
     when present, else built from names and solution (bools).
-    paddle: problem = src[0], a prompt already in the chat template (the reference code's ends with
+    paddle: problem = src[0], a prompt already in the chat template (the released code's ends with
     "<|im_start|>assistant\\n<think>"): `chat_formatted=True`, so `prompt_set` uses it as it is,
     never templated again (and without data.system_prompt); gold = tgt[0]."""
     if layout == "paddle":

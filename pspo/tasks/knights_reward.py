@@ -3,7 +3,7 @@
 
 Format +1 / -1 (each of <think>, </think>, <answer>, </answer> exactly once, in that order);
 answer +2 exact, -1.5 parsed but wrong, -2 unparsable or format failed: totals in {3, -0.5, -1, -3}.
-The ground truth is read from the gold lines "(1) Zoey is a knight\n(2) ..." as the reference code does.
+The ground truth is read from the gold lines "(1) Zoey is a knight\n(2) ..." as the released code does.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pspo.tasks.golds import GoldAnswerError
 
 KNIGHTS_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 ASSISTANT_MARK = "<|im_start|>assistant"
-# the reference code's, per gold line
+# the released code's, per gold line
 _GOLD_ROLE = re.compile(r"\b([A-Za-z]+)\b.*?\b(knight|knave)\b", re.IGNORECASE)
 
 
 @functools.lru_cache(maxsize=4096)
 def _knights_gold(gold: str) -> tuple[tuple[str, str], ...] | None:
-    """The reference code's ground truth: on each line, the first alphabetic word followed later by knight or
+    """The released code's ground truth: on each line, the first alphabetic word followed later by knight or
     knave gives (name, role), a later line overriding an earlier one of the same name. None unless
     every non-blank line has one (a math gold never does)."""
     lines = [line.strip() for line in gold.split("\n") if line.strip()]
@@ -38,11 +38,11 @@ def knights_people(gold: str) -> int | None:
 
 
 def assistant_turn(prompt: str, completion: str) -> str:
-    """The text the reference code scores: what follows "<|im_start|>assistant". The reference code
+    """The text the released code scores: what follows "<|im_start|>assistant". The released code
     scores a whole decoded sequence and prepends "\n<|im_start|>assistant\n<think>" when that mark is
     absent, because its prompts end with "<|im_start|>assistant\n<think>". Our completions never hold
     the chat prefix and our prompts end where the assistant starts, so the equivalent is: a
-    completion holding the mark (a whole sequence) is scored after its first one, as the reference
+    completion holding the mark (a whole sequence) is scored after its first one, as the released
     code does; otherwise the completion is scored, preceded by "<think>" only when the prompt ends
     with "<think>" (PaddleNLP's src). A model answering our own prompts writes its <think> itself."""
     if ASSISTANT_MARK in completion:

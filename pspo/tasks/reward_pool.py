@@ -29,7 +29,7 @@ scores in the background while the trainer loads its model. `pool.score` is
   worker, whose memo in pspo/rewards.py then serves them), handed to workers as they fall idle;
 - a worker makes exactly the in-process calls, `guarded_call` under `alarm_guard`: the per-call
   limit `timeout_s` is its own SIGALRM, as in the trainer, and it answers call by call;
-- the reward functions travel by reference (pickle: module and name), looked up in
+- the reward functions travel by name (pickle: module and name), looked up in
   REWARD_FUNCTIONS per batch as in the trainer, so a test's module-level reward reaches the workers too;
   a worker runs with the trainer's sys.path. It sees the modules as imported, not later changes
   the trainer makes to them (a monkeypatched constant).

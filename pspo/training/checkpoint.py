@@ -230,14 +230,14 @@ def restore_trainer_state(state: dict, sampler, method_state, cfg: Config, sampl
 
 def check_modes(state: dict, cfg: Config, sampler_mode: str) -> None:
     """A checkpoint trained under another algo.advantage or sampler mode (uniform, PPS paper or
-    reference), or with ERS switched the other way, is refused with one ConfigError line naming both
+    released), or with ERS switched the other way, is refused with one ConfigError line naming both
     values. Hyperparameters (ers.alpha, pps.alpha, beta, ...) come from the config and may change on
     resume like any other field; an exact continuation needs the same config. At one step off, the settings
     its step in flight was generated with (`generation_settings`) may not change.
     """
     was_mode = state.get("sampler_mode")
     if was_mode is None:                  # older checkpoints: the sampler's own keys tell PPS from uniform
-        was_mode = ("reference" if "reference_priorities" in state["sampler"] else
+        was_mode = ("released" if "released_priorities" in state["sampler"] else
                     "paper" if "priorities" in state["sampler"] else "uniform")
     both_pps = "uniform" not in (sampler_mode, was_mode)
     pps_key = "pps.mode" if both_pps else "pps.enabled"

@@ -31,7 +31,7 @@ from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._guards import CompileContext
 
 # dynamo's limit of compiles per code object, raised from its default 8: the layers compile once per kind of
-# pass (about 10 with LoRA and its base as the reference), the decoding step once per cache length
+# pass (about 10 with LoRA and its base as the KL reference), the decoding step once per cache length
 RECOMPILE_LIMIT = 64
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "triton.")   # where a compiler's own errors come from
 

@@ -33,6 +33,12 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override; the message is one line naming the key."""
 
 
+# "reference" is the KL reference model only: the paper's released code's mode, split and presets are "released",
+# and their old names are refused in one line naming the new
+RENAMED_VALUE = "'reference' is now 'released' (the paper's released code; 'reference' is the KL reference model only)"
+RENAMED_PRESETS = {"pspo_reference.yaml": "pspo_released.yaml"}
+
+
 def check(ok: bool, key: str, expected: str, value: Any) -> None:
     """Raise ConfigError "key: expected ..., got value" unless ok."""
     if not ok:
@@ -83,7 +89,7 @@ ADVANTAGES = ("grpo", "rloo", "maxrl", "reinforce_pp", "reinforce_pp_baseline", 
 TOKEN_ADVANTAGES = ("reinforce_pp", "reinforce_pp_baseline", "spo_chain", "spo_tree")
 # the methods whose baseline is their group's reward statistics, which ERS may smooth (docs/methods.md §2)
 GROUP_BASELINES = ("grpo", "rloo", "maxrl", "reinforce_pp_baseline")
-PPS_MODES = ("paper", "reference")                        # docs/methods.md §3 (+ §3b options) | §3a
+PPS_MODES = ("paper", "released")                         # docs/methods.md §3 (+ §3b options) | §3a
 
 
 @dataclass
@@ -202,7 +208,7 @@ class RewardConfig:
 
 # PSPO*'s names live here rather than beside their functions in related/process_reward.py: the
 # related methods build on this folder, so the config cannot import them
-PRM_SPLITS = ("reference", "lines")            # prm.split: process_reward.split_reference | split_lines
+PRM_SPLITS = ("released", "lines")             # prm.split: process_reward.split_released | split_lines
 PRM_SHAPINGS = ("wrs", "weibull", "none")      # prm.shaping: g·ff(g, n) | g·w(n) | g (shaped_reward)
 
 
@@ -213,8 +219,8 @@ class PRMConfig:
     model: str = ""
     trust_remote_code: bool = False     # run model code shipped with the PRM (off: safer)
     label: int = 2                      # the "correct" class: s_j = softmax(logits)[label] (-1, 0, 1: 2)
-    # steps: reference (the released code's markers) | lines (and "Step k:")
-    split: str = "reference"
+    # steps: released (the released code's markers) | lines (and "Step k:")
+    split: str = "released"
     # what joins the previous step to the step: "" = the PRM tokenizer's pair encoding (its sep token);
     # else this text (the released code: " </s><s>")
     separator: str = ""
@@ -276,7 +282,7 @@ class PPSConfig:
     beta: float = 0.4                   # β, IS-weight exponent w = (N·P)^-β at the first step
     beta_end: float = -1.0              # β at the last step, linear from `beta` (-1 = keep β constant)
     eps: float = 1e-6                   # ε_p, keeps every prompt's priority above zero
-    mode: str = "paper"                 # paper (§3, the options below) | reference (§3a, the released code)
+    mode: str = "paper"                 # paper (§3, the options below) | released (§3a, the released code)
     # |A^GRPO| statistic mean_abs | max_abs | last_abs, or from Beta counts learnability | thompson (§3b) |
     # single_stream (§10)
     priority: str = "mean_abs"
@@ -353,13 +359,13 @@ class SPOConfig:
     # tree: M, the most new tokens of a depth-0 / depth-1 segment ("M0,M1" apart); depth 2 runs to
     # rollout.max_new_tokens (30 rho GSM8K, 100 MATH, 600 R1-Distill)
     segment_tokens: str = "30"
-    # tree: A(n) / (population std of the siblings' V + 1e-8), the reference's "grpo" option
+    # tree: A(n) / (population std of the siblings' V + 1e-8), the released code's "grpo" option
     tree_scale: bool = False
     # tree: an edge is trained within this many steps of its tree's growth, else dropped (§B tree 5)
     replay_iterations: int = 8
     # tree: at most this many of a question's buffered edges drawn (and removed) per step
     edges_per_question: int = 32
-    # tree: at most this many drawn edges trained per step, a random subset (0 = all; the reference code: 512)
+    # tree: at most this many drawn edges trained per step, a random subset (0 = all; the released code: 512)
     edges_per_step: int = 0
 
     @property
@@ -526,7 +532,9 @@ def _set(cfg: Config, key: str, value: Any) -> None:
 def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Read a YAML config, following `base:` links; later files override earlier ones."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
+        renamed = RENAMED_PRESETS.get(os.path.basename(path))
+        raise ConfigError(f"config file not found: {path}" + (f" (the preset is now {renamed}: {RENAMED_VALUE})"
+                                                              if renamed else ""))
     if os.path.abspath(path) in seen:
         raise ConfigError(f"{path}: `base:` cycle")
     with open(path) as f:
@@ -610,6 +618,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
           "posterior (docs/methods.md §3b)", p.priority)
     check(p.priority in PRIORITIES, "pps.priority", " | ".join(PRIORITIES), p.priority)
     check(p.is_norm in IS_NORMS, "pps.is_norm", " | ".join(IS_NORMS), p.is_norm)
+    if p.mode == "reference":
+        raise ConfigError(f"pps.mode: {RENAMED_VALUE}")
     check(p.mode in PPS_MODES, "pps.mode", " | ".join(PPS_MODES), p.mode)
     check(0 <= p.uniform_mix < 1, "pps.uniform_mix", "in [0, 1)", p.uniform_mix)
     check(0 < p.posterior_decay <= 1, "pps.posterior_decay", "in (0, 1]", p.posterior_decay)
@@ -620,11 +630,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     check(0 < p.skip_min <= 1, "pps.skip_min", "in (0, 1]", p.skip_min)
     check(not (p.replacement and p.skip), "pps.replacement", "false with pps.skip (a skipped prompt is replaced "
           "among the distinct ones)", p.replacement)
-    if p.mode == "reference":                     # §3a is one fixed procedure: the §3b options do not apply
+    if p.mode == "released":                     # §3a is one fixed procedure: the §3b options do not apply
         paper_only = {"beta_end": -1.0, "priority": "mean_abs", "is_norm": "batch_max", "uniform_mix": 0.0,
                       "skip": False, "eps": 1e-6, "replacement": False}
         for key, default in paper_only.items():
-            check(getattr(p, key) == default, f"pps.{key}", f"{default} (unset) with pps.mode=reference, "
+            check(getattr(p, key) == default, f"pps.{key}", f"{default} (unset) with pps.mode=released, "
                    "the released code's fixed procedure (docs/methods.md §3a)", getattr(p, key))
     check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     check(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
@@ -865,6 +875,8 @@ def validate_prm(p: PRMConfig, weight: float) -> None:
     check(weight == 0 or bool(p.model.strip()), "prm.model", "a sequence-classifier folder or hub id (or "
            f"builtin:tiny-prm) with reward.prm={weight:g}", p.model)
     check(p.label >= 0, "prm.label", ">= 0 (the index of the PRM's \"correct\" class)", p.label)
+    if p.split == "reference":
+        raise ConfigError(f"prm.split: {RENAMED_VALUE}")
     check(p.split in PRM_SPLITS, "prm.split", " | ".join(PRM_SPLITS), p.split)
     check(p.shaping in PRM_SHAPINGS, "prm.shaping", " | ".join(PRM_SHAPINGS), p.shaping)
     check(p.max_tokens >= 8, "prm.max_tokens", ">= 8", p.max_tokens)

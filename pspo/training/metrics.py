@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pspo.estimators import group_mean
 from pspo.loss import GATED
 from pspo.training import distributed
 from pspo.training.compiled import take_counts
@@ -138,7 +139,7 @@ class GenerationCounts:
 def step_metrics(method: MethodStats, update: UpdateSums, counts: GenerationCounts, cfg: Config,
                  device: torch.device) -> tuple[GenerationCounts, UpdateSums, dict[str, float]]:
     """This rank's records summed over ranks (one collective) -> (the generation counts and the update's
-    sums of every rank, the logged means (README, "Metrics") followed by SPO's counts, the generation
+    sums of every rank, the logged means (docs/README.md, "Metrics") followed by SPO's counts, the generation
     counts and this process's compile counts since the last step (compiled.py) as sums)."""
     compiles = take_counts()
     records = [method.rollout, method.advantages, update, counts, compiles]
@@ -230,7 +231,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, "prompts": num_prompts, "rows": indices.tolist(),
-                  "accuracy": [round(a, 4) for a in accuracy.float().mean(dim=1).tolist()]}
+                  "accuracy": [round(a, 4) for a in group_mean(accuracy.float()).tolist()]}
         self.prompts.write(json.dumps(record) + "\n")
         self.prompts.flush()
 

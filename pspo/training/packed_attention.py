@@ -248,5 +248,5 @@ def choose_kernels(setting: str, *, device: torch.device, bf16: bool, heads: int
 @functools.lru_cache(maxsize=None)
 def _probe_once(kernels: Kernels, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
                 head_dim: int) -> str | None:
-    """probe, once per process for each question (the policy and the reference ask the same)."""
+    """probe, once per process for each question (the policy and the KL reference ask the same)."""
     return probe(kernels, device=device, dtype=dtype, heads=heads, kv_heads=kv_heads, head_dim=head_dim)

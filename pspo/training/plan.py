@@ -51,7 +51,7 @@ whose plan fits (`make_plan`), none on CPU. Counted per GPU, for FSDP2 over N GP
   the hidden states, q, k, v and the MLP's intermediate of those tokens alive at once, (6H + 2I) x 2 B
   per token);
 - OVERHEAD_GIB for the CUDA context and NCCL, outside PyTorch's allocator.
-The peak is the larger phase: generation (weights, Adam state, reference, the engine; gradients
+The peak is the larger phase: generation (weights, Adam state, the KL reference, the engine; gradients
 were freed by zero_grad(set_to_none)) or update (all training state, the micro-batch's peak moment,
 vLLM unless it sleeps). `Plan.tensors` is the figure torch.cuda.max_memory_allocated should reach
 in the trainer's process.

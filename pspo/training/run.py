@@ -49,7 +49,7 @@ def load_models(cfg: Config, dist_: Dist, path: str, base_path: str,
     check_packing(policy, cfg.train)
     policy = distributed.shard(policy.to(dist_.device), dist_.world_size, m.bf16)
     if lora and dist_.world_size > 1:
-        # FSDP2 reads which parameters train at its first forward; the reference's (adapters off) would
+        # FSDP2 reads which parameters train at its first forward; the KL reference's (adapters off) would
         # record them frozen, so the policy's own runs first
         with torch.no_grad():
             ids = torch.ones(1, 2, dtype=torch.long, device=dist_.device)

@@ -23,16 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PSPO = os.path.join(ROOT, "pspo")
 
 # The paper and the loop's steps (docs/README.md's table names their formulas).
-TOP = {"estimators", "ema_stats", "priority_sampler", "reference_sampler", "sampler", "loss", "is_correction",
+TOP = {"estimators", "ema_stats", "priority_sampler", "released_sampler", "sampler", "loss", "is_correction",
        "rollout", "rewards", "methods", "update", "evaluation", "dynamic_sampling"}
 FOLDERS = {"engines", "tasks", "related", "training", "offline"}
-MATH = {"estimators", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction",
+MATH = {"estimators", "ema_stats", "priority_sampler", "released_sampler", "loss", "is_correction",
         "related.spo_segments", "related.process_reward", "training.token_logprobs"}
 LOOP_STEPS = {"sampler", "rollout", "methods", "update", "evaluation", "dynamic_sampling"}
 # Lowest first: the paper's formulas; the training infrastructure (config, processes, the model, token
 # rows); the tasks and the engines built on it; the rewards on the tasks and the models built offline
 # (trained on the tasks); the related methods on all of these; the loop's steps; the method choice.
-LAYERS = [{"estimators", "ema_stats", "priority_sampler", "reference_sampler", "loss", "is_correction"},
+LAYERS = [{"estimators", "ema_stats", "priority_sampler", "released_sampler", "loss", "is_correction"},
           {"training"}, {"tasks", "engines"}, {"rewards", "offline"}, {"related"},
           {"sampler", "rollout", "update", "evaluation", "dynamic_sampling"}, {"methods"}]
 

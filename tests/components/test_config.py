@@ -89,6 +89,23 @@ def test_missing_and_invalid_files(tmp_path):
         load_config(write(tmp_path, "bad.yaml", "train: [1,\n"))
 
 
+def test_reference_names_of_the_released_code_refused(tmp_path):
+    # "reference" is the KL reference model only: the released code's mode, split and presets are "released",
+    # and each old name is refused in one line naming the new
+    renamed = "'reference' is now 'released' (the paper's released code; 'reference' is the KL reference model only)"
+    for overrides, key in ((["--pps.mode=reference"], "pps.mode"), (["--prm.split=reference"], "prm.split")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, overrides)
+        assert str(e.value) == f"{key}: {renamed}"
+    old = os.path.join(ROOT, "configs", "qwen2.5-math-1.5b", "pspo_reference.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(old)
+    assert str(e.value) == f"config file not found: {old} (the preset is now pspo_released.yaml: {renamed})"
+    with pytest.raises(ConfigError) as e:                   # a name that never was a preset: the plain line
+        load_config(str(tmp_path / "nope.yaml"))
+    assert str(e.value) == f"config file not found: {tmp_path / 'nope.yaml'}"
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["--train.seed=5", "--data.system_prompt=be brief"])
     save_config(cfg, str(tmp_path / "resolved.yaml"))
@@ -147,25 +164,25 @@ def test_ers_goes_with_every_group_baseline_and_no_other(advantage, allowed):
 
 
 @pytest.mark.parametrize("yaml_text, overrides, message", [
-    ("", ["--pps.mode=bogus"], "pps.mode: expected paper | reference, got 'bogus'"),
+    ("", ["--pps.mode=bogus"], "pps.mode: expected paper | released, got 'bogus'"),
     ("", ["--pps.uniform_mix=1"], "pps.uniform_mix: expected in [0, 1), got 1.0"),
     ("", ["--pps.uniform_mix=-0.1"], "pps.uniform_mix: expected in [0, 1), got -0.1"),
     ("", ["--pps.posterior_decay=0"], "pps.posterior_decay: expected in (0, 1], got 0.0"),
     ("", ["--pps.skip_rho=1.5"], "pps.skip_rho: expected in (0, 1], got 1.5"),
     ("", ["--pps.skip_min=0"], "pps.skip_min: expected in (0, 1], got 0.0"),
     ("pps:\n  skip: sometimes\n", [], "pps.skip: expected bool"),
-    # pps.mode=reference is the released code's fixed procedure: the §3b options are refused
-    ("pps:\n  mode: reference\n", ["--pps.is_norm=mean"],
-     "pps.is_norm: expected batch_max (unset) with pps.mode=reference"),
-    ("", ["--pps.mode=reference", "--pps.skip=true"], "pps.skip: expected False (unset) with pps.mode=reference"),
-    ("", ["--pps.mode=reference", "--pps.uniform_mix=0.1"],
-     "pps.uniform_mix: expected 0.0 (unset) with pps.mode=reference"),
-    ("", ["--pps.mode=reference", "--pps.priority=learnability"],
-     "pps.priority: expected mean_abs (unset) with pps.mode=reference"),
-    ("", ["--pps.mode=reference", "--pps.beta_end=1"], "pps.beta_end: expected -1.0 (unset) with pps.mode=reference"),
+    # pps.mode=released is the released code's fixed procedure: the §3b options are refused
+    ("pps:\n  mode: released\n", ["--pps.is_norm=mean"],
+     "pps.is_norm: expected batch_max (unset) with pps.mode=released"),
+    ("", ["--pps.mode=released", "--pps.skip=true"], "pps.skip: expected False (unset) with pps.mode=released"),
+    ("", ["--pps.mode=released", "--pps.uniform_mix=0.1"],
+     "pps.uniform_mix: expected 0.0 (unset) with pps.mode=released"),
+    ("", ["--pps.mode=released", "--pps.priority=learnability"],
+     "pps.priority: expected mean_abs (unset) with pps.mode=released"),
+    ("", ["--pps.mode=released", "--pps.beta_end=1"], "pps.beta_end: expected -1.0 (unset) with pps.mode=released"),
     ("", ["--pps.replacement=true", "--pps.skip=true"], "pps.replacement: expected false with pps.skip"),
-    ("", ["--pps.mode=reference", "--pps.replacement=true"],
-     "pps.replacement: expected False (unset) with pps.mode=reference"),
+    ("", ["--pps.mode=released", "--pps.replacement=true"],
+     "pps.replacement: expected False (unset) with pps.mode=released"),
 ])
 def test_pps_option_errors_name_the_key(tmp_path, yaml_text, overrides, message):
     path = write(tmp_path, "c.yaml", yaml_text)
@@ -174,7 +191,7 @@ def test_pps_option_errors_name_the_key(tmp_path, yaml_text, overrides, message)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_pps_options_load_and_reference_presets():
+def test_pps_options_load_and_released_presets():
     cfg = load_config(None, ["--pps.priority=learnability", "--pps.posterior_decay=0.5", "--pps.uniform_mix=0.1",
                              "--pps.skip=true", "--pps.skip_rho=0.25", "--pps.skip_min=0.05"])
     p = cfg.pps
@@ -182,14 +199,14 @@ def test_pps_options_load_and_reference_presets():
         ("paper", "learnability", 0.5, 0.1, True, 0.25, 0.05)
     d = Config().pps                                       # the §3b options are off by default: the paper's method
     assert (d.mode, d.uniform_mix, d.skip, d.priority, d.is_norm) == ("paper", 0.0, False, "mean_abs", "batch_max")
-    # pspo_reference: the pspo preset with pps.mode=reference, here and on GPU
+    # pspo_released: the pspo preset with pps.mode=released, here and on GPU
     for folder in ("configs", "configs/qwen2.5-math-1.5b"):
-        ref = load_config(os.path.join(ROOT, folder, "pspo_reference.yaml"))
+        ref = load_config(os.path.join(ROOT, folder, "pspo_released.yaml"))
         pspo = load_config(os.path.join(ROOT, folder, "pspo.yaml"))
-        assert ref.pps.mode == "reference" and ref.pps.enabled and ref.ers == pspo.ers
+        assert ref.pps.mode == "released" and ref.pps.enabled and ref.ers == pspo.ers
         assert (ref.pps.alpha, ref.pps.beta) == (0.6, 0.4)
         assert (ref.algo, ref.optim, ref.rollout, ref.data) == (pspo.algo, pspo.optim, pspo.rollout, pspo.data)
-        assert "reference" in ref.train.output_dir
+        assert "released" in ref.train.output_dir
 
 
 TREE = ["--algo.advantage=spo_tree", "--algo.beta=0", "--rollout.num_generations=6", "--spo.segment_tokens=3"]

@@ -1,4 +1,4 @@
-"""Knights-and-knaves: the puzzle generator and its splits, the two file layouts, the reference code's
+"""Knights-and-knaves: the puzzle generator and its splits, the two file layouts, the released code's
 reward (docs/related.md §A) with adversarial completions, and per-size evaluation."""
 import hashlib
 import json
@@ -36,7 +36,7 @@ RIGHT = "(1) Michael is a knight\n(2) Zoey is a knight\n(3) Ethan is a knight"
 
 # ---- the two file layouts, written from built-in puzzles (data/samples/knights*.jsonl hold such rows)
 
-# The reference code's src: Qwen2.5's chat template around a system prompt asking for the layout (our
+# The released code's src: Qwen2.5's chat template around a system prompt asking for the layout (our
 # wording), ending where the assistant starts, inside its opened <think>.
 PADDLE_SYSTEM_PROMPT = (
     "You are a helpful assistant. The assistant first thinks about the reasoning process in the mind and "
@@ -254,7 +254,7 @@ def test_a_templated_src_prompt_is_used_as_is_and_a_quiz_is_templated():
 # ---- the reward ------------------------------------------------------------------------------
 
 def test_the_seeds_cases_with_its_templated_prompt():
-    # The reference code's prompt ends inside the assistant's <think>: the completion starts with the reasoning.
+    # The released code's prompt ends inside the assistant's <think>: the completion starts with the reasoning.
     assert knights_reward(SEED_PROMPT, f"reasoning</think><answer>{RIGHT}</answer>", GOLD) == 3.0
     wrong = RIGHT.replace("Zoey is a knight", "Zoey is a knave")                 # format +1, answer -1.5
     assert knights_reward(SEED_PROMPT, f"r</think><answer>{wrong}</answer>", GOLD) == -0.5
@@ -269,7 +269,7 @@ def test_our_prompts_end_where_the_assistant_starts_so_the_completion_opens_thin
     ours = "<|im_start|>user\nq\n<|im_end|>\n<|im_start|>assistant\n"
     assert knights_reward(ours, f"<think>r</think>\n<answer> {RIGHT} </answer>", GOLD) == 3.0
     assert knights_reward(ours, f"r</think><answer>{RIGHT}</answer>", GOLD) == -3.0
-    # a whole decoded sequence (the reference code's input) is scored after its first assistant mark
+    # a whole decoded sequence (the released code's input) is scored after its first assistant mark
     assert knights_reward("", f"{SEED_PROMPT}r</think><answer>{RIGHT}</answer>", GOLD) == 3.0
 
 
@@ -328,7 +328,7 @@ def test_adversarial_completions_score_quickly_and_never_raise(name):
         assert total in (3.0, -0.5, -1.0, -3.0)
         accuracy_reward(prompt, completion, GOLD), format_reward(prompt, completion, GOLD)
     assert time.perf_counter() - start < 1.0
-    # a unicode gold name parses as the reference code's ASCII-word rule reads it, without raising
+    # a unicode gold name parses as the released code's ASCII-word rule reads it, without raising
     assert knights_reward("", completion, "(1) Zoë is a knight\n(2) Михаил is a knave") in (3.0, -0.5, -1.0, -3.0)
 
 

@@ -43,7 +43,7 @@ def test_a_head_bias_is_refused():
 
 
 def test_context_must_fit_the_models_positions():
-    # Qwen2.5-Math-1.5B: 4096 positions; the reference recipes' 512 + 3584 = 4096 just fits.
+    # Qwen2.5-Math-1.5B: 4096 positions; the released recipes' 512 + 3584 = 4096 just fits.
     config = Qwen2Config(max_position_embeddings=4096)
     check_context(config, 512, 3584)
     with pytest.raises(ModelError) as e:

@@ -313,7 +313,7 @@ def test_plan_cli_another_hub_model_does_not_borrow_the_recipes_stand_in(plan_co
 
 
 def test_plan_cli_7b_knights_preset_and_space_separated_gpus():
-    # Qwen2.5-7B-Instruct-1M (7.6B parameters) with the reference code's batch: on 8 GPUs of 80 GiB it fits
+    # Qwen2.5-7B-Instruct-1M (7.6B parameters) with the released code's batch: on 8 GPUs of 80 GiB it fits
     # only because vLLM sleeps during the update (its 0.3 x 80 = 24 GiB is freed); on 1 GPU the
     # whole 7.6B x 16 bytes of fp32 params + grads + AdamW (113 GiB) alone does not fit.
     preset = "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml"

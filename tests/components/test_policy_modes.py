@@ -58,15 +58,15 @@ def method_update(policy, ref, optimizer, scheduler, batch, rewards, is_weights,
     rows = [p for p in range(mine.start, mine.stop) for _ in range(G)]
     pad = tokenizer.pad_token_id
     inputs = token_rows([ids[i] for i in rows], rollout.completion_ids, rollout.mask, pad, dist_.device)
-    step = StepRollouts(step=0, indices=torch.arange(B), rows=rows, seeds=seeds[local], rollout=rollout,
-                        scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
+    rollouts = StepRollouts(step=0, indices=torch.arange(B), rows=rows, seeds=seeds[local], rollout=rollout,
+                            scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
     problems = [f"p{i}" for i in range(B)]
     method = method_for(cfg, ids, pad, dist_, False)
     ctx = Context(cfg=cfg, policy=policy, ref=ref, engine=None, train_ids=ids, problems=problems, dist=dist_,
                   mine=mine, lockstep=False, score=_no_scoring, distinct_problems=B, state=method.state)
-    step.old_logp, step.ref_logp = score_first(method, step, ctx)
-    step.baseline = group_baseline(method, step, ctx)
-    batch, _ = training_batch(method.estimate(step, ctx), step, ctx)
+    rollouts.old_logp, rollouts.ref_logp = score_first(method, rollouts, ctx)
+    rollouts.baseline = group_baseline(method, rollouts, ctx)
+    batch, _ = training_batch(method.estimate(rollouts, ctx), rollouts, ctx)
     return policy_update(policy, optimizer, scheduler, batch, cfg, dist_)
 
 

@@ -68,7 +68,7 @@ def test_the_prm_is_frozen_and_has_the_released_labels(tiny_prm):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--prm.split=sentences"], "prm.split: expected reference | lines, got 'sentences'"),
+    (["--prm.split=sentences"], "prm.split: expected released | lines, got 'sentences'"),
     (["--prm.shaping=linear"], "prm.shaping: expected wrs | weibull | none, got 'linear'"),
     (["--prm.label=-1"], "prm.label: expected >= 0"),
     (["--prm.max_tokens=4"], "prm.max_tokens: expected >= 8, got 4"),

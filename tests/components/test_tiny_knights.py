@@ -1,7 +1,7 @@
 """The tiny knights-and-knaves models (pspo/offline/tiny_knights.py): the warm-up target and learning
 rate, the build lock and thread count, the untrained twin (the tests' stand-in: same tokenizer), the
 presets' quick base (built here: it loads through from_pretrained like a hub model and writes the
-reference code's layout), and the study build (marked knights_model: run by `scripts/study.sh --task
+released code's layout), and the study build (marked knights_model: run by `scripts/study.sh --task
 knights`, skipped while it is not built): it writes the layout with the puzzle's own names, and its
 greedy accuracy falls with the number of people."""
 import json

@@ -180,7 +180,7 @@ def test_an_idle_step_checks_the_sync_on_the_train_sets_prompts(untied, monkeypa
     generate = engine.generate
     monkeypatch.setattr(engine, "generate", lambda ids, *a, **k: asked.append(ids) or generate(ids, *a, **k))
     take_a_step(policy)                                               # the idle step's optimizer step
-    metrics = train.Run.sync_engine(run, [])
+    metrics = train.Run.engine_after_update(run, [])
     assert asked == [prompts[:4]]
     assert metrics["sync_stale_rows"] == 0 and 0 <= metrics["sync_gap_mean"] <= metrics["sync_gap_max"] < 1e-4
     assert metrics["weight_sync_s"] > 0

@@ -190,7 +190,7 @@ def test_sigterm_abandons_the_step_in_flight_then_resume_matches(tmp_path, tiny_
 # IS weights and its statistics differ from a fresh sampler's
 SIX = ["--train.prompts_per_step=4", "--rollout.num_generations=4", "--train.micro_batch_size=16", "--data.eval=",
        "--train.progress=false", "--optim.lr=1e-3", "--reward.workers=0"]
-SAMPLERS = {"pspo": "configs/pspo.yaml", "pspo_reference": "configs/pspo_reference.yaml",
+SAMPLERS = {"pspo": "configs/pspo.yaml", "pspo_released": "configs/pspo_released.yaml",
             "pps_skip": "configs/pps_skip.yaml"}
 
 
@@ -230,15 +230,15 @@ def test_sampler_metrics_describe_the_step_they_are_logged_with(sampler_run):
     differ = False
     for k in (1, 2):
         state = torch.load(os.path.join(full, f"checkpoint-{k}", "trainer_state.pt"), weights_only=True)
-        draw = state["sampler"]["draw"]
-        if name == "pspo_reference":
+        draw = state["sampler"]["last_sample"]
+        if name == "pspo_released":
             assert (rows[k + 1]["pps_epoch"], rows[k + 1]["pps_repeat_frac"]) == (draw["epoch"], draw["repeat_frac"])
             continue
         raw = draw["raw_weights"]
         assert (rows[k + 1]["pps_is_max"], rows[k + 1]["pps_is_min"]) == (float(raw.max()), float(raw.min()))
         assert rows[k + 1]["pps_skipped"] == draw["skipped"]
         differ |= float(raw.min()) < float(raw.max())
-    assert differ or name == "pspo_reference", "every draw weighed its prompts alike: the test shows nothing"
+    assert differ or name == "pspo_released", "every draw weighed its prompts alike: the test shows nothing"
 
 
 def test_engine_logprobs_are_the_previous_weights(tiny_model_path, uninterrupted):

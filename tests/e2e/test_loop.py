@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from pspo.tasks.data import DataError, builtin_arithmetic
-from pspo.reference_sampler import ReferenceSampler
+from pspo.released_sampler import ReleasedSampler
 from pspo.training.checkpoint import state_digest
 from pspo.training.config import ConfigError
 
@@ -178,7 +178,7 @@ def test_pspo_logs_ers_and_pps_diagnostics(tmp_path, pspo, pspo_3_steps):
     assert str(e.value).startswith("pps.enabled: the checkpoint was trained with") and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("config", ["configs/pspo.yaml", "configs/grpo.yaml", "configs/pspo_reference.yaml",
+@pytest.mark.parametrize("config", ["configs/pspo.yaml", "configs/grpo.yaml", "configs/pspo_released.yaml",
                                     "configs/pps_skip.yaml"])
 def test_resume_continues_exactly(tmp_path, train, few_prompts, config):
     # Uninterrupted 4 steps with a checkpoint at step 2, vs. a run resumed from that checkpoint: the same metrics
@@ -218,7 +218,7 @@ def test_resume_under_another_method_or_sampler_is_one_line(tmp_path, train, few
     cases = {
         ("--algo.advantage=reinforce_pp", "--algo.beta=0"): "error: algo.advantage: the checkpoint was trained "
         "with algo.advantage=grpo, this run has algo.advantage=reinforce_pp; resume with the same setting",
-        ("--pps.enabled=true", "--pps.mode=reference"): "error: pps.enabled: the checkpoint was trained with "
+        ("--pps.enabled=true", "--pps.mode=released"): "error: pps.enabled: the checkpoint was trained with "
         "pps.enabled=false, this run has pps.enabled=true; resume with the same setting",
     }
     for overrides, message in cases.items():
@@ -343,7 +343,7 @@ def test_bad_data_file_is_one_line(tmp_path, train):
 
 @pytest.fixture
 def nine_prompts(tmp_path):
-    """9 rows, the last repeating the first's problem, 4 prompts per step: an epoch of pps.mode=reference
+    """9 rows, the last repeating the first's problem, 4 prompts per step: an epoch of pps.mode=released
     draws 9 rows and serves 2 steps (the 9th draw is dropped)."""
     path = tmp_path / "nine.jsonl"
     examples = builtin_arithmetic("train")[:8]
@@ -353,21 +353,21 @@ def nine_prompts(tmp_path):
     return [f"--data.train={path}", "--train.prompts_per_step=4"]
 
 
-def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, train, nine_prompts):
-    # pspo_reference (docs/methods.md §3a): 3 steps, then resumed to step 4, against 4 steps in one go.
+def test_released_mode_resumes_exactly_mid_epoch(tmp_path, train, nine_prompts):
+    # pspo_released (docs/methods.md §3a): 3 steps, then resumed to step 4, against 4 steps in one go.
     # Epoch 0 serves steps 1-2, epoch 1 steps 3-4: the checkpoint at step 3 is mid-epoch (position 4 of
     # its 9 draws), so the resume must bring back the frozen draws and the position, not just the RNG.
-    config = "configs/pspo_reference.yaml"
+    config = "configs/pspo_released.yaml"
     part, full = str(tmp_path / "part"), str(tmp_path / "full")
     train(part, *nine_prompts, "--train.max_steps=3", config=config)
     state3 = trainer_state(os.path.join(part, "checkpoint-3"))["sampler"]
     assert (state3["position"], state3["epoch"], len(state3["order"])) == (4, 1, 9)
-    # row 8 repeats row 0's problem: its groups write row 0's priority (the reference keys priorities by
+    # row 8 repeats row 0's problem: its groups write row 0's priority (the released code keys priorities by
     # problem), row 8's own stays 1. Seed 0's first epoch serves row 8 (checked here, so that the
     # assertion below means something: a write of (|A| + 1e-6)^.6 is 1 only if |A| = 1 - 1e-6).
-    first = ReferenceSampler(9, seed=0)
+    first = ReleasedSampler(9, seed=0)
     assert 8 in first.sample(4).tolist() + first.sample(4).tolist()
-    assert state3["reference_priorities"][8].item() == 1.0 and state3["reference_priorities"][0].item() != 1.0
+    assert state3["released_priorities"][8].item() == 1.0 and state3["released_priorities"][0].item() != 1.0
     train(part, *nine_prompts, "--train.max_steps=4", "--train.resume=auto", config=config)
     train(full, *nine_prompts, "--train.max_steps=4", config=config)
     a, b = metrics(full), metrics(part)
@@ -378,10 +378,10 @@ def test_reference_mode_resumes_exactly_mid_epoch(tmp_path, train, nine_prompts)
     sa, sb = trainer_state(os.path.join(full, "checkpoint-4")), trainer_state(os.path.join(part, "checkpoint-4"))
     assert_same_state(sa, sb, atol=1e-9)
     assert sa["sampler"]["position"] == 8 and torch.equal(sa["sampler"]["order"], state3["order"])
-    # a reference checkpoint does not resume under pps.mode=paper: one line (train.py: exit code 2)
+    # a released-mode checkpoint does not resume under pps.mode=paper: one line (train.py: exit code 2)
     with pytest.raises(ConfigError) as e:
         train(part, *nine_prompts, "--train.max_steps=5", "--train.resume=auto", "--pps.mode=paper", config=config)
-    assert f"error: {e.value}" == ("error: pps.mode: the checkpoint was trained with pps.mode=reference, this run "
+    assert f"error: {e.value}" == ("error: pps.mode: the checkpoint was trained with pps.mode=released, this run "
                                    "has pps.mode=paper; resume with the same setting")
 
 

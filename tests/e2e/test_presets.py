@@ -201,10 +201,10 @@ def test_knights_preset_on_the_base_it_names(tmp_path, run):
     assert sum(r["reward_mean"] for r in steps) / len(steps) > -2.0, steps
 
 
-# The values docs/gpu.md's "Compared with the reference configuration" table lists as the reference's own: the PSPO
+# The values docs/gpu.md's "Compared with the released configuration" table lists as the released code's own: the PSPO
 # code's recipes/1.5B/*.yaml on TRL 0.18. Batch: 2 GPUs x 4 per device x 6 accumulation steps = 48
 # completions = 8 prompts of G = 6; warm-up: warmup_ratio 0.1 x 50 steps = 5.
-REFERENCE = {
+RELEASED = {
     "data.max_prompt_tokens": 512, "data.system_prompt": "r1", "rollout.num_generations": 6,
     "rollout.temperature": 0.7, "rollout.top_p": 1.0, "rollout.max_new_tokens": 3584,
     "reward.accuracy": 0.0, "reward.format": 1.0, "reward.cosine": 2.0, "algo.eps_low": 0.2, "algo.eps_high": 0.28,
@@ -223,15 +223,15 @@ OBJECTIVE_KEYS = ("algo.eps_low", "algo.eps_high", "algo.num_iterations", "optim
 
 
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("configs/qwen2.5-math-1.5b/")])
-def test_gpu_recipe_matches_reference(config):
+def test_gpu_recipe_matches_released(config):
     cfg = load_config(os.path.join(ROOT, config))
     # the LoRA recipe keeps every value but the learning rate, 10x full fine-tuning's (its header says why); Single-
     # stream PO's, but its group of one, B and reward (tests/components/test_single_stream_config.py)
-    want = dict(REFERENCE, **({"optim.lr": 1e-5} if cfg.model.lora.rank else {}),
+    want = dict(RELEASED, **({"optim.lr": 1e-5} if cfg.model.lora.rank else {}),
                 **(SINGLE_STREAM if cfg.algo.advantage == "single_stream" else {}),
                 **(_values(cfg, OBJECTIVE_KEYS) if cfg.algo.objective != "ppo_clip" else {}))
-    assert _values(cfg, REFERENCE) == want
-    # the reference recomputes every layer; ours the least the memory plan fits (the same numbers)
+    assert _values(cfg, RELEASED) == want
+    # the released code recomputes every layer; ours the least the memory plan fits (the same numbers)
     assert cfg.model.gradient_checkpointing == "auto"
     with open(os.path.join(ROOT, os.path.dirname(config), "model_config.json")) as f:
         positions = json.load(f)["max_position_embeddings"]
@@ -272,7 +272,7 @@ def test_standin_keeps_the_gqa_ratio(folder, heads, kv_heads, hidden):
 def test_7b_preset_matches_the_seed():
     cfg = load_config(os.path.join(ROOT, "configs/qwen2.5-7b-instruct-1m/reinforce_pp.yaml"))
     assert _values(cfg, SEED_7B) == SEED_7B
-    assert cfg.model.gradient_checkpointing == "auto"             # the reference code's: full (the same numbers)
+    assert cfg.model.gradient_checkpointing == "auto"             # the released code's: full (the same numbers)
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from pspo.estimators import group_advantages, group_statistics, maxrl_advantages, rloo_advantages, zero_variance
+from pspo.estimators import (group_advantages, group_mean, group_statistics, maxrl_advantages, rloo_advantages,
+                             zero_variance)
 
 
 def test_group_advantages_hand_worked():
@@ -56,6 +57,17 @@ def test_groups_are_independent_and_shape_is_kept():
     adv_moved = group_advantages(moved)
     torch.testing.assert_close(adv_moved[2], adv[2], atol=1e-3, rtol=0)
     torch.testing.assert_close(adv_moved[[0, 1, 3, 4]], adv[[0, 1, 3, 4]], atol=0, rtol=0)
+
+
+def test_group_mean_hand_worked_and_exact_for_an_all_equal_group():
+    # [1, 0, 0, 1] -> 2/4 = 0.5; [0, 1, 2] would be 1, here [0.5, 1, 3] -> 4.5/3 = 1.5;
+    # eight 0.7s: the float32 mean is 0.69999993, group_mean gives the first value, float32 0.7, exactly
+    torch.testing.assert_close(group_mean(torch.tensor([[1., 0, 0, 1]])), torch.tensor([0.5]), atol=0, rtol=0)
+    torch.testing.assert_close(group_mean(torch.tensor([[0.5, 1, 3]])), torch.tensor([1.5]), atol=1e-7, rtol=0)
+    sevens = torch.tensor([[0.7] * 8])
+    assert sevens.mean(dim=1).item() != sevens[0, 0].item()            # what a plain mean gives
+    assert group_mean(sevens).item() == sevens[0, 0].item()
+    assert torch.equal(group_statistics(sevens)[0], group_mean(sevens))   # the estimators' μ is this one
 
 
 def test_all_equal_group_gets_exactly_zero_for_any_reward_value():

@@ -28,21 +28,21 @@ def step_and_context(advantage: str, rewards: torch.Tensor, is_weights: torch.Te
     scored = RewardResult(flat, {"accuracy": flat, "format": torch.zeros(4)}, {"accuracy": 0})
     train_ids, rows = [[1, 2], [3]], [0, 0, 1, 1]
     inputs = token_rows([train_ids[i] for i in rows], rollout.completion_ids, MASK, 0, CPU.device)
-    step = StepRollouts(step=0, indices=torch.tensor([0, 1]), rows=rows, seeds=torch.arange(4),
-                        rollout=rollout, scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
+    rollouts = StepRollouts(step=0, indices=torch.tensor([0, 1]), rows=rows, seeds=torch.arange(4),
+                            rollout=rollout, scored=scored, rewards=rewards, is_weights=is_weights, inputs=inputs)
     ctx = Context(cfg=cfg, policy=None, ref=None, engine=None, train_ids=train_ids, problems=["p0", "p1"],
                   dist=CPU, mine=slice(0, 2), lockstep=False, score=None, distinct_problems=2,
                   state=MethodState())
-    return cfg, step, ctx
+    return cfg, rollouts, ctx
 
 
-def step_through(method, step, ctx):
+def step_through(method, rollouts, ctx):
     """The loop's calls around a method (train.py): what it reads first, its group's statistics (or ERS's),
     the method, the update's batch. Returns the method's output and the batch."""
-    step.old_logp, step.ref_logp = score_first(method, step, ctx)
-    step.baseline = group_baseline(method, step, ctx)
-    out = method.estimate(step, ctx)
-    return out, training_batch(out, step, ctx)[0]
+    rollouts.old_logp, rollouts.ref_logp = score_first(method, rollouts, ctx)
+    rollouts.baseline = group_baseline(method, rollouts, ctx)
+    out = method.estimate(rollouts, ctx)
+    return out, training_batch(out, rollouts, ctx)[0]
 
 
 def test_grpo_hands_a_times_w_on_every_token():
@@ -50,8 +50,8 @@ def test_grpo_hands_a_times_w_on_every_token():
     # group [1, 1]: no spread -> 0. IS weights 1 and .5 per prompt: A·w = [.70700, -.70700, 0, 0],
     # broadcast over each completion's 3 columns; the loss mask is the completion mask.
     rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
-    cfg, step, ctx = step_and_context("grpo", rewards, w)
-    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    cfg, rollouts, ctx = step_and_context("grpo", rewards, w)
+    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)
     want = torch.tensor([0.70700, -0.70700, 0, 0])[:, None].expand(4, 3)
     torch.testing.assert_close(batch.advantages, want, atol=1e-5, rtol=0)
     assert torch.equal(batch.loss_mask, MASK) and batch.old_logp is None and batch.ref_logp is None
@@ -68,9 +68,9 @@ def test_grpo_hands_a_times_w_on_every_token():
 def test_dr_grpo_does_not_divide_by_the_std():
     # Dr. GRPO: A = r - μ: group [1, 0] -> ±.5
     rewards = torch.tensor([[1.0, 0], [1, 1]])
-    cfg, step, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
+    cfg, rollouts, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
     cfg.algo.scale_rewards = False
-    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)
     torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([0.5, -0.5, 0, 0]), atol=1e-6, rtol=0)
 
 
@@ -79,8 +79,8 @@ def test_reinforce_pp_whitens_tokens_then_applies_w():
     # mean 7/9 = .77778; Bessel var = (7·.22222² + 2·.77778²)/8 = .19444, std .44096:
     # A(1) = .22222/.44096 = .50395, A(0) = -.77778/.44096 = -1.76383. Prompt 1's w = .5 halves rows 2-3.
     rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
-    cfg, step, ctx = step_and_context("reinforce_pp", rewards, w)
-    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    cfg, rollouts, ctx = step_and_context("reinforce_pp", rewards, w)
+    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)
     a, b = 0.50395, -1.76383
     want = torch.tensor([[a, a, a], [b, b, 0], [a / 2, 0, 0], [a / 2, a / 2, a / 2]])
     torch.testing.assert_close(batch.advantages, want, atol=1e-4, rtol=0)
@@ -94,8 +94,8 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean():
     # var /8 = .15278, std .39087
     # A(.5) = .44444/.39087 = 1.13706, A(-.5) = -1.42134, A(0) = -.14213
     rewards = torch.tensor([[1.0, 0], [1, 1]])
-    cfg, step, ctx = step_and_context("reinforce_pp_baseline", rewards, torch.ones(2, 2))
-    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    cfg, rollouts, ctx = step_and_context("reinforce_pp_baseline", rewards, torch.ones(2, 2))
+    _, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)
     p, n, z = 1.13706, -1.42134, -0.14213
     want = torch.tensor([[p, p, p], [n, n, 0], [z, 0, 0], [z, z, z]])
     torch.testing.assert_close(batch.advantages, want, atol=1e-4, rtol=0)
@@ -126,8 +126,8 @@ def test_rloo_is_r_minus_the_mean_of_the_other_completions():
     # group [1, 0]: A = [1 - 0, 0 - 1] = [1, -1] (= G/(G-1)·(r - μ) = 2·(±.5)); group [1, 1]: [0, 0].
     # IS weights 1 and .5 per prompt: A·w = [1, -1, 0, 0], broadcast over each completion's 3 columns.
     rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
-    cfg, step, ctx = step_and_context("rloo", rewards, w)
-    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+    cfg, rollouts, ctx = step_and_context("rloo", rewards, w)
+    out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)
     torch.testing.assert_close(batch.advantages, torch.tensor([1.0, -1, 0, 0])[:, None].expand(4, 3), atol=1e-6,
                                rtol=0)
     assert torch.equal(batch.loss_mask, MASK) and batch.old_logp is None
@@ -143,9 +143,9 @@ def test_maxrl_divides_by_the_group_mean_whatever_scale_rewards():
     rewards, w = torch.tensor([[1.0, 0], [1, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
     batches = []
     for scale in (True, False):
-        cfg, step, ctx = step_and_context("maxrl", rewards, w)
+        cfg, rollouts, ctx = step_and_context("maxrl", rewards, w)
         cfg.algo.scale_rewards = scale
-        out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)
+        out, batch = step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)
         batches.append(batch.advantages)
     torch.testing.assert_close(batches[0], torch.tensor([0.99980, -0.99980, 0, 0])[:, None].expand(4, 3),
                                atol=1e-5, rtol=0)
@@ -159,12 +159,12 @@ def test_overlong_filtering_takes_truncated_completions_out_of_the_loss():
     # GRPO on [[1, 0], [1, 1]]: completion 0's reward still sets its group's μ = .5, so completion 1 keeps
     # A = -.70700; only the loss mask changes: rows 0 and 3 zeroed, 2 of 4 completions filtered.
     rewards = torch.tensor([[1.0, 0], [1, 1]])
-    cfg, step, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
+    cfg, rollouts, ctx = step_and_context("grpo", rewards, torch.ones(2, 2))
     cfg.algo.overlong_filter = True
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
-    step.old_logp, step.ref_logp = score_first(method, step, ctx)
-    step.baseline = group_baseline(method, step, ctx)
-    batch, metrics = training_batch(method.estimate(step, ctx), step, ctx)
+    rollouts.old_logp, rollouts.ref_logp = score_first(method, rollouts, ctx)
+    rollouts.baseline = group_baseline(method, rollouts, ctx)
+    batch, metrics = training_batch(method.estimate(rollouts, ctx), rollouts, ctx)
     torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([0.70700, -0.70700, 0, 0]), atol=1e-5, rtol=0)
     assert batch.loss_mask.tolist() == [[0, 0, 0], [1, 1, 0], [1, 0, 0], [0, 0, 0]]
     assert metrics["overlong_filtered_frac"] == 0.5
@@ -180,9 +180,9 @@ def test_overlong_filtering_is_the_same_step_for_every_method(advantage):
     rewards, w = torch.tensor([[1.0, 0], [0, 1]]), torch.tensor([[1.0, 1], [.5, .5]])
     batches = []
     for on in (False, True):
-        cfg, step, ctx = step_and_context(advantage, rewards, w)
+        cfg, rollouts, ctx = step_and_context(advantage, rewards, w)
         cfg.algo.overlong_filter = on
-        batches.append(step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), step, ctx)[1])
+        batches.append(step_through(method_for(cfg, ctx.train_ids, 0, CPU, False), rollouts, ctx)[1])
     plain, filtered = batches
     assert torch.equal(filtered.advantages, plain.advantages)
     assert torch.equal(filtered.loss_mask, plain.loss_mask * torch.tensor([0.0, 1, 1, 0])[:, None])
@@ -196,17 +196,17 @@ def two_ers_visits(advantage: str, scale: bool):
     p0, visit 1: m = μ = .5, v = s² = .5 (first visit: the group's own statistics).
     p0, visit 2 (μ2 = 1, s2² = 0): m = .5·1 + .5·.5 = .75; v = .5·0 + .5·.5 + .5·.5·(1 - .5)² = .3125
     (docs/methods.md §2, the mixture variance), sqrt(v) = .55902. p1: m = 1, v = 0 on both visits."""
-    cfg, step, ctx = step_and_context(advantage, torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
+    cfg, rollouts, ctx = step_and_context(advantage, torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
     cfg.ers.enabled, cfg.ers.alpha, cfg.algo.scale_rewards = True, 0.5, scale
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
     ctx.state = method.state
-    first = step_through(method, step, ctx)[1]
-    assert step.baseline.metrics["ers_visits"] == 1 and step.baseline.metrics["ers_seen_frac"] == 1.0
-    step.rewards = torch.tensor([[1.0, 1], [1, 1]])
-    second = step_through(method, step, ctx)[1]
-    assert step.baseline.metrics["ers_visits"] == 2
-    torch.testing.assert_close(step.baseline.mean, torch.tensor([0.75, 1.0]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(step.baseline.std, torch.tensor([0.55902, 0.0]), atol=1e-5, rtol=0)
+    first = step_through(method, rollouts, ctx)[1]
+    assert rollouts.baseline.metrics["ers_visits"] == 1 and rollouts.baseline.metrics["ers_seen_frac"] == 1.0
+    rollouts.rewards = torch.tensor([[1.0, 1], [1, 1]])
+    second = step_through(method, rollouts, ctx)[1]
+    assert rollouts.baseline.metrics["ers_visits"] == 2
+    torch.testing.assert_close(rollouts.baseline.mean, torch.tensor([0.75, 1.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(rollouts.baseline.std, torch.tensor([0.55902, 0.0]), atol=1e-5, rtol=0)
     return first, second
 
 
@@ -269,19 +269,19 @@ def test_pspo_with_ers_and_pps_on_at_once():
     # Visit 2, rewards p0 [1, 1]: ERS gives A = .44713 for both (test_grpo_with_ers_smooths_the_second_visit),
     #   but the raw GRPO group is all-equal: |A| = 0, so p0's priority drops to 2.5119e-4 (not .44713^.6 = .61693).
     from pspo.sampler import build_sampler
-    cfg, step, ctx = step_and_context("grpo", torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
+    cfg, rollouts, ctx = step_and_context("grpo", torch.tensor([[1.0, 0], [1, 1]]), torch.ones(2, 2))
     cfg.ers.enabled, cfg.ers.alpha = True, 0.5
     cfg.pps.enabled, cfg.pps.alpha, cfg.pps.eps = True, 0.6, 1e-6
     sampler = build_sampler(cfg, ["p0", "p1", "p2"], "test")
     method = method_for(cfg, ctx.train_ids, 0, CPU, False)
     ctx.state = method.state
-    first = step_through(method, step, ctx)[0]
-    sampler.observe(step.indices, step.rewards, step.rewards)
+    first = step_through(method, rollouts, ctx)[0]
+    sampler.observe(rollouts.indices, rollouts.rewards, rollouts.rewards)
     torch.testing.assert_close(first.advantages[:2, 0], torch.tensor([0.70700, -0.70700]), atol=1e-4, rtol=0)
     torch.testing.assert_close(sampler.priorities(), torch.tensor([0.81218, 2.5119e-4, 1.0], dtype=torch.float64),
                                atol=1e-5, rtol=1e-4)
-    step.rewards = torch.tensor([[1.0, 1], [1, 1]])
-    second = step_through(method, step, ctx)[0]
-    sampler.observe(step.indices, step.rewards, step.rewards)
+    rollouts.rewards = torch.tensor([[1.0, 1], [1, 1]])
+    second = step_through(method, rollouts, ctx)[0]
+    sampler.observe(rollouts.indices, rollouts.rewards, rollouts.rewards)
     torch.testing.assert_close(second.advantages[:2, 0], torch.tensor([0.44713, 0.44713]), atol=1e-4, rtol=0)
     assert float(sampler.priorities()[0]) == pytest.approx(2.5119e-4, rel=1e-4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pspo.priority_sampler import PrioritySampler
-from pspo.reference_sampler import ReferenceSampler
+from pspo.released_sampler import ReleasedSampler
 
 
 def rows(*means, G=4):
@@ -337,11 +337,11 @@ def test_state_round_trip_with_the_new_options(tmp_path):
         assert torch.equal(s.zero_streak, t.zero_streak)
 
 
-def test_paper_and_reference_states_refuse_each_other():
-    paper, reference = PrioritySampler(5), ReferenceSampler(5)
-    with pytest.raises(ValueError, match="trained with pps.mode=reference; resume with the same mode"):
-        paper.load_state_dict(ReferenceSampler(5).state_dict())
+def test_paper_and_released_states_refuse_each_other():
+    paper, released = PrioritySampler(5), ReleasedSampler(5)
+    with pytest.raises(ValueError, match="trained with pps.mode=released; resume with the same mode"):
+        paper.load_state_dict(ReleasedSampler(5).state_dict())
     with pytest.raises(ValueError, match="trained with pps.mode=paper; resume with the same mode"):
-        reference.load_state_dict(PrioritySampler(5).state_dict())
+        released.load_state_dict(PrioritySampler(5).state_dict())
     with pytest.raises(ValueError, match="checkpoint sampler has 4 prompts, the dataset has 5"):
-        reference.load_state_dict(ReferenceSampler(4).state_dict())
+        released.load_state_dict(ReleasedSampler(4).state_dict())

@@ -275,7 +275,7 @@ def test_sampling_with_mass_on_few_prompts_is_bounded_and_restores_the_tree():
     indices = s.sample(100)
     weights = s.weights
     assert sorted(indices.tolist()) == list(range(100))
-    assert s.draw["draws"] <= 5050
+    assert s.last_sample["draws"] <= 5050
     assert torch.equal(s.tree, before)                      # zeroed leaves got their priorities back
     assert weights.max() == 1.0 and bool((weights > 0).all())
 
@@ -314,7 +314,7 @@ def test_observe_sets_the_priority_from_the_groups_raw_grpo_advantage_hand_worke
 def test_build_sampler_hands_the_algo_sections_advantage_settings_to_pps():
     from pspo.sampler import build_sampler
     from pspo.training.config import load_config
-    for mode in ("paper", "reference"):
+    for mode in ("paper", "released"):
         cfg = load_config(None, ["--pps.enabled=true", f"--pps.mode={mode}", "--algo.scale_rewards=false",
                                  "--algo.adv_eps=0.5", "--train.prompts_per_step=2"])
         s = build_sampler(cfg, ["p0", "p1", "p2"], "test")

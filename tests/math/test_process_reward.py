@@ -8,7 +8,7 @@ import os
 import pytest
 
 from pspo.related import process_reward as pr
-from pspo.related.process_reward import (ff, geometric_mean, shaped_reward, split_lines, split_reference,
+from pspo.related.process_reward import (ff, geometric_mean, shaped_reward, split_lines, split_released,
                                          split_steps, step_pairs, weibull_weight)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,18 +32,18 @@ E2 = math.exp(2.0)                     # e^{k τ} = e^{0.5 · 4} = 7.389056
     ("[1] a [2] ", ["[1]  a ", "[2]  "]),                    # ... but a blank one is (the code: `if text`)
     ("no markers at all", []),
 ])
-def test_reference_split(text, steps):
-    assert split_reference(text) == steps
-    assert split_steps(text, "reference") == steps
+def test_released_split(text, steps):
+    assert split_released(text) == steps
+    assert split_steps(text, "released") == steps
 
 
-def test_reference_split_finds_no_steps_in_modern_chains_of_thought():
+def test_released_split_finds_no_steps_in_modern_chains_of_thought():
     # paragraphs, one step a line, "Step k:" lines: none has "1." followed by ". k. " markers
     paragraphs = "First compute 3 + 4 = 7.\nThen multiply by 2 to get 14.\nSo the answer is 14."
     step_lines = "Step 1: 3 + 4 = 7.\nStep 2: 7 * 2 = 14.\nThe answer is \\boxed{14}."
     knights = "<think></think><answer>(1) Zoey is a knight\n(2) Ethan is a knave</answer>"
     for text in (paragraphs, step_lines, knights):
-        assert split_reference(text) == []
+        assert split_released(text) == []
     assert split_lines(paragraphs) == ["First compute 3 + 4 = 7.", "Then multiply by 2 to get 14.",
                                        "So the answer is 14."]
     assert len(split_lines(step_lines)) == 3 and len(split_lines(knights)) == 2

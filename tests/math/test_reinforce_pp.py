@@ -241,12 +241,12 @@ def test_methods_score_pi_old_once_and_only_when_needed(tiny_model_path, overrid
     rows = [i for i in range(4) for _ in range(3)]
     inputs = token_rows([ids[i] for i in rows], rollout.completion_ids, rollout.mask, tokenizer.pad_token_id,
                         cpu.device)
-    step = StepRollouts(step=0, indices=torch.arange(4), rows=rows, seeds=seeds, rollout=rollout,
-                        scored=scored, rewards=rewards, is_weights=torch.ones(4, 3), inputs=inputs)
-    step.old_logp, step.ref_logp = score_first(method, step, ctx)      # the loop's calls around the method
-    step.baseline = group_baseline(method, step, ctx)
-    out = method.estimate(step, ctx)
-    batch, _ = training_batch(out, step, ctx)
+    rollouts = StepRollouts(step=0, indices=torch.arange(4), rows=rows, seeds=seeds, rollout=rollout,
+                            scored=scored, rewards=rewards, is_weights=torch.ones(4, 3), inputs=inputs)
+    rollouts.old_logp, rollouts.ref_logp = score_first(method, rollouts, ctx)      # the loop's calls around the method
+    rollouts.baseline = group_baseline(method, rollouts, ctx)
+    out = method.estimate(rollouts, ctx)
+    batch, _ = training_batch(out, rollouts, ctx)
     policy_update(policy, optimizer, scheduler, batch, cfg, cpu)
     # 12 sequences in micro-batches of 4: 3 eval-mode scoring calls per scoring pass, then 3 per iteration
     assert calls == [False] * scoring + [True] * 3 * cfg.algo.num_iterations

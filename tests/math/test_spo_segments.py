@@ -1,5 +1,5 @@
 """SPO segment credit (pspo/related/spo_segments.py): docs/related.md §B's hand-worked chain and tree cases,
-then independent loop-style references (written like the SPO reference code) on random inputs."""
+then independent loop-style references (written like SPO's released code) on random inputs."""
 import math
 import random
 from fractions import Fraction

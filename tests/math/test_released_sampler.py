@@ -1,9 +1,9 @@
-"""pps.mode=reference (docs/methods.md §3a): the released code's PERRepeatSampler, epoch-frozen draws
+"""pps.mode=released (docs/methods.md §3a): the released code's PERRepeatSampler, epoch-frozen draws
 with replacement, last-sample priorities and unnormalised per-completion weights."""
 import pytest
 import torch
 
-from pspo.reference_sampler import ReferenceSampler
+from pspo.released_sampler import ReleasedSampler
 
 
 class RefSumTree:
@@ -62,7 +62,7 @@ def test_weights_and_priorities_hand_worked():
     #   row 1 <- 1e-6:      Σ = 3.000002, P = 3.33333e-7, w = (6.66666e-7 + 1e-8)^-.5  = 1215.66  (not normalised)
     #   row 1 <- 1 + 1e-6:  Σ = 4.000002, P = .25,        w = .5^-.5                   = 1.41421
     # priorities after: [3, 1] (+1e-6): the last completion's value stays (row 0's 1 was overwritten)
-    s = ReferenceSampler(2, alpha=1.0, beta=0.5)
+    s = ReleasedSampler(2, alpha=1.0, beta=0.5)
     assert s.priorities().tolist() == [1.0, 1.0]
     w = s.set_priorities(torch.tensor([0, 1]), torch.tensor([[1.0, 3.0], [0.0, 1.0]]))
     assert w.shape == (2, 2) and w.dtype == torch.float32
@@ -70,14 +70,14 @@ def test_weights_and_priorities_hand_worked():
     torch.testing.assert_close(s.priorities(), torch.tensor([3.000001, 1.000001], dtype=torch.float64))
     torch.testing.assert_close(s.probabilities(), torch.tensor([.75, .25], dtype=torch.float64), rtol=1e-6, atol=0)
     # α = .6 shapes the written value: (0 + 1e-6)^.6 = 2.5119e-4
-    t = ReferenceSampler(2, alpha=0.6, beta=0.4)
+    t = ReleasedSampler(2, alpha=0.6, beta=0.4)
     t.set_priorities(torch.tensor([1]), torch.zeros(1, 3))
     assert t.priorities()[1].item() == pytest.approx(1e-6 ** 0.6, rel=1e-12)
     # from the scores: rewards [1, 0] give the raw GRPO |A| = .5 / (.70711 + 1e-4) = .70700 per completion,
     # so the last write is (.70700 + 1e-6)^.6 = .81218 (adv_eps .5: |A| = .5 / 1.20711 = .41421, .58930);
     # Dr. GRPO's |A| = .5 gives .5^.6 = .65975
     for scale, adv_eps, expected in ((True, 1e-4, 0.81218), (True, 0.5, 0.58930), (False, 0.5, 0.65975)):
-        r = ReferenceSampler(2, alpha=0.6, beta=0.4, scale_rewards=scale, adv_eps=adv_eps)
+        r = ReleasedSampler(2, alpha=0.6, beta=0.4, scale_rewards=scale, adv_eps=adv_eps)
         r.observe(torch.tensor([0]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]))
         assert r.priorities()[0].item() == pytest.approx(expected, rel=1e-4)
 
@@ -90,7 +90,7 @@ def test_update_matches_an_independent_reimplementation_of_the_released_code():
     problems = [f"problem {i}" for i in range(N)]
     problems[13] = problems[4]
     leaf_of = torch.tensor([problems.index(p) for p in problems])
-    ours = ReferenceSampler(N, leaf_of=leaf_of)
+    ours = ReleasedSampler(N, leaf_of=leaf_of)
     ref = RefPER(problems, alpha=0.6, beta=0.4)
     g = torch.Generator().manual_seed(0)
     batches = [[3, 7, 3, 13, 0, 19], [4, 13, 11, 11, 2, 5], [8, 8, 8, 1, 4, 6]]
@@ -113,7 +113,7 @@ def test_update_matches_an_independent_reimplementation_of_the_released_code():
 def test_epochs_draw_n_rows_serve_b_and_drop_the_tail():
     # N=5, B=2: an epoch draws 5 rows with replacement and serves rows [0:2], [2:4]; the 5th is
     # dropped and the third step starts a new epoch.
-    s = ReferenceSampler(5, seed=0)
+    s = ReleasedSampler(5, seed=0)
     i1 = s.sample(2)
     order = s.order.clone()
     assert len(order) == 5 and torch.equal(i1, order[:2])
@@ -123,7 +123,7 @@ def test_epochs_draw_n_rows_serve_b_and_drop_the_tail():
     i3 = s.sample(2)
     assert s.batch_stats()["epoch"] == 1 and s.position == 2 and len(s.order) == 5
     assert torch.equal(i3, s.order[:2])
-    # the epoch's draws are the reference code's multinomial over the priorities (all 1 here: uniform)
+    # the epoch's draws are the released code's multinomial over the priorities (all 1 here: uniform)
     g = torch.Generator().manual_seed(0)
     assert torch.equal(order, torch.multinomial(torch.ones(5, dtype=torch.float64), 5, replacement=True, generator=g))
     with pytest.raises(ValueError, match="6 prompts per step asked of 5"):
@@ -135,7 +135,7 @@ def test_priority_updates_change_only_the_next_epoch():
     # (|A| = 1 there, 0 elsewhere: α=1 -> 1 against 1e-6). Step 2 still serves the frozen epoch, the
     # same rows as `b`'s; step 3 starts a new epoch from the new priorities: row 4 only
     # (P(all 5 draws = 4) = (1/(1 + 4e-6))^5 > .9999).
-    a, b = ReferenceSampler(5, alpha=1.0, seed=0), ReferenceSampler(5, alpha=1.0, seed=0)
+    a, b = ReleasedSampler(5, alpha=1.0, seed=0), ReleasedSampler(5, alpha=1.0, seed=0)
     assert torch.equal(a.sample(2), b.sample(2))
     a.set_priorities(torch.arange(5), torch.tensor([[0.0, 0.0]] * 4 + [[1.0, 1.0]]))
     a2, b2 = a.sample(2), b.sample(2)
@@ -149,7 +149,7 @@ def test_epoch_draws_follow_the_priorities_with_replacement_chi_square():
     # α=1, priorities 1, 2, 3, 4 (|A| = k - 1e-6), B = N = 4: every sample is a fresh epoch of 4
     # draws with replacement, P = k/10. 5,000 epochs = 20,000 draws; chi-square 3 dof < 16.27.
     # With replacement, a batch holds a repeated row with probability 1 - 4!·Πp = 1 - 24·.0024 = .9424.
-    s = ReferenceSampler(4, alpha=1.0, seed=0)
+    s = ReleasedSampler(4, alpha=1.0, seed=0)
     s.set_priorities(torch.arange(4), torch.tensor([[1.0], [2.0], [3.0], [4.0]]) - 1e-6)
     torch.testing.assert_close(s.probabilities(), torch.tensor([.1, .2, .3, .4], dtype=torch.float64))
     n = 5_000
@@ -166,7 +166,7 @@ def test_epoch_draws_follow_the_priorities_with_replacement_chi_square():
 
 def test_batch_stats_repeat_fraction_hand_worked():
     # an epoch whose draws are [2, 2, 0, 2] (N = B = 4): 2 distinct of 4 -> repeat_frac 1 - 2/4 = .5
-    s = ReferenceSampler(4)
+    s = ReleasedSampler(4)
     s.order, s.position = torch.tensor([2, 2, 0, 2]), 0
     assert s.sample(4).tolist() == [2, 2, 0, 2]
     assert s.batch_stats() == {"epoch": 0.0, "repeat_frac": 0.5}
@@ -175,11 +175,11 @@ def test_batch_stats_repeat_fraction_hand_worked():
 def test_state_round_trip_mid_epoch(tmp_path):
     # Saved mid-epoch (N=5, B=2: after step 1, position 2): a sampler built with another seed and
     # loaded serves the same rest of the epoch, the same next epochs (RNG), the same weights.
-    s = ReferenceSampler(5, seed=3)
+    s = ReleasedSampler(5, seed=3)
     i = s.sample(2)
     s.set_priorities(i, torch.tensor([[0.5, 0.0], [1.5, 2.0]]))
     torch.save(s.state_dict(), tmp_path / "ref.pt")
-    t = ReferenceSampler(5, seed=99)
+    t = ReleasedSampler(5, seed=99)
     t.load_state_dict(torch.load(tmp_path / "ref.pt", weights_only=True))
     assert t.position == 2 and t.epoch == 0 and torch.equal(t.order, s.order)
     g = torch.Generator().manual_seed(1)
