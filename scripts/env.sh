@@ -33,12 +33,14 @@ if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$want" ]; then
 fi
 if [ -n "$vllm_pkg" ] && [ "$(cat "$venv/.vllm" 2>/dev/null)" != "$vllm_pkg" ]; then
   if [ "${PSPO_PREBUILD_TINY:-0}" = "1" ]; then
-    # The tiny demo model takes about a minute to build once (pspo/offline/tiny.py): build it now, while
-    # vLLM downloads (one thread: pip unpacks on the other core); whoever needs it before it is
-    # done waits on its lock instead of building it again.
-    echo "building the tiny demo model in the background (log: .venv/prebuild.log)"
+    # The tiny demo model and the K&K presets' quick base take about a minute each to build once
+    # (pspo/offline/tiny.py, tiny_knights.py): build them now, one after the other, while vLLM downloads
+    # (one thread: pip unpacks on the other core); whoever needs one before it is done waits on its
+    # lock instead of building it again.
+    echo "building the tiny demo model and the K&K quick base in the background (log: .venv/prebuild.log)"
     (cd "$root" && OMP_NUM_THREADS=1 "$venv/bin/python" -u -c \
-      "from pspo.offline.tiny import ensure_tiny_model as b; b()" > "$venv/prebuild.log" 2>&1 &)
+      "from pspo.offline.builtin import resolve_model_path as b; b('builtin:tiny'); b('builtin:tiny-knights-quick')" \
+      > "$venv/prebuild.log" 2>&1 &)
   fi
   echo "installing $vllm_pkg (about a minute, ~3.5 GB)"
   pip_install "$vllm_pkg"

@@ -3,7 +3,7 @@ after an hour in the queue.
 
 Each `configs/**/*.yaml` (globbed: a new preset is covered without editing this file) runs as
 `python train.py --config X` would (train.main in this process: conftest's run_main, the hub
-offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do replaced:
+offline) for one step plus the final eval, with only what a 2-core CPU cannot do replaced:
 - the model: the arithmetic presets' tiny model stays (conftest's cached copy); the K&K presets'
   `builtin:tiny-knights-quick` (or `builtin:tiny-knights`, the study's) becomes the builds' untrained
   twin (pspo/offline/tiny_knights.py: the same tokenizer, so the same prompt lengths against
@@ -15,10 +15,11 @@ offline) for 2 steps plus the final eval, with only what a 2-core CPU cannot do 
 - the data: a hub dataset becomes its local real-format sample in data/samples/;
 - the process reward model: a PRM folder or hub id (reward.prm != 0) becomes builtin:tiny-prm (built in
   seconds, pspo/offline/tiny_prm.py);
-- the size: 2 steps of at most 2 prompts each (the arithmetic presets' 64 prompts x 8 completions made the
-  update most of a rehearsal's time), 8 new tokens for a model with random weights (a GPU recipe's
-  stand-in, the K&K twin; SPO-tree's segments 2 tokens each, its trees b0-2-2; DAPO's L_cache its share
-  of them), the first 4 eval problems (7 puzzles, one of each size, when the eval set is builtin:knights);
+- the size: one step (what carries from step to step, ERS, PPS, the resume, has end-to-end tests of its own) of at
+  most 2 prompts (the arithmetic presets' 64 prompts x 8 completions made the update most of a rehearsal's
+  time), 8 new tokens for a model with random weights (a GPU recipe's stand-in, the K&K twin; SPO-tree's
+  segments 2 tokens each, its trees b0-2-2; DAPO's L_cache its share of them), the first 4 eval problems
+  (7 puzzles, one of each size, when the eval set is builtin:knights);
 - the hf engine, no progress bar, the output under tmp_path.
 Everything else is the config's own: bf16 autocast, gradient checkpointing, rewards, ERS/PPS,
 optimizer, system prompt, max_prompt_tokens. The resolved config the run saved is compared with
@@ -46,7 +47,7 @@ SAMPLES = {                                  # hub dataset -> local copy in the 
     "knoveleng/open-rs": "data/samples/open-rs.jsonl",
     "HuggingFaceH4/MATH-500": "data/samples/math500.jsonl",
 }
-STEPS = 2
+STEPS = 1
 # The GPU recipes' stand-ins keep every limit of the real config.json but its vocabulary, cut to 1024 ids (above the
 # stand-in tokenizer's 405): the real 151936 (152064 untied, the 7B's) made the head, the sampler's noise over it,
 # AdamW's step and the checkpoint most of a rehearsal's time (~5x), and a recipe's settings do not depend on it. The
@@ -168,7 +169,7 @@ def rehearse(run, config: str, out: str, tiny_model_path: str, knights_path: str
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     train_steps = [r["step"] for r in rows if "reward_mean" in r]
-    assert train_steps == [1, 2]
+    assert train_steps == list(range(1, STEPS + 1))
     final = next(r for r in rows if r["step"] == STEPS and "reward_mean" in r)
     assert 0.0 <= final["eval_accuracy"] <= 1.0
     assert math.isfinite(final["loss"]) and math.isfinite(final["grad_norm"])
@@ -187,7 +188,7 @@ def test_knights_preset_on_the_base_it_names(tmp_path, run):
     # as train.py would; tests/components/test_tiny_knights.py checks it), its own 80 new tokens, 2 steps of 2 puzzles
     resolve_model_path(TINY_KNIGHTS_QUICK)
     out = tmp_path / "run"
-    over = {"train.max_steps": str(STEPS), "train.progress": "false", "rollout.engine": "hf",
+    over = {"train.max_steps": "2", "train.progress": "false", "rollout.engine": "hf",
             "train.output_dir": str(out), "train.prompts_per_step": "2", "data.max_eval_examples": "7"}
     run("train", "configs/knights/grpo.yaml", over)                # an error raises: the test fails with it
     with open(out / "config.yaml") as f:
