@@ -1,14 +1,15 @@
 """Cost of PPS bookkeeping per step: sample(B) and the priority update of observe(B) at N prompts
 (docs/methods.md §3).
 
-    python bench/priority_sampler.py            # prints two tables; CPU timings, median of 200 calls
+    python bench/priority_sampler.py            # prints four tables; CPU timings, median of 200 calls
 
 Table 1: B = 64 and 256 at N = 10^3..10^6 with priorities touched by a few updates. Table 2: the
 skewed cases that once made sampling slow (most of the mass on fewer than B prompts): half of N
 at the floor priority, and geometric priorities p_q = 0.5^q. It also prints how many raw draws
 and rounds a sample took. Table 3: the §3b options and §3a's released mode at N = 10^6, B = 256:
 sample + update per step (the released mode's per-epoch draw of N rows is amortised over the
-N/B steps of an epoch and shown apart).
+N/B steps of an epoch and shown apart). Table 4: set_priorities' count of a batch's repeated prompts
+(draws with replacement) at B up to 65,536, against the (B, B) comparison it replaced.
 """
 import os
 import statistics
@@ -18,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pspo.priority_sampler import PrioritySampler  # noqa: E402
+from pspo.priority_sampler import PrioritySampler, occurrence  # noqa: E402
 from pspo.released_sampler import ReleasedSampler  # noqa: E402
 
 
@@ -95,6 +96,20 @@ def main() -> None:
     epoch = median_ms(lambda: ReleasedSampler(n, seed=0).sample(batch), repeats=5)
     print(f"{'released (pps.mode), per step':>42} {step:>19.3f}")
     print(f"{'released: one epoch draw of N rows':>42} {epoch:>19.3f}")
+    print()
+    # Table 4: a batch drawn with replacement counts each row's earlier rows of the same prompt (occurrence):
+    # sorted runs, O(B log B) time and O(B) memory, against the (B, B) comparison it replaced
+    print(f"{'B (with replacement)':>20} {'occurrence ms':>14} {'(B, B) comparison ms':>21} {'its matrix GiB':>15}")
+    for batch in (1024, 16_384, 65_536):
+        indices = torch.randint(0, batch // 2, (batch,), generator=torch.Generator().manual_seed(3))
+        fast = median_ms(lambda: occurrence(indices), repeats=20)
+        matrix_gib = batch * batch * 8 / 2**30          # the int64 cumulative count of a (B, B) equality matrix
+        if batch <= 16_384:
+            square = median_ms(lambda: (indices[:, None] == indices[None, :]).tril(-1).sum(1), repeats=3)
+            shown = f"{square:.1f}"
+        else:
+            shown = "not run"
+        print(f"{batch:>20} {fast:>14.1f} {shown:>21} {matrix_gib:>15.1f}")
 
 
 if __name__ == "__main__":
