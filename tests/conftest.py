@@ -164,7 +164,8 @@ def _run_main(script: str, *argv: str) -> Ran:
     import torch
     import torch.distributed as dist
     from torch.utils.tensorboard import SummaryWriter
-    main = importlib.import_module(script).main      # import first: what importing sets, stays set
+    module = importlib.import_module(script)         # import first: what importing sets, stays set
+    main, resolve_workers = module.main, module.resolve_workers
     cwd, argv0, environ = os.getcwd(), list(sys.argv), dict(os.environ)
     handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
     rng, py_rng = torch.get_rng_state(), random.getstate()
@@ -179,6 +180,10 @@ def _run_main(script: str, *argv: str) -> Ran:
 
     out, err, error, result = io.StringIO(), io.StringIO(), None, None
     SummaryWriter.__init__ = tracked_init
+    # reward.workers -1 (auto) counts the cores this process may run on less its threads: 1 here, but the other
+    # pytest-xdist worker holds the second core, so auto scores in the trainer (0 workers) as on a 1-core machine.
+    # Starting a worker process took about half of a preset rehearsal; tests of the pool set reward.workers.
+    module.resolve_workers = lambda workers, threads: 0 if workers == -1 else resolve_workers(workers, threads)
     os.chdir(ROOT)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -187,6 +192,7 @@ def _run_main(script: str, *argv: str) -> Ran:
         error = e
         _clear_frames(e)
     SummaryWriter.__init__ = writer_init
+    module.resolve_workers = resolve_workers
     for writer in writers:
         writer.close()                               # idempotent: a finished run closed its own
     os.chdir(cwd)
