@@ -237,3 +237,20 @@ def test_base_rate_is_the_first_steps_accuracy_over_the_train_set(tmp_path, tiny
     assert [r["step"] for r in rows] == [1] and len(draws[0]["rows"]) == 24
     assert float(printed) == pytest.approx(statistics.fmean(draws[0]["accuracy"]), abs=1e-3)
     assert float(printed) == pytest.approx(rows[0]["accuracy"], abs=1e-3)
+
+
+def test_the_gpu_protocol_command_in_docs_loads_every_method_in_both_recipes():
+    # docs/gpu.md's one command for the GPU protocol: each of its methods (the random-reward control at a rate
+    # the command measures, 0.2 here) loads in each recipe folder it loops over, with the bench's overrides
+    import re
+    text = open(os.path.join(ROOT, "docs", "gpu.md")).read()
+    block = text[text.index("for recipe in "):]
+    block = block[:block.index("done")]
+    recipes = re.search(r"for recipe in ([^;]+);", block).group(1).split()
+    control = re.search(r"control=(\S+)", block).group(1).replace("$rate", "0.2")
+    methods = re.search(r"--methods (\S+)", block).group(1).replace("$control", control)
+    assert recipes == ["qwen2.5-math-1.5b", "llama-3.2-1b-instruct"] and "reward.kind=random" in methods
+    for recipe in recipes:
+        args = selection.parse_args(["--folder", f"configs/{recipe}", "--methods", methods, "--train-sizes", "0,64",
+                                     "--engine", "auto", "--budget", "4e6"])
+        assert len(args.methods) == 5                 # parse_args loaded each (check_methods): a refusal exits 2
