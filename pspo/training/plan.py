@@ -410,8 +410,9 @@ def decode_bytes(a: Arch, rows: int, width: int, new_tokens: int, bf16: bool, lo
     - the prefill, in the top layer's MLP: per input token four float32 (H,) hidden states (the embeddings,
       the layer's input, the residual after attention, the normalized input: 16H), RoPE's cos and sin in
       float32 (8 x head_dim), the MLP's activation, up projection and their product (3 x I, in bf16 under
-      model.bf16, else float32; under LoRA a fourth, the adapter's output before it is added in), the prefill mask's row (W bools) and the int64 copies of the ids, the
-      mask and the positions (5 x 8); and once its causal and diagonal (W, W) masks (2 W^2 bools);
+      model.bf16, else float32; under LoRA a fourth, the adapter's output before it is added in), the prefill
+      mask's row (W bools) and the int64 copies of the ids, the mask and the positions (5 x 8); and once its
+      causal and diagonal (W, W) masks (2 W^2 bools);
     - a decoding step: the sampler's SAMPLER_BLOCKS float32 (vocab,) blocks per row and the vocabulary's
       hash keys (8 B x vocab);
     - kept for the call: per row its new tokens (int64) and their log-probs (float32), 12 B each, and its
