@@ -100,8 +100,8 @@ def gspo_token(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 
 
 def cispo(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, t: Trust) -> tuple[Tensor, Tensor]:
-    """CISPO: -sg(clip(ρ, 1-ε_low, 1+ε_high))·Â·logπ_θ: the weight is clipped and detached, never the term, so no
-    token's gradient is dropped; the diagnostic: the tokens whose weight the clip changed."""
+    """CISPO: -sg(clip(ρ, 1-ε_low, 1+ε_high))·Â·logπ_θ: the weight is clipped and detached, never the term, so
+    no token's gradient is dropped; the diagnostic: the tokens whose weight the clip changed."""
     ratio = torch.exp(logp - old_logp).detach()                                     # (N, T) ρ
     weight = torch.clamp(ratio, 1 - t.eps_low, 1 + t.eps_high)                      # (N, T) sg(clip(ρ))
     return -weight * _per_token(advantages) * logp, weight != ratio

@@ -432,3 +432,18 @@ def pytest_collection_modifyitems(config, items):
             for name in SHARED_RUNS:
                 if name in getattr(item, "fixturenames", ()):
                     item.add_marker(pytest.mark.xdist_group(name))
+
+
+class LinearLogprobs:
+    """A stand-in policy for the Single-stream PO tracker's tests: log π of a completion token t is -scale·t, so a
+    change of scale by δ moves a completion's log-probs by δ·t per token (the drift D = δ · its mean token id).
+    Called as the policy is by score_logprobs: (input_ids, attention_mask, width, temperature, ...) ->
+    (log-probs (N, width), entropies)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, input_ids, attention_mask, width, temperature, packed_width=None, packed=None):
+        import torch
+        logp = -self.scale * input_ids[:, -width:].float()
+        return logp, torch.zeros_like(logp)

@@ -647,8 +647,8 @@ def test_gpu_recipes_use_the_largest_token_budget_auto_keeps(config, gpus, gib, 
     assert plan.largest_token_budget(full, a, gpus=gpus, gpu_bytes=gpu, engine="vllm") > budget
     if gpus == 1:
         # each 1.5B recipe sets its own: those with no reference model (β = 0: Dr. GRPO, DAPO, ...) are selective up
-        # to 9216 (without checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy, gradient,
-        # AdamW state or reference) needs no checkpointing up to 11264; the PSPO* recipe also holds a
+        # to 9216 (without checkpointing one sequence needs 79.5 GiB); LoRA's frozen bf16 base (no master copy,
+        # gradient, AdamW state or reference) needs no checkpointing up to 11264; the PSPO* recipe also holds a
         # BERT-base-sized PRM (110M parameters, hidden 768, MLP 3072): selective at 5120 still fits (78.2)
         bert = plan.PRMArch(110_000_000, 768, 3072)
         for name in sorted(os.listdir(QWEN)):

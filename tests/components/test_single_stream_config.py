@@ -28,8 +28,8 @@ def test_the_presets_load_with_a_group_of_one():
      "rollout.dynamic_sampling: expected false with algo.advantage=single_stream"),
     ("single_stream", ["--algo.scale_rewards=false"], "algo.scale_rewards: expected true with "
      "algo.advantage=single_stream"),
-    ("single_stream", ["--pps.priority=mean_abs"], "pps.priority: expected learnability | thompson | single_stream with "
-     "rollout.num_generations=1 (the |A| of a group of one is 0), got 'mean_abs'"),
+    ("single_stream", ["--pps.priority=mean_abs"], "pps.priority: expected learnability | thompson | single_stream "
+     "with rollout.num_generations=1 (the |A| of a group of one is 0), got 'mean_abs'"),
     ("single_stream", ["--pps.mode=released"], "pps.mode: expected paper with rollout.num_generations=1"),
     ("single_stream", ["--pps.skip=true", "--pps.replacement=false"], "pps.skip: expected false with "
      "rollout.num_generations=1"),

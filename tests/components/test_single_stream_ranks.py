@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from conftest import LinearLogprobs
 from pspo.related.single_stream import ValueTracker
 from pspo.training.checkpoint import state_digest
 from pspo.training.config import load_config
@@ -20,16 +21,6 @@ STEPS = [([0, 1, 2, 3], [1.0, 0, 1, 1], 0.1), ([0, 1, 4, 5], [0.0, 1, 1, 0], 0.1
          ([2, 4, 0, 3], [1.0, 1, 0, 0], 0.13)]
 
 
-class LinearLogprobs(torch.nn.Module):
-    """A stand-in policy: log π of a completion token t is -scale·t."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, input_ids, attention_mask, width, temperature, packed_width=None, packed=None):
-        logp = -self.scale * input_ids[:, -width:].float()
-        return logp, torch.zeros_like(logp)
 
 
 def run_steps(rank: int, world: int) -> dict:

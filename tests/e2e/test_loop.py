@@ -248,7 +248,8 @@ for ((node = 0; node < SLURM_NNODES; node++)); do echo 127.0.0.1; done
 
 def marked(token: str) -> list[int]:
     """The live processes whose environment holds PSPO_TEST_RUN=token: a command's whole tree, wherever its
-    processes went (torchrun starts each rank in a session of its own; an orphan is re-parented)."""
+    processes went (torchrun starts each rank under setsid, in a process group of its own; an orphan is
+    re-parented)."""
     pids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:

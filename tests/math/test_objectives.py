@@ -203,7 +203,8 @@ def test_every_objective_is_independent_of_the_split(objective, aggregation):
 def test_on_policy_every_objective_has_the_clipped_surrogates_gradient(objective):
     # with one iteration π_old is the current policy detached: ρ = s = 1, inside every clip, and SAPO's gate is
     # 4·.5·.5 = 1, so each objective's gradient is -Â·∇logπ per token weighted as the aggregation says, PPO's
-    # (GSPO: -Â·∇s_i = -Â·(1/|o_i|)Σ_t ∇logπ_t on the sequence's term; grpo: the 1/|o_i| of each token's weight)
+    # (GSPO: -Â·∇s_i = -Â·(1/|o_i|)Σ_t ∇logπ_t on the sequence's term; grpo: the 1/|o_i| of each token's
+    # weight)
     for aggregation in AGGREGATIONS:
         want_h, want_w, _ = _grads("ppo_clip", aggregation, ONE_CALL, on_policy=True)
         got_h, got_w, sums = _grads(objective, aggregation, ONE_CALL, on_policy=True)

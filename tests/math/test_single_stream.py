@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from torch import nn
+from conftest import LinearLogprobs
 
 from pspo.estimators import single_stream_advantages
 from pspo.methods import Context, MethodState, StepRollouts, method_for, score_first, training_batch
@@ -76,17 +76,6 @@ def test_drift_hand_worked():
     torch.testing.assert_close(drift(then, now, mask), torch.tensor([0.1, 0.0], dtype=torch.float64), atol=1e-6, rtol=0)
 
 
-class LinearLogprobs(nn.Module):
-    """A stand-in policy: log π of a completion token t is -scale·t, so a change of scale by δ moves a
-    completion's log-probs by δ·t per token (the drift D = δ · its mean token id)."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, input_ids, attention_mask, width, temperature, packed_width=None, packed=None):
-        logp = -self.scale * input_ids[:, -width:].float()
-        return logp, torch.zeros_like(logp)
 
 
 # 3 prompts x G = 1: completions [2, 2, 2], [6], [3, 3] (mean token ids 2, 6, 3)
